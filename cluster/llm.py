@@ -1,0 +1,184 @@
+"""The offline Python API: `LLM(model).generate(prompts, params)` and `LLM.chat(messages, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+
+from transformers import AutoTokenizer
+
+from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
+from cluster.engine import EngineCore
+from cluster.executor import InProcessExecutor, locate_model, worker_config
+from cluster.model_info import read_model_info
+from cluster.outputs import CompletionOutput, RequestOutput
+from cluster.request import Request, RequestStatus
+from cluster.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """A model replica in this process (tensor-parallel size 1) behind a batch-generation API."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        load_format: str = "auto",
+        seed: int = 0,
+        block_size: int = 16,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        num_gpu_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.config = EngineConfig(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            device=device,
+            load_format=load_format,
+            seed=seed,
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                gpu_memory_utilization=gpu_memory_utilization,
+                num_gpu_blocks=num_gpu_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+        )
+        self.model_dir = locate_model(self.config)
+        info = read_model_info(self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or self.model_dir))
+        limit = min(max_model_len or info.max_position_embeddings, info.max_position_embeddings)
+        eos = info.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        executor = InProcessExecutor(worker_config(self.config, self.model_dir))
+        self.engine = EngineCore(self.config, executor, limit, info.vocab_size, eos)
+        self._ids = itertools.count()
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched together; outputs come back in prompt order."""
+        prompts = _as_prompt_list(prompts)
+        params_list = _as_params_list(params, len(prompts))
+        outputs: list[RequestOutput] = []
+        children: dict[str, tuple[RequestOutput, int, SamplingParams]] = {}
+        try:
+            for prompt, sp in zip(prompts, params_list, strict=True):
+                token_ids = self._encode(prompt)
+                output = RequestOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, token_ids)
+                outputs.append(output)
+                for index in range(sp.n):
+                    # Each of the n sequences is its own request; they share the prompt's cached blocks.
+                    child_params = sp if sp.seed is None or index == 0 else replace(sp, seed=sp.seed + index)
+                    child_id = f"{output.request_id}-{index}" if sp.n > 1 else output.request_id
+                    self.engine.add_request(child_id, token_ids, child_params)
+                    children[child_id] = (output, index, sp)
+                    output.outputs.append(CompletionOutput(index, "", [], None))
+            self._run(children)
+        except BaseException:
+            for child_id in children:
+                self.engine.abort(child_id)
+            raise
+        return outputs
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            list(
+                self.tokenizer.apply_chat_template(
+                    list(c), add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+            for c in conversations
+        ]
+        return self.generate(prompts, params)
+
+    @property
+    def stats(self):
+        return self.engine.scheduler.stats
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        return list(prompt)
+
+    def _run(self, children: dict[str, tuple[RequestOutput, int, SamplingParams]]) -> None:
+        remaining = set(children)
+        while remaining:
+            for request in self.engine.step():
+                entry = children.get(request.request_id)
+                if entry is None:
+                    continue
+                output, index, sp = entry
+                completion = output.outputs[index]
+                if sp.stop and not request.finished and self._hits_stop_string(request, sp):
+                    self.engine.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+                if request.finished:
+                    self._fill(completion, request, sp)
+                    output.num_cached_tokens = max(output.num_cached_tokens, request.num_cached_tokens)
+                    remaining.discard(request.request_id)
+
+    def _hits_stop_string(self, request: Request, sp: SamplingParams) -> bool:
+        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=sp.skip_special_tokens)
+        return any(stop in text for stop in sp.stop)
+
+    def _fill(self, completion: CompletionOutput, request: Request, sp: SamplingParams) -> None:
+        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=sp.skip_special_tokens)
+        for stop in sp.stop:
+            cut = text.find(stop)
+            if cut >= 0:
+                text = text[: cut + (len(stop) if sp.include_stop_str_in_output else 0)]
+        completion.text = text
+        completion.token_ids = list(request.output_token_ids)
+        completion.finish_reason = request.status.value
+        if sp.logprobs is not None:
+            completion.logprobs = [
+                {token: lp, **top}
+                for token, lp, top in zip(request.output_token_ids, request.logprobs, request.top_logprobs, strict=True)
+            ]
+            completion.cumulative_logprob = sum(request.logprobs)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"params must be one SamplingParams or one per prompt ({count}), got {len(params)}")
+    return params

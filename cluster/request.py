@@ -1,0 +1,77 @@
+"""A request as the head sees it: tokens so far, how many are in the KV cache, and why it stopped."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from cluster.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    # A streaming-input session whose chunk so far is computed; its blocks stay allocated.
+    AWAITING_INPUT = "awaiting_input"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Request:
+    """One sequence. `num_computed_tokens` catches up with `len(all_token_ids)` step by step:
+    that one mechanism covers prefill, chunked prefill, decode, prefix hits and recomputation.
+    """
+
+    request_id: str
+    handle: int
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    stop_token_ids: frozenset[int]
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Open streaming-input session: more prompt chunks may follow.
+    input_open: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit on the latest admission
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def append_input(self, token_ids: list[int]) -> None:
+        self.prompt_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)

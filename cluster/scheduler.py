@@ -1,0 +1,301 @@
+"""Token-budget scheduler: each step, running requests first, then waiting ones; preempt when memory runs out."""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from cluster.block_table import BlockTable
+from cluster.config import SchedulerConfig
+from cluster.request import Request, RequestStatus
+
+
+class PauseMode(enum.Enum):
+    NONE = "none"
+    NEW = "new"  # hold waiting requests, keep running ones going
+    ALL = "all"  # schedule nothing
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: `num_tokens` new tokens starting at `num_computed_tokens`."""
+
+    request: Request
+    num_tokens: int
+    new_block_ids: list[int]
+    # Admitted this step from the waiting queue (new, or back after preemption).
+    admitted: bool = False
+    # A streaming-input chunk (not the final one): compute the KV, sample nothing.
+    skip_sampling: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    """What the scheduler decided for one step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished_handles: list[int] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled and not self.finished_handles and not self.preempted
+
+
+@dataclass
+class SchedulerStats:
+    """Counters the tests and the benchmark read."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_mixed_steps: int = 0  # steps with a partial prefill chunk next to decodes
+    peak_live_tokens: int = 0
+    peak_used_slots: int = 0
+    peak_utilisation: float = 0.0
+
+
+class Scheduler:
+    """Decides, every step, which requests run and how many tokens each computes."""
+
+    def __init__(self, config: SchedulerConfig, block_table: BlockTable, max_model_len: int) -> None:
+        self.config = config
+        self.block_table = block_table
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.pause_mode = PauseMode.NONE
+        self.stats = SchedulerStats()
+        # Handles the workers must forget, sent with the next step.
+        self._finished_handles: list[int] = []
+
+    # -- interface -----------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request, refusing one that could never fit."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} already exists")
+        self._check_fits(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def append_input(self, request_id: str, token_ids: list[int], final: bool) -> Request:
+        """Next chunk of a streaming-input session; its KV cache stayed allocated in between."""
+        request = self.requests.get(request_id)
+        if request is None or not request.input_open:
+            raise ValueError(f"request_id {request_id!r} is not an open streaming-input session")
+        request.append_input(token_ids)
+        request.input_open = not final
+        self._check_fits(request)
+        if request.status is RequestStatus.AWAITING_INPUT:
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
+        return request
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a request wherever it is and free its blocks."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def pause(self, mode: PauseMode) -> None:
+        self.pause_mode = mode
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Spend this step's token budget: running requests first, then waiting ones."""
+        out = SchedulerOutput(finished_handles=self._finished_handles)
+        self._finished_handles = []
+        if self.pause_mode is PauseMode.ALL:
+            return out
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted and self.pause_mode is PauseMode.NONE:
+            budget = self._schedule_waiting(out, budget)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        self._record_stats(out)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new, out)
+            if new_blocks is None:
+                break  # the request itself was preempted: it was the last running one
+            out.scheduled.append(
+                ScheduledRequest(request, num_new, new_blocks, skip_sampling=self._skips(request, num_new))
+            )
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> list[int] | None:
+        num_tokens = request.num_computed_tokens + num_new
+        while True:
+            new_blocks = self.block_table.allocate_slots(request.request_id, request.all_token_ids, num_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            # Out of blocks: preempt the most recently admitted running request and retry.
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return None
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached: list[int] = []
+            # A returning streaming-input session still owns its blocks; everything else starts empty.
+            admitted = not self.block_table.has_request(request.request_id)
+            if admitted:
+                cached = self.block_table.find_cached_prefix(request.all_token_ids)
+                request.num_computed_tokens = len(cached) * self.block_table.block_size
+            num_new = request.num_tokens - request.num_computed_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            new_blocks = self.block_table.allocate_slots(
+                request.request_id, request.all_token_ids, request.num_computed_tokens + num_new, cached
+            )
+            if new_blocks is None:
+                if cached:
+                    request.num_computed_tokens = 0
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            if cached:
+                request.num_cached_tokens = request.num_computed_tokens
+                self.stats.num_prefix_hit_tokens += request.num_computed_tokens
+            # A new or resumed request gets its whole block list; a session chunk only the new blocks.
+            blocks = self.block_table.block_ids(request.request_id) if admitted else new_blocks
+            out.scheduled.append(
+                ScheduledRequest(
+                    request, num_new, blocks, admitted=admitted, skip_sampling=self._skips(request, num_new)
+                )
+            )
+            budget -= num_new
+        return budget
+
+    def _skips(self, request: Request, num_new: int) -> bool:
+        """True when this step does not end at the last known token, or the input is still open."""
+        reaches_end = request.num_computed_tokens + num_new == request.num_tokens
+        return not reaches_end or request.input_open
+
+    # -- after the step ------------------------------------------------------------------------
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[int, tuple[int, float | None, dict[int, float] | None]]
+    ) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish what hit a stop condition.
+
+        Returns the requests that changed (got a token or finished), for streaming to callers.
+        """
+        changed: list[Request] = []
+        for item in out.scheduled:
+            request = item.request
+            if request.finished:
+                continue
+            request.num_computed_tokens += item.num_tokens
+            token = sampled.get(request.handle)
+            if token is None:
+                if request.input_open and request.num_computed_tokens == request.num_tokens:
+                    self.running.remove(request)
+                    request.status = RequestStatus.AWAITING_INPUT
+                continue
+            token_id, logprob, top = token
+            request.append_output(token_id)
+            if logprob is not None:
+                request.logprobs.append(logprob)
+                request.top_logprobs.append(top or {})
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+            changed.append(request)
+        return changed
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        if token_id in request.stop_token_ids and request.num_output_tokens >= request.sampling_params.min_tokens:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, request_id: str, status: RequestStatus) -> None:
+        """Finish a request for a reason found outside the scheduler (a stop string)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, status)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _check_fits(self, request: Request) -> None:
+        limit = self.max_model_len
+        if request.num_tokens + request.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({request.num_tokens} tokens) + max_tokens ({request.max_tokens}) exceeds "
+                f"max_model_len={limit}"
+            )
+        block_size = self.block_table.block_size
+        needed = -(-(request.num_tokens + request.max_tokens) // block_size)
+        if needed > self.block_table.num_blocks:
+            raise ValueError(
+                f"request needs {needed} KV blocks but the whole cache holds {self.block_table.num_blocks}; "
+                f"lower max_tokens or the prompt length"
+            )
+
+    def _preempt(self, request: Request) -> None:
+        self.block_table.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        self.block_table.free(request.request_id)
+        request.status = status
+        request.input_open = False
+        del self.requests[request.request_id]
+        self._finished_handles.append(request.handle)
+
+    def _record_stats(self, out: SchedulerOutput) -> None:
+        stats = self.stats
+        stats.num_steps += 1
+        stats.num_computed_tokens += out.num_batched_tokens
+        has_decode = any(s.num_tokens == 1 and not s.skip_sampling for s in out.scheduled)
+        has_partial = any(s.skip_sampling and not s.request.input_open for s in out.scheduled)
+        if has_decode and has_partial:
+            stats.num_mixed_steps += 1
+        # Slot utilisation is read at the step that holds the most blocks.
+        slots = self.block_table.num_used_blocks * self.block_table.block_size
+        if slots and slots >= stats.peak_used_slots:
+            live = sum(r.num_computed_tokens for r in self.running) + out.num_batched_tokens
+            if slots > stats.peak_used_slots:
+                stats.peak_utilisation = 0.0
+            stats.peak_used_slots = slots
+            stats.peak_live_tokens = max(stats.peak_live_tokens, live)
+            stats.peak_utilisation = max(stats.peak_utilisation, live / slots)

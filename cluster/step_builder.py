@@ -1,0 +1,83 @@
+"""Turns the scheduler's decision into the StepBatch message: new requests in full, known ones as deltas."""
+
+from __future__ import annotations
+
+from cluster.request import Request
+from cluster.scheduler import SchedulerOutput
+from proto import step_pb2
+
+
+def sampling_to_proto(request: Request) -> step_pb2.SamplingParams:
+    """The part of a request's sampling settings the workers act on."""
+    params = request.sampling_params
+    message = step_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=max(params.top_k, 0),
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        min_tokens=params.min_tokens,
+        stop_token_ids=sorted(request.stop_token_ids),
+    )
+    if params.seed is not None:
+        message.seed = params.seed & 0xFFFFFFFFFFFFFFFF  # negative seeds wrap, as torch does
+    if params.logprobs is not None:
+        message.num_logprobs = params.logprobs
+    return message
+
+
+class StepMessageBuilder:
+    """Remembers how many tokens each worker-side request already has, so each step sends only deltas."""
+
+    def __init__(self) -> None:
+        self._known_tokens: dict[int, int] = {}
+        self._next_step_id = 0
+
+    def reset(self) -> None:
+        """Forget every request: the workers restarted with no state."""
+        self._known_tokens.clear()
+
+    def build(self, out: SchedulerOutput) -> step_pb2.StepBatch:
+        batch = step_pb2.StepBatch(step_id=self._next_step_id)
+        self._next_step_id += 1
+        known = self._known_tokens
+        for handle in out.finished_handles:
+            if known.pop(handle, None) is not None:
+                batch.finished.append(handle)
+        for request in out.preempted:
+            if request.handle in known:
+                batch.preempted.append(request.handle)
+        for item in out.scheduled:
+            request = item.request
+            num_known = known.get(request.handle)
+            if num_known is None:
+                batch.new_requests.append(
+                    step_pb2.NewRequest(
+                        handle=request.handle,
+                        request_id=request.request_id,
+                        token_ids=request.all_token_ids,
+                        num_prompt_tokens=request.num_prompt_tokens,
+                        sampling=sampling_to_proto(request),
+                        block_ids=item.new_block_ids,
+                        num_computed_tokens=request.num_computed_tokens,
+                        num_scheduled_tokens=item.num_tokens,
+                        skip_sampling=item.skip_sampling,
+                    )
+                )
+            else:
+                delta = batch.cached_requests.add()
+                delta.handle = request.handle
+                if request.num_tokens > num_known:
+                    delta.new_token_ids.extend(request.all_token_ids[num_known:])
+                if item.new_block_ids:
+                    delta.new_block_ids.extend(item.new_block_ids)
+                delta.num_scheduled_tokens = item.num_tokens
+                if item.admitted:
+                    delta.resumed = True
+                    delta.num_computed_tokens = request.num_computed_tokens
+                if item.skip_sampling:
+                    delta.skip_sampling = True
+            known[request.handle] = request.num_tokens
+        return batch

@@ -1,0 +1,229 @@
+"""Scheduler unit tests driven by a fake runner: no torch, milliseconds each."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.block_table import BlockTable
+from cluster.config import SchedulerConfig
+from cluster.request import Request, RequestStatus
+from cluster.sampling_params import SamplingParams
+from cluster.scheduler import PauseMode, Scheduler
+
+VOCAB = 1000
+EOS = 999
+
+
+def fake_token(request: Request) -> int:
+    """A deterministic 'model': the next token depends only on the sequence so far."""
+    return (sum(request.all_token_ids) * 31 + request.num_tokens) % (VOCAB - 1)
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int, handle: int = 0, **kwargs) -> Request:
+    prompt = [(7 * i + len(rid)) % 500 for i in range(prompt_len)]
+    return Request(
+        request_id=rid,
+        handle=handle or abs(hash(rid)) % 10**6,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens),
+        max_tokens=max_tokens,
+        stop_token_ids=frozenset({EOS}),
+        **kwargs,
+    )
+
+
+def run_step(scheduler: Scheduler):
+    out = scheduler.schedule()
+    sampled = {}
+    for item in out.scheduled:
+        request = item.request
+        # Tokens are only known once the chunk reaches the end of the sequence.
+        if not item.skip_sampling:
+            assert request.num_computed_tokens + item.num_tokens == request.num_tokens
+            sampled[request.handle] = (fake_token(request), None, None)
+    scheduler.update_from_output(out, sampled)
+    return out
+
+
+def run_all(scheduler: Scheduler, max_steps: int = 10_000) -> None:
+    for _ in range(max_steps):
+        if not scheduler.requests:
+            return
+        run_step(scheduler)
+    raise AssertionError("requests never finished")
+
+
+def make_scheduler(num_blocks=64, block_size=4, budget=64, max_seqs=16, max_len=256, caching=True) -> Scheduler:
+    table = BlockTable(num_blocks, block_size, enable_prefix_caching=caching)
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    return Scheduler(config, table, max_len)
+
+
+def outputs_of(requests: list[Request]) -> dict[str, list[int]]:
+    return {r.request_id: list(r.output_token_ids) for r in requests}
+
+
+def test_decode_to_max_tokens_and_blocks_return():
+    scheduler = make_scheduler()
+    requests = [make_request(f"r{i}", 5 + i, 6) for i in range(4)]
+    for r in requests:
+        scheduler.add_request(r)
+    run_all(scheduler)
+    assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 6 for r in requests)
+    assert scheduler.block_table.num_free_blocks == scheduler.block_table.num_blocks
+
+
+def test_budget_and_max_num_seqs_are_respected():
+    scheduler = make_scheduler(budget=10, max_seqs=3)
+    for i in range(6):
+        scheduler.add_request(make_request(f"r{i}", 4, 3))
+    while scheduler.requests:
+        out = run_step(scheduler)
+        assert out.num_batched_tokens <= 10
+        assert len(scheduler.running) <= 3
+
+
+def test_chunked_prefill_is_mixed_with_decodes():
+    scheduler = make_scheduler(budget=8)
+    short = make_request("short", 3, 10)
+    scheduler.add_request(short)
+    run_step(scheduler)  # short is now decoding
+    long = make_request("long", 30, 2)
+    scheduler.add_request(long)
+    out = run_step(scheduler)
+    chunks = {s.request.request_id: s for s in out.scheduled}
+    assert chunks["short"].num_tokens == 1 and not chunks["short"].skip_sampling
+    assert chunks["long"].num_tokens == 7 and chunks["long"].skip_sampling
+    run_all(scheduler)
+    assert scheduler.stats.num_mixed_steps >= 3
+    assert long.num_output_tokens == 2
+
+
+def test_preemption_recomputes_and_keeps_outputs():
+    def workload():
+        return [make_request(f"r{i}", 10, 20) for i in range(6)]
+
+    roomy = make_scheduler(num_blocks=200, caching=False)
+    reference = workload()
+    for r in reference:
+        roomy.add_request(r)
+    run_all(roomy)
+    assert roomy.stats.num_preemptions == 0
+
+    tight = make_scheduler(num_blocks=20, caching=False)
+    squeezed = workload()
+    for r in squeezed:
+        tight.add_request(r)
+    run_all(tight)
+    assert tight.stats.num_preemptions > 0
+    assert outputs_of(squeezed) == outputs_of(reference)
+    assert tight.block_table.num_free_blocks == tight.block_table.num_blocks
+
+
+def test_preempted_request_goes_to_head_of_queue():
+    scheduler = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    a, b = make_request("a", 8, 12), make_request("b", 8, 12)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    run_step(scheduler)  # both admitted: 2 blocks each (+1 for the sampled token later)
+    preempted = []
+    while not preempted:
+        preempted = run_step(scheduler).preempted
+    assert preempted == [b]
+    assert scheduler.waiting[0] is b and b.num_computed_tokens == 0 and b.num_output_tokens > 0
+    run_all(scheduler)
+    assert a.num_output_tokens == b.num_output_tokens == 12
+
+
+def test_prefix_hit_computes_only_uncached_tokens():
+    scheduler = make_scheduler(block_size=4)
+    first = make_request("first", 17, 2)
+    scheduler.add_request(first)
+    run_all(scheduler)
+    second = make_request("secnd", 17, 2)  # same length id → same prompt tokens
+    assert second.prompt_token_ids == first.prompt_token_ids
+    scheduler.add_request(second)
+    out = run_step(scheduler)
+    assert out.scheduled[0].num_tokens == 1  # 16 cached tokens; the last prompt token is recomputed
+    assert second.num_cached_tokens == 16
+    assert scheduler.stats.num_prefix_hit_tokens == 16
+
+
+def test_request_that_can_never_fit_is_rejected():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_len=100)
+    with pytest.raises(ValueError, match="max_model_len=100"):
+        scheduler.add_request(make_request("long", 90, 20))
+    with pytest.raises(ValueError, match="whole cache holds 4"):
+        scheduler.add_request(make_request("big", 10, 10))
+    with pytest.raises(ValueError, match="already exists"):
+        scheduler.add_request(make_request("ok", 4, 4))
+        scheduler.add_request(make_request("ok", 4, 4))
+
+
+def test_abort_frees_everything_wherever_the_request_is():
+    scheduler = make_scheduler(max_seqs=1)
+    running, waiting = make_request("run", 6, 50), make_request("wait", 6, 50)
+    scheduler.add_request(running)
+    scheduler.add_request(waiting)
+    run_step(scheduler)
+    assert running.status is RequestStatus.RUNNING and waiting.status is RequestStatus.WAITING
+    scheduler.abort("run")
+    scheduler.abort("wait")
+    assert running.status is waiting.status is RequestStatus.FINISHED_ABORTED
+    assert scheduler.block_table.num_free_blocks == scheduler.block_table.num_blocks
+    out = scheduler.schedule()
+    assert sorted(out.finished_handles) == sorted([running.handle, waiting.handle])
+    assert scheduler.abort("unknown") is None
+
+
+def test_pause_modes():
+    scheduler = make_scheduler()
+    a = make_request("a", 4, 30)
+    scheduler.add_request(a)
+    run_step(scheduler)
+    scheduler.pause(PauseMode.NEW)
+    b = make_request("b", 4, 3)
+    scheduler.add_request(b)
+    out = run_step(scheduler)
+    assert [s.request for s in out.scheduled] == [a]
+    scheduler.pause(PauseMode.ALL)
+    assert not run_step(scheduler).scheduled
+    scheduler.pause(PauseMode.NONE)
+    run_all(scheduler)
+    assert b.num_output_tokens == 3
+
+
+def test_stop_token_respects_min_tokens():
+    scheduler = make_scheduler()
+    request = make_request("r", 4, 10)
+    request.sampling_params = SamplingParams(max_tokens=10, min_tokens=3)
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, {request.handle: (EOS, None, None)})
+    assert not request.finished  # below min_tokens, EOS does not stop
+    for _ in range(2):
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, {request.handle: (EOS, None, None)})
+    assert request.status is RequestStatus.FINISHED_STOPPED and request.num_output_tokens == 3
+
+
+def test_streaming_input_session_keeps_its_blocks():
+    scheduler = make_scheduler(block_size=4)
+    session = make_request("s", 8, 4, input_open=True)
+    scheduler.add_request(session)
+    run_step(scheduler)
+    assert session.status is RequestStatus.AWAITING_INPUT and not session.output_token_ids
+    blocks = scheduler.block_table.block_ids("s")
+    assert len(blocks) == 2
+    scheduler.append_input("s", [1, 2, 3, 4, 5], final=False)
+    out = run_step(scheduler)
+    assert out.scheduled[0].num_tokens == 5 and not out.scheduled[0].admitted
+    assert scheduler.block_table.block_ids("s")[:2] == blocks
+    scheduler.append_input("s", [6, 7], final=True)
+    out = run_step(scheduler)
+    assert out.scheduled[0].num_tokens == 2 and not out.scheduled[0].skip_sampling
+    run_all(scheduler)
+    assert session.num_output_tokens == 4
+    assert scheduler.stats.num_computed_tokens == 8 + 5 + 2 + 3
+    with pytest.raises(ValueError, match="not an open streaming-input session"):
+        scheduler.append_input("s", [1], final=True)

@@ -1,0 +1,23 @@
+"""Settings one worker needs to load its model shard and size its KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Built by the head from its engine configuration; plain values so it crosses process boundaries."""
+
+    model_dir: str
+    dtype: str = "auto"
+    device: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None
+    max_num_batched_tokens: int = 2048
+    # Torch intra-op threads; None: every core this process may run on.
+    num_threads: int | None = None

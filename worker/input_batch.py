@@ -1,0 +1,103 @@
+"""Builds the flat token batch and the attention index tensors for one step from the scheduled requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.layers.attention import AttentionMetadata, PrefillSpan
+from worker.request_state import RequestState
+
+
+@dataclass
+class FlatBatch:
+    """Model inputs for one step. Row order: every decode (one token each), then prefill chunks."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionMetadata
+    # Requests in row order, and for those that sample, the row of their last token.
+    ordered: list[RequestState]
+    sample_states: list[RequestState]
+    sample_rows: torch.Tensor
+
+
+def build_flat_batch(scheduled: list[RequestState], block_size: int, device: torch.device) -> FlatBatch:
+    """Lay out decodes first so one batched attention call covers them all, then each prefill chunk."""
+    decodes = [s for s in scheduled if s.num_scheduled_tokens == 1]
+    prefills = [s for s in scheduled if s.num_scheduled_tokens > 1]
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    sample_states: list[RequestState] = []
+    sample_rows: list[int] = []
+
+    for row, state in enumerate(decodes):
+        pos = state.num_computed_tokens
+        input_ids.append(state.token_ids[pos])
+        positions.append(pos)
+        slot_mapping.append(state.block_ids[pos // block_size] * block_size + pos % block_size)
+        if not state.skip_sampling:
+            sample_states.append(state)
+            sample_rows.append(row)
+
+    spans: list[PrefillSpan] = []
+    row = len(decodes)
+    for state in prefills:
+        start_pos, count = state.num_computed_tokens, state.num_scheduled_tokens
+        end_pos = start_pos + count
+        input_ids.extend(state.token_ids[start_pos:end_pos])
+        positions.extend(range(start_pos, end_pos))
+        slots = _context_slots(state.block_ids, end_pos, block_size)
+        slot_mapping.extend(slots[start_pos:end_pos].tolist())
+        span = PrefillSpan(row, row + count)
+        if start_pos > 0:
+            # Part of the context is already cached: attend over all of it, causally offset.
+            span.context_slots = slots.to(device)
+            key_pos = torch.arange(end_pos)
+            span.mask = (key_pos[None, :] <= torch.arange(start_pos, end_pos)[:, None]).to(device)
+        spans.append(span)
+        row += count
+        if not state.skip_sampling:
+            sample_states.append(state)
+            sample_rows.append(row - 1)
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        num_decodes=len(decodes),
+        prefills=spans,
+    )
+    if decodes:
+        meta.decode_slots, meta.decode_mask = _decode_context(decodes, block_size, device)
+    return FlatBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        attention=meta,
+        ordered=decodes + prefills,
+        sample_states=sample_states,
+        sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
+    )
+
+
+def _context_slots(block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+    """Cache slots of a request's first `num_tokens` tokens, read through its block list."""
+    num_blocks = -(-num_tokens // block_size)
+    blocks = torch.tensor(block_ids[:num_blocks], dtype=torch.long)
+    return (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:num_tokens]
+
+
+def _decode_context(decodes: list[RequestState], block_size: int, device: torch.device):
+    """Padded [n, max_context] slot matrix and key mask covering every decode's whole context."""
+    context_lens = [s.num_computed_tokens + 1 for s in decodes]
+    max_blocks = -(-max(context_lens) // block_size)
+    padded = []
+    for state in decodes:
+        blocks = state.block_ids[:max_blocks]
+        padded.append(blocks + [0] * (max_blocks - len(blocks)))
+    table = torch.tensor(padded, dtype=torch.long)
+    max_context = max(context_lens)
+    slots = (table[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :max_context]
+    lens = torch.tensor(context_lens, dtype=torch.long)
+    mask = torch.arange(max_context)[None, :] < lens[:, None]
+    return slots.to(device), mask[:, None, None, :].to(device)

@@ -1,0 +1,38 @@
+"""Sizes this rank's KV cache shard from its memory budget and allocates it, one tensor per layer."""
+
+from __future__ import annotations
+
+import torch
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
+    """K and V for `block_size` tokens across every layer of this rank's shard."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+
+def memory_budget(device: torch.device, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float) -> int:
+    """Bytes this rank may spend on its KV cache."""
+    if kv_cache_memory_bytes is not None:
+        return kv_cache_memory_bytes
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # Keep (1 - utilisation) of the card for activations, the allocator and other tenants.
+        return max(0, int(free - total * (1.0 - gpu_memory_utilization)))
+    return DEFAULT_CPU_KV_BYTES
+
+
+def allocate_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """One [2, num_blocks * block_size, kv_heads, head_dim] tensor per layer; slot = block * block_size + offset."""
+    shape = (2, num_blocks * block_size, num_kv_heads, head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -1,0 +1,98 @@
+"""Paged attention: write new K/V into the cache through the slot mapping, attend over the whole context."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillSpan:
+    """One request's prefill (or prefill chunk) inside the flat token batch.
+
+    Token rows `start:end` are this chunk's queries. `context_slots` lists the cache slots of the
+    whole context (cached prefix + this chunk), and `mask` is the [q, ctx] causal mask; both are
+    None when nothing was cached before this chunk, so plain causal attention over the fresh K/V
+    applies.
+    """
+
+    start: int
+    end: int
+    context_slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step index tensors shared by every attention layer.
+
+    Rows of the flat batch are ordered decodes first, then prefill chunks:
+
+        rows  0 .. num_decodes-1 | prefill span 0 | prefill span 1 | ...
+              one token each     | start:end      | start:end      |
+    """
+
+    slot_mapping: torch.Tensor  # [T] cache slot for each new token's K/V
+    num_decodes: int = 0
+    decode_slots: torch.Tensor | None = None  # [num_decodes, max_context] padded with slot 0
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context] True where a key is real
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+class Attention(nn.Module):
+    """Multi-head (grouped-query) attention over a paged KV cache shard.
+
+    `kv_cache` is bound by the worker after it sizes the cache: a tensor of shape
+    [2, num_slots, num_kv_heads, head_dim] where slot = block_id * block_size + offset.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, heads*head_dim], k/v: [T, kv_heads*head_dim] → [T, heads*head_dim]."""
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
+        key_cache.index_copy_(0, meta.slot_mapping, k)
+        value_cache.index_copy_(0, meta.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        n = meta.num_decodes
+        if n:
+            # [n, ctx, kv_heads, d] → [n, kv_heads, ctx, d]; one batched call for every decode.
+            keys = key_cache[meta.decode_slots].transpose(1, 2)
+            values = value_cache[meta.decode_slots].transpose(1, 2)
+            decoded = F.scaled_dot_product_attention(
+                q[:n].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
+            )
+            out[:n] = decoded.squeeze(2)
+        for span in meta.prefills:
+            queries = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
+            if span.context_slots is None:
+                keys = k[span.start : span.end]
+                values = v[span.start : span.end]
+            else:
+                keys = key_cache[span.context_slots]
+                values = value_cache[span.context_slots]
+            attended = F.scaled_dot_product_attention(
+                queries,
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
+                attn_mask=span.mask,
+                is_causal=span.mask is None,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            out[span.start : span.end] = attended.squeeze(0).transpose(0, 1)
+        return out.view(num_tokens, self.num_heads * self.head_dim)

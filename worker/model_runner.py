@@ -1,0 +1,81 @@
+"""Runs one step on this rank: flat batch in, forward pass over the paged cache, sampled token ids out."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from proto import step_pb2
+from worker.input_batch import build_flat_batch
+from worker.parallel_state import TensorParallelGroup
+from worker.request_state import RequestState, RequestStates
+from worker.sampler import Sampler, SamplingRow
+
+_NO_TOKENS: list[int] = []
+
+
+def sampling_row(state: RequestState) -> SamplingRow:
+    """The sampler's view of one request, including its token history only when a penalty needs it."""
+    params = state.sampling
+    num_outputs = len(state.token_ids) - state.num_prompt_tokens
+    needs_history = (
+        params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+    )
+    prompt = state.token_ids[: state.num_prompt_tokens] if needs_history else _NO_TOKENS
+    outputs = state.token_ids[state.num_prompt_tokens :] if needs_history else _NO_TOKENS
+    banned = tuple(params.stop_token_ids) if num_outputs < params.min_tokens else ()
+    return SamplingRow(
+        temperature=params.temperature,
+        top_p=params.top_p if params.top_p > 0 else 1.0,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty if params.repetition_penalty > 0 else 1.0,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        num_logprobs=params.num_logprobs if params.HasField("num_logprobs") else None,
+        generator=state.generator,
+        prompt_token_ids=prompt,
+        output_token_ids=outputs,
+        banned_token_ids=banned,
+    )
+
+
+class ModelRunner:
+    """Owns the model shard and its KV cache; executes StepBatch messages."""
+
+    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device, tp: TensorParallelGroup) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.tp = tp
+        self.states = RequestStates(device)
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
+        started = time.perf_counter()
+        result = step_pb2.StepResult(step_id=batch.step_id)
+        scheduled = self.states.apply(batch)
+        if scheduled:
+            flat = build_flat_batch(scheduled, self.block_size, self.device)
+            hidden = self.model(flat.input_ids, flat.positions, flat.attention)
+            if flat.sample_states:
+                # Every rank joins the logits gather; only rank 0 samples and answers.
+                logits = self.model.compute_logits(hidden[flat.sample_rows])
+                if self.tp.rank == 0:
+                    self._sample(logits, flat.sample_states, result)
+            for state in flat.ordered:
+                state.num_computed_tokens += state.num_scheduled_tokens
+        result.compute_seconds = time.perf_counter() - started
+        return result
+
+    def _sample(self, logits: torch.Tensor, states: list[RequestState], result: step_pb2.StepResult) -> None:
+        rows = [sampling_row(state) for state in states]
+        sampled = self.sampler(logits, rows)
+        result.handles.extend(state.handle for state in states)
+        result.token_ids.extend(sampled.token_ids)
+        if any(row.num_logprobs is not None for row in rows):
+            result.logprobs.extend(lp if lp is not None else 0.0 for lp in sampled.logprobs)
+            for ids, lps in zip(sampled.top_ids, sampled.top_logprobs, strict=True):
+                result.top_logprobs.add(token_ids=ids, logprobs=lps)

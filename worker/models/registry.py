@@ -1,0 +1,48 @@
+"""Maps a Hugging Face architecture name (or model_type) to the model class that implements it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from worker.models.llama import LlamaForCausalLM
+
+_ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+# Configs converted from GGUF or written by hand may lack `architectures`; their model_type still identifies them.
+_MODEL_TYPES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    """Architecture names this engine can serve."""
+    return sorted(_ARCHITECTURES)
+
+
+def model_class(hf_config: Any) -> type[nn.Module]:
+    """The model class for `hf_config`, from architectures[0] or else model_type; ValueError when unsupported."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if architectures:
+        name = architectures[0]
+        if name in _ARCHITECTURES:
+            return _ARCHITECTURES[name]
+        raise ValueError(
+            f"architectures[0]={name!r} is not supported; supported: {', '.join(supported_architectures())}"
+        )
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    raise ValueError(
+        f"model_type={model_type!r} (no architectures in config) is not supported; "
+        f"supported: {', '.join(sorted(_MODEL_TYPES))}"
+    )

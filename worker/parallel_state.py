@@ -1,0 +1,41 @@
+"""The tensor-parallel group a worker belongs to, passed explicitly to every parallel layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    """Rank and size of this process inside its tensor-parallel group (size 1 needs no process group)."""
+
+    rank: int = 0
+    size: int = 1
+    process_group: Any = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` across ranks in place; a no-op at size 1."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.process_group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's `x` along `dim`, in rank order; identity at size 1."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.process_group)
+        return torch.cat(parts, dim=dim)
+
+    def shard(self, total: int, what: str) -> int:
+        """Size of this rank's share of `total` items, refusing sizes the group cannot split evenly."""
+        if total % self.size:
+            raise ValueError(f"{what}={total} is not divisible by tensor_parallel_size={self.size}")
+        return total // self.size
+
+
+SINGLE_RANK = TensorParallelGroup()

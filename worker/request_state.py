@@ -1,0 +1,79 @@
+"""What a worker remembers about each request between steps, and how it applies a step's deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from proto import step_pb2
+
+
+@dataclass
+class RequestState:
+    """Tokens, blocks and progress of one request on this worker."""
+
+    handle: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: step_pb2.SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+    # Set by each step's message.
+    num_scheduled_tokens: int = 0
+    skip_sampling: bool = False
+
+
+class RequestStates:
+    """The per-request state table, updated by each StepBatch."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.states: dict[int, RequestState] = {}
+
+    def apply(self, batch: step_pb2.StepBatch) -> list[RequestState]:
+        """Apply one step's deltas; return the states scheduled in this step, in message order."""
+        states = self.states
+        for handle in batch.finished:
+            states.pop(handle, None)
+        for handle in batch.preempted:
+            state = states.get(handle)
+            if state is not None:
+                state.block_ids = []
+                state.num_computed_tokens = 0
+        scheduled: list[RequestState] = []
+        for new in batch.new_requests:
+            state = RequestState(
+                handle=new.handle,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                sampling=new.sampling,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=self._generator(new.sampling),
+                num_scheduled_tokens=new.num_scheduled_tokens,
+                skip_sampling=new.skip_sampling,
+            )
+            states[new.handle] = state
+            scheduled.append(state)
+        for delta in batch.cached_requests:
+            state = states[delta.handle]
+            if delta.new_token_ids:
+                state.token_ids.extend(delta.new_token_ids)
+            if delta.resumed:
+                state.block_ids = list(delta.new_block_ids)
+                state.num_computed_tokens = delta.num_computed_tokens
+            elif delta.new_block_ids:
+                state.block_ids.extend(delta.new_block_ids)
+            state.num_scheduled_tokens = delta.num_scheduled_tokens
+            state.skip_sampling = delta.skip_sampling
+            scheduled.append(state)
+        return scheduled
+
+    def _generator(self, sampling: step_pb2.SamplingParams) -> torch.Generator | None:
+        if not sampling.HasField("seed"):
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(sampling.seed)
+        return generator

@@ -1,0 +1,90 @@
+"""A worker: one tensor-parallel rank holding a model shard and its KV cache shard."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from proto import step_pb2
+from worker.config import WorkerConfig
+from worker.kv_cache import allocate_kv_caches, bytes_per_block, memory_budget
+from worker.model_loader import load_model
+from worker.model_runner import ModelRunner
+from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """fp32 on CPU (bf16 matmuls are far slower there); bf16 on GPUs that have it, else fp16."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def limit_threads(num_threads: int | None) -> None:
+    """Use the cores this process owns, not the machine's total (containers, Ray CPU bundles)."""
+    count = num_threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, count))
+
+
+class Worker:
+    """Loads the model shard, sizes and allocates the KV cache, then executes steps."""
+
+    def __init__(self, config: WorkerConfig, tp: TensorParallelGroup = SINGLE_RANK) -> None:
+        self.config = config
+        self.tp = tp
+        self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device.index or 0)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            limit_threads(config.num_threads)
+        self.model = load_model(
+            config.model_dir, tp, self.dtype, self.device, load_format=config.load_format, seed=config.seed
+        )
+        self.num_blocks = self._size_cache()
+        caches = allocate_kv_caches(
+            self.model.num_layers,
+            self.num_blocks,
+            config.block_size,
+            self.model.num_kv_heads_per_rank,
+            self.model.head_dim,
+            self.dtype,
+            self.device,
+        )
+        for layer, cache in zip(self.model.attention_layers(), caches, strict=True):
+            layer.kv_cache = cache
+        self.runner = ModelRunner(self.model, config.block_size, self.device, tp)
+        torch.manual_seed(config.seed)
+
+    def _size_cache(self) -> int:
+        config = self.config
+        if config.num_blocks is not None:
+            return config.num_blocks
+        per_block = bytes_per_block(
+            self.model.num_layers, self.model.num_kv_heads_per_rank, self.model.head_dim, config.block_size, self.dtype
+        )
+        budget = memory_budget(self.device, config.kv_cache_memory_bytes, config.gpu_memory_utilization)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes is below one block ({per_block} bytes)")
+        logger.info("rank %d: KV cache of %d blocks (%d bytes each)", self.tp.rank, num_blocks, per_block)
+        return int(num_blocks)
+
+    def execute_step(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
+        return self.runner.execute(batch)
