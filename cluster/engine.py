@@ -56,7 +56,10 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.block_table, max_model_len)
         self.step_builder = StepMessageBuilder()
         self._handles = itertools.count(1)
+        # Size of the latest step message and how many requests it carried, for the wire-cost figures.
         self.last_step_bytes = 0
+        self.last_step_num_requests = 0
+        self.last_step_decode_only = False
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, final: bool = True
@@ -106,5 +109,7 @@ class EngineCore:
             return []
         batch = self.step_builder.build(out)
         self.last_step_bytes = batch.ByteSize()
+        self.last_step_num_requests = len(out.scheduled)
+        self.last_step_decode_only = not batch.new_requests and all(s.num_tokens == 1 for s in out.scheduled)
         result = self.executor.execute(batch)
         return self.scheduler.update_from_output(out, unpack_result(result))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 
 from transformers import AutoTokenizer
 
@@ -64,9 +65,11 @@ class LLM:
         )
         self.model_dir = locate_model(self.config)
         info = read_model_info(self.model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or self.model_dir))
+        self.tokenizer = _load_tokenizer(tokenizer or self.model_dir)
         limit = min(max_model_len or info.max_position_embeddings, info.max_position_embeddings)
-        eos = info.eos_token_ids or ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        eos = info.eos_token_ids
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = (self.tokenizer.eos_token_id,)
         executor = InProcessExecutor(worker_config(self.config, self.model_dir))
         self.engine = EngineCore(self.config, executor, limit, info.vocab_size, eos)
         self._ids = itertools.count()
@@ -125,8 +128,13 @@ class LLM:
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
+            return list(self._require_tokenizer().encode(prompt))
         return list(prompt)
+
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(f"the model at {self.model_dir} has no tokenizer; pass prompts as token id lists")
+        return self.tokenizer
 
     def _run(self, children: dict[str, tuple[RequestOutput, int, SamplingParams]]) -> None:
         remaining = set(children)
@@ -145,11 +153,13 @@ class LLM:
                     remaining.discard(request.request_id)
 
     def _hits_stop_string(self, request: Request, sp: SamplingParams) -> bool:
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=sp.skip_special_tokens)
+        text = self._require_tokenizer().decode(request.output_token_ids, skip_special_tokens=sp.skip_special_tokens)
         return any(stop in text for stop in sp.stop)
 
     def _fill(self, completion: CompletionOutput, request: Request, sp: SamplingParams) -> None:
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=sp.skip_special_tokens)
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=sp.skip_special_tokens)
         for stop in sp.stop:
             cut = text.find(stop)
             if cut >= 0:
@@ -163,6 +173,17 @@ class LLM:
                 for token, lp, top in zip(request.output_token_ids, request.logprobs, request.top_logprobs, strict=True)
             ]
             completion.cumulative_logprob = sum(request.logprobs)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _load_tokenizer(source: str | Path):
+    """The model's tokenizer, or None for a checkpoint that ships none (token-id prompts only)."""
+    path = Path(source)
+    if path.is_dir() and not any((path / name).exists() for name in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(str(source))
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
