@@ -1,0 +1,71 @@
+"""Tiny random-weight transformers checkpoints (Llama, Mistral, Qwen2, Qwen3) saved as safetensors for tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_KINDS = ("llama", "llama_tied", "mistral", "qwen2", "qwen3")
+
+_COMMON = dict(
+    vocab_size=250,  # even but not a multiple of 4, so tp=4 exercises vocab padding
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def tiny_config(kind: str):
+    """The transformers config for one of TINY_KINDS; each kind covers a different code path."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    if kind == "llama":
+        # Untied head and llama3 rope scaling whose band edges fall inside the head_dim=16 frequencies.
+        rope = dict(
+            rope_type="llama3",
+            rope_theta=10000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        )
+        return LlamaConfig(**_COMMON, tie_word_embeddings=False, rope_parameters=rope)
+    if kind == "llama_tied":
+        return LlamaConfig(**_COMMON, tie_word_embeddings=True, attention_bias=True, mlp_bias=True)
+    if kind == "mistral":
+        return MistralConfig(**_COMMON, tie_word_embeddings=False, sliding_window=None, head_dim=32)
+    if kind == "qwen2":
+        rope = dict(rope_type="linear", rope_theta=1000000.0, factor=2.0)
+        return Qwen2Config(**_COMMON, tie_word_embeddings=True, rope_parameters=rope)
+    if kind == "qwen3":
+        return Qwen3Config(**_COMMON, tie_word_embeddings=False, head_dim=16)
+    raise ValueError(f"kind must be one of {', '.join(TINY_KINDS)}, got {kind!r}")
+
+
+def make_tiny_model(kind: str, path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random `kind` model (config + model.safetensors) into `path` and return it.
+
+    Weights are drawn larger than the default init, norms and biases away from 1 and 0, so that every
+    parameter visibly moves the logits and a wrong mapping cannot hide.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.08 * noise)
+    model.save_pretrained(path, safe_serialization=True)
+    return path

@@ -1,0 +1,31 @@
+"""RMSNorm computed in float32 and cast back, matching Hugging Face Llama numerics."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension; the weight is replicated on every rank."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: object = None) -> None:
+        if tuple(full.shape) != tuple(param.shape):
+            raise ValueError(f"checkpoint norm weight has shape {tuple(full.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_(full)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Cast back before scaling, in the same order as transformers, so half-precision results agree bit for bit.
+        return self.weight * x32.to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -1,0 +1,92 @@
+"""Rotary position embedding (neox-style rotate_half, as in HF Llama) with a precomputed cos/sin cache."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """RoPE settings as one flat dict with at least rope_type and rope_theta.
+
+    transformers 5 keeps them in `config.rope_parameters`; older configs spread them over `rope_theta`
+    and `rope_scaling` (whose type key was once `type`), so both layouts are read.
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
+    params["rope_type"] = params.get("rope_type") or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if params["rope_type"] == "llama3":
+        params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+    return params
+
+
+def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """Per-pair rotation frequencies [head_dim // 2] in float32 for the given rope parameters."""
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope_type == "linear":
+        # Scaling positions by 1/factor is the same as scaling the frequencies.
+        return inv_freq / float(params["factor"])
+    if rope_type == "llama3":
+        return _llama3_scaled(inv_freq, params)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+    factor = float(params["factor"])
+    low_freq_factor = float(params["low_freq_factor"])
+    high_freq_factor = float(params["high_freq_factor"])
+    old_context_len = float(params["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to flat q [T, H*D] and k [T, KVH*D] at the given positions [T].
+
+    The cache holds cos and sin for positions 0 .. max_position-1 in float32 as [max_position, head_dim // 2].
+    Rotating the halves (x1, x2) to (x1*cos - x2*sin, x2*cos + x1*sin) is exactly HF's
+    `x * cos + rotate_half(x) * sin` with the duplicated cache, at half the memory. Positions must stay
+    below max_position; the scheduler caps the model length at that value.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
+        if max_position <= 0:
+            raise ValueError(f"max_position_embeddings must be positive, got {max_position}")
+        self.head_dim = head_dim
+        self.max_position = max_position
+        inv_freq = inverse_frequencies(head_dim, params)
+        freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        # Not persistent: it is derived from the config, never part of a checkpoint.
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D/2] broadcasts over heads
+        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(shape[0], -1, self.head_dim)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).view(shape)

@@ -1,0 +1,162 @@
+"""Finds a model directory (default, local, .gguf or hub id) and builds a model with real or dummy weights."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.default_model import cache_root, convert_gguf, default_model_dir
+from worker.models.registry import model_class
+from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
+
+LOAD_FORMATS = ("auto", "dummy")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# What a hub snapshot needs: config, tokenizer and safetensors weights (not the duplicate consolidated.* files).
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "tokenizer*"]
+
+
+def resolve_model_dir(model: str | os.PathLike[str] | None) -> Path:
+    """Local directory holding config.json and safetensors weights for `model`.
+
+    None → the embedded default model; a directory with config.json → itself; a .gguf file → converted once
+    into the cache; anything else is taken as a Hugging Face hub id and downloaded (needs network access).
+    """
+    if model is None:
+        return default_model_dir()
+    text = os.fspath(model)
+    if not text.strip():
+        raise ValueError("model must be a local directory, a .gguf file or a hub id, got an empty string")
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path.resolve()
+        raise ValueError(f"model={text!r} is a directory without config.json")
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return convert_gguf(path, _gguf_cache_dir(path))
+        raise ValueError(f"model={text!r} is a file but not a .gguf checkpoint; pass its directory instead")
+    if _looks_like_path(text):
+        raise ValueError(f"model={text!r} does not exist")
+    return _download(text)
+
+
+def _looks_like_path(text: str) -> bool:
+    # Hub ids are "name" or "org/name"; anything else that does not exist locally is a mistyped path.
+    return text.startswith((".", "/", "~")) or text.count("/") > 1 or text.lower().endswith(".gguf") or "\\" in text
+
+
+def _gguf_cache_dir(path: Path) -> Path:
+    # Keyed by location, size and mtime, so replacing the file triggers a fresh conversion.
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return cache_root() / "models" / f"{path.stem}-{digest}"
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = Path(snapshot_download(repo_id=repo_id, allow_patterns=_HUB_PATTERNS))
+    except Exception as exc:  # any failure (offline, unknown repo, auth) means the same thing to the user
+        raise ValueError(
+            f"model={repo_id!r} is not a local directory or .gguf file, and downloading it from the Hugging Face "
+            f"hub failed ({type(exc).__name__}: {exc}); pass a local model directory or check network access"
+        ) from exc
+    if not (local / "config.json").is_file():
+        raise ValueError(f"model={repo_id!r} was downloaded to {local} but has no config.json")
+    return local
+
+
+def load_hf_config(model_dir: str | os.PathLike[str]) -> Any:
+    """The transformers config of a local model directory (never touches the network)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(os.fspath(model_dir), local_files_only=True)
+
+
+def resolve_dtype(dtype: torch.dtype | str, hf_config: Any = None) -> torch.dtype:
+    """A torch dtype from a dtype or its name; "auto" takes the checkpoint's dtype (float32 when unknown)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(saved, torch.dtype):
+            return saved
+        return _DTYPES.get(str(saved), torch.float32)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def load_model(
+    model_dir: str | os.PathLike[str],
+    tp: TensorParallelGroup = SINGLE_RANK,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+    load_format: str = "auto",
+    seed: int = 0,
+) -> nn.Module:
+    """Build the model for `model_dir` on `device` holding this rank's shard, with checkpoint or dummy weights.
+
+    "dummy" fills random weights (std 0.02, norms near 1) that depend only on `seed`, not on the tp size:
+    every rank draws the same full tensors and keeps its slice.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    model_dir = Path(model_dir)
+    config = load_hf_config(model_dir)
+    cls = model_class(config)
+    dtype = resolve_dtype(dtype, config)
+    device = torch.device(device)
+    # Building under the device context allocates every weight where it will run, with no CPU copy first.
+    with device:
+        model = cls(config, tp, dtype)
+    if load_format == "dummy":
+        _fill_dummy(model, cls, config, device, seed)
+    else:
+        model.load_weights(iter_safetensors(model_dir))
+    return model.eval()
+
+
+def checkpoint_files(model_dir: str | os.PathLike[str]) -> list[Path]:
+    """The safetensors files of a checkpoint, following model.safetensors.index.json when present."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(p for p in model_dir.glob("*.safetensors") if not p.name.startswith("consolidated"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir}; only safetensors checkpoints and .gguf files load")
+    return files
+
+
+def iter_safetensors(model_dir: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) pairs read one tensor at a time, so the checkpoint is never held in memory twice."""
+    from safetensors import safe_open
+
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def _fill_dummy(model: nn.Module, cls: type[nn.Module], config: Any, device: torch.device, seed: int) -> None:
+    # A single-rank copy on the meta device gives each parameter's full (unsharded) shape without allocating it.
+    with torch.device("meta"):
+        reference = cls(config, SINGLE_RANK, torch.float32)
+    full_shapes = {name: param.shape for name, param in reference.named_parameters()}
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        full = torch.randn(full_shapes[name], generator=generator, device=device) * 0.02
+        if name.endswith("norm.weight"):
+            full += 1.0  # norms near 1 keep activations at a sane scale through the layers
+        param.weight_loader(param, full)

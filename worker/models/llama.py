@@ -1,0 +1,213 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) written once for any tensor-parallel size."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.layers.activation import SiluAndMul
+from worker.layers.attention import Attention, AttentionMetadata
+from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from worker.layers.norm import RMSNorm
+from worker.layers.rotary import RotaryEmbedding, rope_parameters
+from worker.parallel_state import TensorParallelGroup
+
+logger = logging.getLogger(__name__)
+
+# HF checkpoint projection name → (our fused parameter's module name, shard id inside it).
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _warn_if_sliding_window(config: Any) -> None:
+    # Full attention equals sliding-window attention while the context fits in the window; warn that it differs after.
+    window = getattr(config, "sliding_window", None)
+    uses_window = "sliding_attention" in (getattr(config, "layer_types", None) or []) or (
+        config.model_type == "mistral" and window is not None
+    )
+    if uses_window and window is not None and window < config.max_position_embeddings:
+        logger.warning(
+            "sliding_window=%d is not implemented; attention spans the whole context, which differs from the "
+            "reference model for contexts longer than the window",
+            window,
+        )
+
+
+class LlamaAttention(nn.Module):
+    """qkv projection → optional per-head q/k RMSNorm (Qwen3) → RoPE → paged attention → o projection."""
+
+    def __init__(self, config: Any, rotary: RotaryEmbedding, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        self.head_dim = _head_dim(config)
+        # Qwen2 always has q/k/v biases (its config has no switch); others follow attention_bias.
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attention_bias or config.model_type == "qwen2"
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, qkv_bias, tp, dtype)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, attention_bias, tp, dtype)
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        self.has_qk_norm = config.model_type == "qwen3"
+        if self.has_qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.rotary_emb = rotary
+        self.attn = Attention(
+            self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank, self.head_dim, self.head_dim**-0.5
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.has_qk_norm:
+            tokens = q.shape[0]
+            q = self.q_norm(q.reshape(tokens, -1, self.head_dim)).view(tokens, self.q_size)
+            k = self.k_norm(k.reshape(tokens, -1, self.head_dim)).view(tokens, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one column-parallel matmul."""
+
+    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act={act!r} is not supported; only 'silu' is")
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, tp, dtype)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, tp, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, config: Any, rotary: RotaryEmbedding, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, rotary, tp, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, tp, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm; parameter names mirror HF's `model.*` checkpoint names."""
+
+    def __init__(self, config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
+        # One cos/sin cache shared by every layer: it can be large for long-context models.
+        rotary = RotaryEmbedding(_head_dim(config), config.max_position_embeddings, rope_parameters(config))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary, tp, dtype) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden, meta)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over a flat batch of tokens from many requests; KV caches live in the Attention modules."""
+
+    def __init__(self, hf_config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+        super().__init__()
+        # Checked here, before any layer, so the message names the model field rather than a layer argument.
+        if hf_config.num_attention_heads % tp.size:
+            raise ValueError(
+                f"num_attention_heads={hf_config.num_attention_heads} is not divisible by "
+                f"tensor_parallel_size={tp.size}"
+            )
+        _warn_if_sliding_window(hf_config)
+        self.config = hf_config
+        self.tp = tp
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.model = LlamaModel(hf_config, tp, dtype)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp, dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    @property
+    def head_dim(self) -> int:
+        return _head_dim(self.config)
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        return self.model.layers[0].self_attn.qkv_proj.num_kv_heads_per_rank
+
+    def attention_layers(self) -> list[Attention]:
+        """The Attention modules in layer order; the worker binds one KV cache shard to each."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] long → final hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] → logits [N, vocab_size] in float32 (full vocabulary on every rank)."""
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load full (unsharded) HF checkpoint tensors; each layer keeps its rank's slice. Returns loaded names."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            if "rotary_emb.inv_freq" in hf_name or "rotary_emb.cos_cached" in hf_name:
+                continue  # RoPE tables are recomputed from the config
+            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # the LM head shares the embedding, which the checkpoint also holds
+            name, shard_id = _our_name(hf_name)
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(self).__name__}")
+            param = params[name]
+            param.weight_loader(param, tensor, shard_id)
+            loaded.add(name)
+        if self.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
+            loaded.add("lm_head.weight")
+        missing = sorted(set(params) - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+        return loaded
+
+
+def _our_name(hf_name: str) -> tuple[str, object]:
+    # "model.layers.3.self_attn.k_proj.weight" → ("model.layers.3.self_attn.qkv_proj.weight", "k")
+    parts = hf_name.split(".")
+    if len(parts) >= 2 and parts[-2] in _FUSED:
+        fused, shard_id = _FUSED[parts[-2]]
+        return ".".join([*parts[:-2], fused, parts[-1]]), shard_id
+    return hf_name, None
