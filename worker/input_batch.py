@@ -49,12 +49,15 @@ def build_flat_batch(scheduled: list[RequestState], block_size: int, device: tor
         end_pos = start_pos + count
         input_ids.extend(state.token_ids[start_pos:end_pos])
         positions.extend(range(start_pos, end_pos))
-        slots = _context_slots(state.block_ids, end_pos, block_size)
+        num_blocks = -(-end_pos // block_size)
+        blocks = torch.tensor(state.block_ids[:num_blocks], dtype=torch.long)
+        slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
         slot_mapping.extend(slots[start_pos:end_pos].tolist())
         span = PrefillSpan(row, row + count)
         if start_pos > 0:
             # Part of the context is already cached: attend over all of it, causally offset.
-            span.context_slots = slots.to(device)
+            span.context_blocks = blocks.to(device)
+            span.context_len = end_pos
             key_pos = torch.arange(end_pos)
             span.mask = (key_pos[None, :] <= torch.arange(start_pos, end_pos)[:, None]).to(device)
         spans.append(span)
@@ -65,11 +68,12 @@ def build_flat_batch(scheduled: list[RequestState], block_size: int, device: tor
 
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        block_size=block_size,
         num_decodes=len(decodes),
         prefills=spans,
     )
     if decodes:
-        meta.decode_slots, meta.decode_mask = _decode_context(decodes, block_size, device)
+        _add_decode_context(meta, decodes, block_size, device)
     return FlatBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
@@ -80,24 +84,18 @@ def build_flat_batch(scheduled: list[RequestState], block_size: int, device: tor
     )
 
 
-def _context_slots(block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
-    """Cache slots of a request's first `num_tokens` tokens, read through its block list."""
-    num_blocks = -(-num_tokens // block_size)
-    blocks = torch.tensor(block_ids[:num_blocks], dtype=torch.long)
-    return (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:num_tokens]
-
-
-def _decode_context(decodes: list[RequestState], block_size: int, device: torch.device):
-    """Padded [n, max_context] slot matrix and key mask covering every decode's whole context."""
+def _add_decode_context(
+    meta: AttentionMetadata, decodes: list[RequestState], block_size: int, device: torch.device
+) -> None:
+    """Padded [n, max_blocks] block table, context lengths and key mask covering every decode's context."""
     context_lens = [s.num_computed_tokens + 1 for s in decodes]
     max_blocks = -(-max(context_lens) // block_size)
     padded = []
     for state in decodes:
         blocks = state.block_ids[:max_blocks]
         padded.append(blocks + [0] * (max_blocks - len(blocks)))
-    table = torch.tensor(padded, dtype=torch.long)
-    max_context = max(context_lens)
-    slots = (table[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :max_context]
     lens = torch.tensor(context_lens, dtype=torch.long)
-    mask = torch.arange(max_context)[None, :] < lens[:, None]
-    return slots.to(device), mask[:, None, None, :].to(device)
+    mask = torch.arange(max_blocks * block_size)[None, :] < lens[:, None]
+    meta.decode_block_table = torch.tensor(padded, dtype=torch.long, device=device)
+    meta.decode_context_lens = lens.to(device)
+    meta.decode_mask = mask[:, None, None, :].to(device)

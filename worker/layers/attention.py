@@ -13,15 +13,16 @@ from torch import nn
 class PrefillSpan:
     """One request's prefill (or prefill chunk) inside the flat token batch.
 
-    Token rows `start:end` are this chunk's queries. `context_slots` lists the cache slots of the
-    whole context (cached prefix + this chunk), and `mask` is the [q, ctx] causal mask; both are
-    None when nothing was cached before this chunk, so plain causal attention over the fresh K/V
-    applies.
+    Token rows `start:end` are this chunk's queries. `context_blocks` lists the cache blocks of the
+    whole context (cached prefix + this chunk, `context_len` tokens), and `mask` is the [q, ctx]
+    causal mask; both are None when nothing was cached before this chunk, so plain causal attention
+    over the fresh K/V applies.
     """
 
     start: int
     end: int
-    context_slots: torch.Tensor | None = None
+    context_blocks: torch.Tensor | None = None
+    context_len: int = 0
     mask: torch.Tensor | None = None
 
 
@@ -36,9 +37,11 @@ class AttentionMetadata:
     """
 
     slot_mapping: torch.Tensor  # [T] cache slot for each new token's K/V
+    block_size: int = 16
     num_decodes: int = 0
-    decode_slots: torch.Tensor | None = None  # [num_decodes, max_context] padded with slot 0
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context] True where a key is real
+    decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks] padded with block 0
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes]
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] True where a key is real
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -70,21 +73,15 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         n = meta.num_decodes
         if n:
-            # [n, ctx, kv_heads, d] → [n, kv_heads, ctx, d]; one batched call for every decode.
-            keys = key_cache[meta.decode_slots].transpose(1, 2)
-            values = value_cache[meta.decode_slots].transpose(1, 2)
-            decoded = F.scaled_dot_product_attention(
-                q[:n].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
-            )
-            out[:n] = decoded.squeeze(2)
+            out[:n] = self._decode(q[:n], key_cache, value_cache, meta)
         for span in meta.prefills:
             queries = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
-            if span.context_slots is None:
+            if span.context_blocks is None:
                 keys = k[span.start : span.end]
                 values = v[span.start : span.end]
             else:
-                keys = key_cache[span.context_slots]
-                values = value_cache[span.context_slots]
+                keys = self._gather(key_cache, span.context_blocks, meta.block_size)[: span.context_len]
+                values = self._gather(value_cache, span.context_blocks, meta.block_size)[: span.context_len]
             attended = F.scaled_dot_product_attention(
                 queries,
                 keys.transpose(0, 1).unsqueeze(0),
@@ -96,3 +93,27 @@ class Attention(nn.Module):
             )
             out[span.start : span.end] = attended.squeeze(0).transpose(0, 1)
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Whole blocks of the flat slot cache → [len(blocks) * block_size, kv_heads, head_dim].
+
+        Copying block-sized runs with index_select is several times faster than per-slot indexing.
+        """
+        paged = cache.view(-1, block_size, self.num_kv_heads, self.head_dim)
+        return paged.index_select(0, blocks.flatten()).view(-1, self.num_kv_heads, self.head_dim)
+
+    def _decode(
+        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """One query token per sequence, batched over every decode in the step."""
+        n = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        keys = self._gather(key_cache, meta.decode_block_table, meta.block_size)
+        values = self._gather(value_cache, meta.decode_block_table, meta.block_size)
+        # [n, ctx, kv_heads, d] → [n, kv_heads, ctx, d]; the query heads sharing a KV head become that
+        # head's query rows, so no K/V is repeated and no causal mask is needed for a single position.
+        keys = keys.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        values = values.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        queries = q.view(n, self.num_kv_heads, group, self.head_dim)
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
+        return attended.reshape(n, self.num_heads, self.head_dim)

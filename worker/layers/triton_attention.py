@@ -1,0 +1,334 @@
+"""Triton paged-attention decode kernel: one query token per sequence, reading K/V through the block table."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs never reach this path; the SDPA gather covers them.
+    triton = None
+    tl = None
+
+# triton decides at decoration time whether a kernel is compiled or interpreted, so record it once, here.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+# Context tokens one split program covers before its partial result is merged by the reduce kernel.
+_DEFAULT_PARTITION_SIZE = 512
+# More partitions than this would make the reduce kernel hold too large a [partitions, head_dim] tile.
+_MAX_PARTITIONS = 64
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if tl else {}
+
+
+def triton_available(device: torch.device | str) -> bool:
+    """True when the kernel can run on `device`: triton imports and the device is CUDA, or the interpreter is on."""
+    if triton is None:
+        return False
+    return _INTERPRETED or torch.device(device).type == "cuda"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        out_ptr,
+        q_ptr,
+        key_cache_ptr,
+        value_cache_ptr,
+        block_tables_ptr,
+        context_lens_ptr,
+        part_max_ptr,
+        part_sum_ptr,
+        part_acc_ptr,
+        qk_scale,
+        partition_size,
+        num_heads,
+        num_partitions,
+        stride_q_seq,
+        stride_q_head,
+        stride_out_seq,
+        stride_out_head,
+        stride_k_slot,
+        stride_k_head,
+        stride_v_slot,
+        stride_v_head,
+        stride_table_seq,
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        TILE: tl.constexpr,
+        SPLIT: tl.constexpr,
+        DOT_DTYPE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        # One program per (sequence, KV head, context partition). All GROUP query heads that share the
+        # KV head are handled together, so each K/V tile is read from memory once for the whole group.
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        part = tl.program_id(2)
+
+        context_len = tl.load(context_lens_ptr + seq)
+        if SPLIT:
+            start = part * partition_size
+            end = tl.minimum(start + partition_size, context_len)
+        else:
+            start = 0
+            end = context_len
+
+        group = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        group_mask = group < GROUP
+        dim_mask = dims < HEAD_DIM
+        heads = kv_head * GROUP + group
+        q_mask = group_mask[:, None] & dim_mask[None, :]
+        q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :], mask=q_mask, other=0.0)
+        # tl.dot wants both operands in one dtype: the cache dtype, so K/V are fed to it as stored.
+        q = q.to(DOT_DTYPE)
+
+        # Online softmax state in the exp2 domain (qk_scale already carries log2(e)).
+        row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        row_sum = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+
+        offsets = tl.arange(0, TILE)
+        for tile_start in range(start, end, TILE):
+            positions = tile_start + offsets
+            valid = positions < end
+            # Each token finds its slot through the block table, so a tile may span several physical blocks
+            # and the tile size does not depend on block_size. int64 keeps slot * stride from overflowing.
+            block_ids = tl.load(
+                block_tables_ptr + seq * stride_table_seq + positions // BLOCK_SIZE, mask=valid, other=0
+            ).to(tl.int64)
+            slots = block_ids * BLOCK_SIZE + positions % BLOCK_SIZE
+            kv_mask = valid[:, None] & dim_mask[None, :]
+
+            k = tl.load(
+                key_cache_ptr + slots[:, None] * stride_k_slot + kv_head * stride_k_head + dims[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(DOT_DTYPE)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+
+            # The first tile always holds a real token, so new_max is finite from then on.
+            new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+            rescale = tl.exp2(row_max - new_max)
+            probs = tl.exp2(scores - new_max[:, None])
+            row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+
+            v = tl.load(
+                value_cache_ptr + slots[:, None] * stride_v_slot + kv_head * stride_v_head + dims[None, :],
+                mask=kv_mask,
+                other=0.0,
+            ).to(DOT_DTYPE)
+            acc = acc * rescale[:, None] + tl.dot(probs.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
+            row_max = new_max
+
+        if SPLIT:
+            # Unnormalised partials; the reduce kernel rescales them against the global max.
+            part_index = (seq * num_heads + heads) * num_partitions + part
+            tl.store(part_max_ptr + part_index, row_max, mask=group_mask)
+            tl.store(part_sum_ptr + part_index, row_sum, mask=group_mask)
+            tl.store(part_acc_ptr + part_index[:, None] * HEAD_DIM + dims[None, :], acc, mask=q_mask)
+        else:
+            # An empty context yields zeros instead of 0/0.
+            out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+            tl.store(
+                out_ptr + seq * stride_out_seq + heads[:, None] * stride_out_head + dims[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=q_mask,
+            )
+
+    @triton.jit
+    def _reduce_partitions_kernel(
+        out_ptr,
+        part_max_ptr,
+        part_sum_ptr,
+        part_acc_ptr,
+        context_lens_ptr,
+        partition_size,
+        num_heads,
+        num_partitions,
+        stride_out_seq,
+        stride_out_head,
+        HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr,
+        PARTITIONS_PAD: tl.constexpr,
+    ):
+        # One program per (sequence, query head): merge the partial softmax results of its partitions.
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+
+        # Partitions past the context were never written; they are masked, not read.
+        used = tl.cdiv(tl.load(context_lens_ptr + seq), partition_size)
+        parts = tl.arange(0, PARTITIONS_PAD)
+        part_mask = parts < used
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        dim_mask = dims < HEAD_DIM
+
+        part_index = (seq * num_heads + head) * num_partitions + parts
+        part_max = tl.load(part_max_ptr + part_index, mask=part_mask, other=float("-inf"))
+        part_sum = tl.load(part_sum_ptr + part_index, mask=part_mask, other=0.0)
+        weights = tl.where(part_mask, tl.exp2(part_max - tl.max(part_max, axis=0)), 0.0)
+        total = tl.sum(part_sum * weights, axis=0)
+
+        part_acc = tl.load(
+            part_acc_ptr + part_index[:, None] * HEAD_DIM + dims[None, :],
+            mask=part_mask[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
+        out = tl.sum(part_acc * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+        tl.store(
+            out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
+            out.to(out_ptr.dtype.element_ty),
+            mask=dim_mask,
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of one CUDA device; queried once per device."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _pick_partition_size(q: torch.Tensor, num_kv_heads: int, max_context: int, tile: int) -> int | None:
+    """Split the context only when (sequence, KV head) programs alone would leave most of the GPU idle."""
+    if q.device.type != "cuda" or max_context <= 2 * _DEFAULT_PARTITION_SIZE:
+        return None
+    device_index = torch.cuda.current_device() if q.device.index is None else q.device.index
+    if q.shape[0] * num_kv_heads >= _sm_count(device_index):
+        return None
+    needed = -(-max_context // _MAX_PARTITIONS)
+    return max(_DEFAULT_PARTITION_SIZE, -(-needed // tile) * tile)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    *,
+    partition_size: int | None = None,
+) -> torch.Tensor:
+    """q [n, H, D] attends over its paged context → [n, H, D].
+
+    key_cache/value_cache are [num_slots, KVH, D] with slot = block_id * block_size + offset; block_tables
+    is [n, max_blocks] int32 and context_lens [n] int32 (counting the token being decoded). Query head h
+    reads KV head h // (H // KVH). `partition_size` forces a split-context pass (None: chosen per launch).
+    """
+    if triton is None:
+        raise RuntimeError("paged_decode_attention needs triton")
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = key_cache.shape[1]
+    if key_cache.shape != value_cache.shape or key_cache.shape[2] != head_dim:
+        raise ValueError(f"cache shapes {tuple(key_cache.shape)}/{tuple(value_cache.shape)} do not fit q {q.shape}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads")
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise ValueError("block_tables and context_lens must be int32")
+    if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
+        raise ValueError("block_tables and context_lens need one row per sequence")
+
+    if key_cache.dtype not in _TL_DTYPES or value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"unsupported cache dtypes {key_cache.dtype}/{value_cache.dtype}")
+    # The kernels index the last dimension with unit stride.
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("key/value cache must be contiguous in head_dim")
+
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_tables.stride(-1) != 1:
+        block_tables = block_tables.contiguous()
+    context_lens = context_lens.contiguous()
+
+    group = num_heads // num_kv_heads
+    # tl.dot needs every dimension to be at least 16.
+    group_pad = max(16, triton.next_power_of_2(group))
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    tile = 64 if head_dim_pad <= 128 else 32
+    # The table width bounds every context without reading context_lens back from the device.
+    max_context = block_tables.shape[1] * block_size
+    if partition_size is None:
+        partition_size = _pick_partition_size(q, num_kv_heads, max_context, tile)
+    elif partition_size <= 0 or partition_size % tile:
+        raise ValueError(f"partition_size must be a positive multiple of {tile}, got {partition_size}")
+    num_partitions = 1 if partition_size is None else max(1, -(-max_context // partition_size))
+    split = num_partitions > 1
+    dot_dtype = key_cache.dtype
+    if _INTERPRETED and dot_dtype == torch.bfloat16:
+        # The interpreter keeps bf16 as raw uint16 bits and its tl.dot multiplies those bits, so it gets fp32.
+        dot_dtype = torch.float32
+    if split:
+        part_max = torch.empty((num_seqs, num_heads, num_partitions), dtype=torch.float32, device=q.device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty((num_seqs, num_heads, num_partitions, head_dim), dtype=torch.float32, device=q.device)
+    else:
+        part_max = part_sum = part_acc = out  # never touched when not splitting
+
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
+        out,
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        part_max,
+        part_sum,
+        part_acc,
+        scale * math.log2(math.e),
+        partition_size or 0,
+        num_heads,
+        num_partitions,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        block_tables.stride(0),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_SIZE=block_size,
+        TILE=tile,
+        SPLIT=split,
+        DOT_DTYPE=_TL_DTYPES[dot_dtype],
+        # fp32 operands keep full precision instead of silently dropping to TF32 on tensor cores.
+        DOT_PRECISION="ieee" if dot_dtype == torch.float32 else None,
+    )
+    if split:
+        _reduce_partitions_kernel[(num_seqs, num_heads)](
+            out,
+            part_max,
+            part_sum,
+            part_acc,
+            context_lens,
+            partition_size,
+            num_heads,
+            num_partitions,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            PARTITIONS_PAD=triton.next_power_of_2(num_partitions),
+        )
+    return out
