@@ -25,6 +25,7 @@ class Case:
     context_lens: tuple[int, ...]
     dtype: str = "float32"
     partition_size: int | None = None
+    index_dtype: str = "int32"
     atol: float = 1e-4
 
 
@@ -35,6 +36,7 @@ CASES = [
     Case("gqa4_blocks_wider_than_tile", 4, 1, 32, 128, (1, 130, 200)),
     Case("gqa4_split_context", 8, 2, 32, 16, (150, 1, 64, 129), partition_size=64),
     Case("gqa3_split_head_dim_80", 3, 1, 80, 8, (7, 191), partition_size=64),
+    Case("int64_tables_split", 6, 2, 32, 16, (100, 3), partition_size=64, index_dtype="int64"),
     Case("bf16", 8, 2, 64, 16, (9, 50), dtype="bfloat16", atol=2e-2),
     Case("fp16_split", 8, 2, 64, 16, (9, 150), dtype="float16", partition_size=64, atol=2e-3),
 ]
@@ -91,7 +93,9 @@ def _max_error(case: Case, seed: int = 0) -> float:
     key_cache = torch.randn(cache_shape, generator=generator).to(dtype)
     value_cache = torch.randn(cache_shape, generator=generator).to(dtype)
     q = torch.randn((len(case.context_lens), case.num_heads, case.head_dim), generator=generator).to(dtype)
-    context_lens = torch.tensor(case.context_lens, dtype=torch.int32)
+    index_dtype = getattr(torch, case.index_dtype)
+    block_tables = block_tables.to(index_dtype)
+    context_lens = torch.tensor(case.context_lens, dtype=index_dtype)
     scale = case.head_dim**-0.5
 
     got = paged_decode_attention(

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.triton_attention import paged_decode_attention, triton_available
+
 
 @dataclass
 class PrefillSpan:
@@ -106,6 +108,17 @@ class Attention(nn.Module):
         self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """One query token per sequence, batched over every decode in the step."""
+        if triton_available(q.device):
+            # Reads K/V through the block table in place instead of gathering a padded copy of every context.
+            return paged_decode_attention(
+                q,
+                key_cache,
+                value_cache,
+                meta.decode_block_table,
+                meta.decode_context_lens,
+                meta.block_size,
+                self.scale,
+            )
         n = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         keys = self._gather(key_cache, meta.decode_block_table, meta.block_size)

@@ -223,9 +223,10 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """q [n, H, D] attends over its paged context → [n, H, D].
 
-    key_cache/value_cache are [num_slots, KVH, D] with slot = block_id * block_size + offset; block_tables
-    is [n, max_blocks] int32 and context_lens [n] int32 (counting the token being decoded). Query head h
-    reads KV head h // (H // KVH). `partition_size` forces a split-context pass (None: chosen per launch).
+    key_cache/value_cache are [num_slots, KVH, D] with slot = block_id * block_size + offset. block_tables
+    [n, max_blocks] and context_lens [n] are int32 (int64 is accepted too); context_lens counts the token
+    being decoded, and table entries past a sequence's context are never read. Query head h reads KV head
+    h // (H // KVH). `partition_size` forces a split-context pass (None: chosen per launch).
     """
     if triton is None:
         raise RuntimeError("paged_decode_attention needs triton")
@@ -237,8 +238,9 @@ def paged_decode_attention(
         raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads")
     if block_size <= 0 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
-    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
-        raise ValueError("block_tables and context_lens must be int32")
+    index_dtypes = (torch.int32, torch.int64)
+    if block_tables.dtype not in index_dtypes or context_lens.dtype not in index_dtypes:
+        raise ValueError("block_tables and context_lens must be int32 or int64")
     if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
         raise ValueError("block_tables and context_lens need one row per sequence")
 
