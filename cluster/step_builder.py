@@ -71,6 +71,8 @@ class StepMessageBuilder:
                 delta.handle = request.handle
                 if request.num_tokens > num_known:
                     delta.new_token_ids.extend(request.all_token_ids[num_known:])
+                    if not request.output_token_ids:
+                        delta.num_prompt_tokens = request.num_prompt_tokens
                 if item.new_block_ids:
                     delta.new_block_ids.extend(item.new_block_ids)
                 delta.num_scheduled_tokens = item.num_tokens

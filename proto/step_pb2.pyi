@@ -55,7 +55,7 @@ class NewRequest(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., skip_sampling: _Optional[bool] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
-    __slots__ = ("handle", "new_token_ids", "new_block_ids", "num_scheduled_tokens", "resumed", "num_computed_tokens", "skip_sampling")
+    __slots__ = ("handle", "new_token_ids", "new_block_ids", "num_scheduled_tokens", "resumed", "num_computed_tokens", "skip_sampling", "num_prompt_tokens")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class CachedRequest(_message.Message):
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SKIP_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     handle: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -70,7 +71,8 @@ class CachedRequest(_message.Message):
     resumed: bool
     num_computed_tokens: int
     skip_sampling: bool
-    def __init__(self, handle: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., resumed: _Optional[bool] = ..., num_computed_tokens: _Optional[int] = ..., skip_sampling: _Optional[bool] = ...) -> None: ...
+    num_prompt_tokens: int
+    def __init__(self, handle: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., resumed: _Optional[bool] = ..., num_computed_tokens: _Optional[int] = ..., skip_sampling: _Optional[bool] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
     __slots__ = ("step_id", "new_requests", "cached_requests", "finished", "preempted")

@@ -16,7 +16,7 @@ def prefill_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Ten
     """Logits of every position for one whole-prompt prefill into a fresh zero KV cache."""
     num_tokens = input_ids.shape[0]
     for layer in model.attention_layers():
-        layer.kv_cache = torch.zeros(2, num_tokens, model.num_kv_heads_per_rank, model.head_dim)
+        layer.kv_cache = torch.zeros(2, model.num_kv_heads_per_rank, num_tokens, model.head_dim)
     meta = AttentionMetadata(slot_mapping=torch.arange(num_tokens), prefills=[PrefillSpan(0, num_tokens)])
     with torch.inference_mode():
         return model.compute_logits(model(input_ids, torch.arange(num_tokens), meta))

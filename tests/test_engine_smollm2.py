@@ -47,7 +47,7 @@ def test_greedy_matches_transformers(llm, prompts, reference):
     assert report.identical == report.total  # fp32 on CPU: every prompt identical
 
 
-def test_preemption_and_chunked_prefill_keep_outputs(smollm2_dir, prompts, reference):
+def test_preemption_and_chunked_prefill_keep_outputs(llm, smollm2_dir, prompts, reference):
     # 8 requests need ~60 blocks of 16 tokens at their longest; 20 forces preemption, a 24-token
     # budget splits every prompt of more than 24 tokens into chunks running next to other decodes.
     tight = LLM(str(smollm2_dir), num_gpu_blocks=20, max_num_batched_tokens=24)
@@ -56,6 +56,12 @@ def test_preemption_and_chunked_prefill_keep_outputs(smollm2_dir, prompts, refer
     assert tight.stats.num_mixed_steps > 0
     assert report.identical == report.total
     assert tight.engine.block_table.num_free_blocks == tight.engine.block_table.num_blocks
+    # Seeded sampling survives preemption too: each token's noise depends on (seed, position) only.
+    seeded = [SamplingParams(temperature=0.8, seed=i, max_tokens=NEW_TOKENS, ignore_eos=True) for i in range(8)]
+    preempted_before = tight.stats.num_preemptions
+    squeezed = [o.outputs[0].token_ids for o in tight.generate(prompts, seeded)]
+    assert tight.stats.num_preemptions > preempted_before
+    assert squeezed == [o.outputs[0].token_ids for o in llm.generate(prompts, seeded)]
 
 
 def test_prefix_cache_computes_only_uncached_tokens(llm):

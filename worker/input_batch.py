@@ -10,6 +10,27 @@ from worker.layers.attention import AttentionMetadata, PrefillSpan
 from worker.request_state import RequestState
 
 
+class GatherWorkspace:
+    """Two reusable buffers the decode attention gathers K and V blocks into, grown on demand."""
+
+    def __init__(self, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.num_kv_heads = num_kv_heads
+        self.block_shape = (block_size, head_dim)
+        self.dtype = dtype
+        self.device = device
+        self._storage = torch.empty(0, dtype=dtype, device=device)
+
+    def buffers(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        per_block = self.num_kv_heads * self.block_shape[0] * self.block_shape[1]
+        needed = 2 * num_blocks * per_block
+        if self._storage.numel() < needed:
+            # Grow geometrically so a slowly lengthening batch does not reallocate every step.
+            self._storage = torch.empty(max(needed, 2 * self._storage.numel()), dtype=self.dtype, device=self.device)
+        keys = self._storage[: needed // 2].view(self.num_kv_heads, num_blocks, *self.block_shape)
+        values = self._storage[needed // 2 : needed].view(self.num_kv_heads, num_blocks, *self.block_shape)
+        return keys, values
+
+
 @dataclass
 class FlatBatch:
     """Model inputs for one step. Row order: every decode (one token each), then prefill chunks."""
@@ -23,7 +44,9 @@ class FlatBatch:
     sample_rows: torch.Tensor
 
 
-def build_flat_batch(scheduled: list[RequestState], block_size: int, device: torch.device) -> FlatBatch:
+def build_flat_batch(
+    scheduled: list[RequestState], block_size: int, device: torch.device, workspace: GatherWorkspace | None = None
+) -> FlatBatch:
     """Lay out decodes first so one batched attention call covers them all, then each prefill chunk."""
     decodes = [s for s in scheduled if s.num_scheduled_tokens == 1]
     prefills = [s for s in scheduled if s.num_scheduled_tokens > 1]
@@ -74,6 +97,8 @@ def build_flat_batch(scheduled: list[RequestState], block_size: int, device: tor
     )
     if decodes:
         _add_decode_context(meta, decodes, block_size, device)
+        if workspace is not None:
+            meta.decode_key_buffer, meta.decode_value_buffer = workspace.buffers(meta.decode_block_table.numel())
     return FlatBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),

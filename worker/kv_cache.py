@@ -33,6 +33,6 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[torch.Tensor]:
-    """One [2, num_blocks * block_size, kv_heads, head_dim] tensor per layer; slot = block * block_size + offset."""
-    shape = (2, num_blocks * block_size, num_kv_heads, head_dim)
+    """One [2, kv_heads, num_blocks * block_size, head_dim] tensor per layer; slot = block * block_size + offset."""
+    shape = (2, num_kv_heads, num_blocks * block_size, head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -7,7 +7,7 @@ import time
 import torch
 
 from proto import step_pb2
-from worker.input_batch import build_flat_batch
+from worker.input_batch import GatherWorkspace, build_flat_batch
 from worker.parallel_state import TensorParallelGroup
 from worker.request_state import RequestState, RequestStates
 from worker.sampler import Sampler, SamplingRow
@@ -34,7 +34,7 @@ def sampling_row(state: RequestState) -> SamplingRow:
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         num_logprobs=params.num_logprobs if params.HasField("num_logprobs") else None,
-        generator=state.generator,
+        generator=state.seeded_generator(),
         prompt_token_ids=prompt,
         output_token_ids=outputs,
         banned_token_ids=banned,
@@ -51,6 +51,11 @@ class ModelRunner:
         self.tp = tp
         self.states = RequestStates(device)
         self.sampler = Sampler()
+        self.workspace = None
+        if device.type == "cpu":
+            # On CUDA the Triton kernel reads the cache in place and needs no gather buffers.
+            dtype = next(model.parameters()).dtype
+            self.workspace = GatherWorkspace(block_size, model.num_kv_heads_per_rank, model.head_dim, dtype, device)
 
     @torch.inference_mode()
     def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
@@ -58,7 +63,7 @@ class ModelRunner:
         result = step_pb2.StepResult(step_id=batch.step_id)
         scheduled = self.states.apply(batch)
         if scheduled:
-            flat = build_flat_batch(scheduled, self.block_size, self.device)
+            flat = build_flat_batch(scheduled, self.block_size, self.device, self.workspace)
             hidden = self.model(flat.input_ids, flat.positions, flat.attention)
             if flat.sample_states:
                 # Every rank joins the logits gather; only rank 0 samples and answers.

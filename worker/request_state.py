@@ -24,6 +24,18 @@ class RequestState:
     num_scheduled_tokens: int = 0
     skip_sampling: bool = False
 
+    def seeded_generator(self) -> torch.Generator | None:
+        """The generator for this request's next token, reseeded from (seed, output position).
+
+        Deriving the state from the position rather than carrying it from step to step keeps seeded
+        output identical after preemption and after a worker group restarts with fresh state.
+        """
+        if self.generator is None:
+            return None
+        position = len(self.token_ids) - self.num_prompt_tokens
+        self.generator.manual_seed((self.sampling.seed * 0x9E3779B97F4A7C15 + position) & 0xFFFFFFFFFFFFFFFF)
+        return self.generator
+
 
 class RequestStates:
     """The per-request state table, updated by each StepBatch."""
@@ -61,6 +73,8 @@ class RequestStates:
             state = states[delta.handle]
             if delta.new_token_ids:
                 state.token_ids.extend(delta.new_token_ids)
+            if delta.num_prompt_tokens:
+                state.num_prompt_tokens = delta.num_prompt_tokens
             if delta.resumed:
                 state.block_ids = list(delta.new_block_ids)
                 state.num_computed_tokens = delta.num_computed_tokens
@@ -74,6 +88,4 @@ class RequestStates:
     def _generator(self, sampling: step_pb2.SamplingParams) -> torch.Generator | None:
         if not sampling.HasField("seed"):
             return None
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(sampling.seed)
-        return generator
+        return torch.Generator(device=self.device)

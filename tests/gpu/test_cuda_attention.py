@@ -17,7 +17,7 @@ def test_triton_decode_matches_sdpa(dtype):
     lens = torch.tensor([1, 17, 300, 2049, 64], device="cuda")
     max_blocks = int((lens.max() + block_size - 1) // block_size)
     table = torch.stack([torch.randperm(num_blocks, device="cuda")[:max_blocks] for _ in lens])
-    cache = torch.randn(2, num_blocks * block_size, kv_heads, head_dim, device="cuda", dtype=dtype)
+    cache = torch.randn(2, kv_heads, num_blocks * block_size, head_dim, device="cuda", dtype=dtype)
     q = torch.randn(len(lens), heads * head_dim, device="cuda", dtype=dtype)
     layer = Attention(heads, kv_heads, head_dim, head_dim**-0.5)
     layer.kv_cache = cache

@@ -44,6 +44,10 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks] padded with block 0
     decode_context_lens: torch.Tensor | None = None  # [num_decodes]
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] True where a key is real
+    # Reused gather targets [kv_heads, num_decodes * max_blocks, block_size, head_dim] for K and V: a fresh
+    # tensor of this size per layer costs more in page faults than the copy itself.
+    decode_key_buffer: torch.Tensor | None = None
+    decode_value_buffer: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -51,7 +55,9 @@ class Attention(nn.Module):
     """Multi-head (grouped-query) attention over a paged KV cache shard.
 
     `kv_cache` is bound by the worker after it sizes the cache: a tensor of shape
-    [2, num_slots, num_kv_heads, head_dim] where slot = block_id * block_size + offset.
+    [2, num_kv_heads, num_slots, head_dim] where slot = block_id * block_size + offset. Head-major
+    layout makes every gathered context a contiguous [tokens, head_dim] slab per head, which is the
+    layout the CPU attention kernel runs fastest on.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -69,8 +75,8 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
-        key_cache.index_copy_(0, meta.slot_mapping, k)
-        value_cache.index_copy_(0, meta.slot_mapping, v)
+        key_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        value_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
         out = torch.empty_like(q)
         n = meta.num_decodes
@@ -79,15 +85,15 @@ class Attention(nn.Module):
         for span in meta.prefills:
             queries = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
             if span.context_blocks is None:
-                keys = k[span.start : span.end]
-                values = v[span.start : span.end]
+                keys = k[span.start : span.end].transpose(0, 1)
+                values = v[span.start : span.end].transpose(0, 1)
             else:
-                keys = self._gather(key_cache, span.context_blocks, meta.block_size)[: span.context_len]
-                values = self._gather(value_cache, span.context_blocks, meta.block_size)[: span.context_len]
+                keys = self._gather(key_cache, span.context_blocks, meta.block_size)[:, : span.context_len]
+                values = self._gather(value_cache, span.context_blocks, meta.block_size)[:, : span.context_len]
             attended = F.scaled_dot_product_attention(
                 queries,
-                keys.transpose(0, 1).unsqueeze(0),
-                values.transpose(0, 1).unsqueeze(0),
+                keys.unsqueeze(0),
+                values.unsqueeze(0),
                 attn_mask=span.mask,
                 is_causal=span.mask is None,
                 scale=self.scale,
@@ -96,13 +102,19 @@ class Attention(nn.Module):
             out[span.start : span.end] = attended.squeeze(0).transpose(0, 1)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
-    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-        """Whole blocks of the flat slot cache → [len(blocks) * block_size, kv_heads, head_dim].
+    def _gather(
+        self, cache: torch.Tensor, blocks: torch.Tensor, block_size: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Whole blocks of one head-major cache → [kv_heads, len(blocks) * block_size, head_dim].
 
         Copying block-sized runs with index_select is several times faster than per-slot indexing.
         """
-        paged = cache.view(-1, block_size, self.num_kv_heads, self.head_dim)
-        return paged.index_select(0, blocks.flatten()).view(-1, self.num_kv_heads, self.head_dim)
+        paged = cache.view(self.num_kv_heads, -1, block_size, self.head_dim)
+        if out is None:
+            gathered = paged.index_select(1, blocks.flatten())
+        else:
+            gathered = torch.index_select(paged, 1, blocks.flatten(), out=out)
+        return gathered.view(self.num_kv_heads, -1, self.head_dim)
 
     def _decode(
         self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata
@@ -112,8 +124,8 @@ class Attention(nn.Module):
             # Reads K/V through the block table in place instead of gathering a padded copy of every context.
             return paged_decode_attention(
                 q,
-                key_cache,
-                value_cache,
+                key_cache.transpose(0, 1),  # the kernel takes [slots, kv_heads, head_dim] through strides
+                value_cache.transpose(0, 1),
                 meta.decode_block_table,
                 meta.decode_context_lens,
                 meta.block_size,
@@ -121,12 +133,12 @@ class Attention(nn.Module):
             )
         n = q.shape[0]
         group = self.num_heads // self.num_kv_heads
-        keys = self._gather(key_cache, meta.decode_block_table, meta.block_size)
-        values = self._gather(value_cache, meta.decode_block_table, meta.block_size)
-        # [n, ctx, kv_heads, d] → [n, kv_heads, ctx, d]; the query heads sharing a KV head become that
+        keys = self._gather(key_cache, meta.decode_block_table, meta.block_size, meta.decode_key_buffer)
+        values = self._gather(value_cache, meta.decode_block_table, meta.block_size, meta.decode_value_buffer)
+        # [kv_heads, n * ctx, d] → [n, kv_heads, ctx, d]; the query heads sharing a KV head become that
         # head's query rows, so no K/V is repeated and no causal mask is needed for a single position.
-        keys = keys.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        values = values.view(n, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        keys = keys.view(self.num_kv_heads, n, -1, self.head_dim).transpose(0, 1)
+        values = values.view(self.num_kv_heads, n, -1, self.head_dim).transpose(0, 1)
         queries = q.view(n, self.num_kv_heads, group, self.head_dim)
         attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
         return attended.reshape(n, self.num_heads, self.head_dim)
