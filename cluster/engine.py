@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from collections.abc import Sequence
 
 from cluster.block_table import BlockTable
 from cluster.config import EngineConfig
-from cluster.executor import Executor
-from cluster.request import Request
+from cluster.executor import Executor, WorkerGroupError
+from cluster.request import Request, RequestStatus
 from cluster.sampling_params import SamplingParams
 from cluster.scheduler import PauseMode, Scheduler
 from cluster.step_builder import StepMessageBuilder
 from proto import step_pb2
+
+logger = logging.getLogger(__name__)
 
 SampledTokens = dict[int, tuple[int, float | None, dict[int, float] | None]]
 
@@ -56,10 +60,16 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.block_table, max_model_len)
         self.step_builder = StepMessageBuilder()
         self._handles = itertools.count(1)
+        # Worker-group failures in a row; reset by every successful step.
+        self.max_restarts = 3
+        self.restart_backoff_s = 0.5
+        self._consecutive_failures = 0
+        self.num_restarts = 0
         # Size of the latest step message and how many requests it carried, for the wire-cost figures.
         self.last_step_bytes = 0
         self.last_step_num_requests = 0
         self.last_step_decode_only = False
+        self.last_step_idle = True
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, final: bool = True
@@ -105,11 +115,53 @@ class EngineCore:
     def step(self) -> list[Request]:
         """schedule → run → postprocess; returns requests that got a token or finished."""
         out = self.scheduler.schedule()
+        self.last_step_idle = out.empty
         if out.empty:
             return []
         batch = self.step_builder.build(out)
         self.last_step_bytes = batch.ByteSize()
         self.last_step_num_requests = len(out.scheduled)
         self.last_step_decode_only = not batch.new_requests and all(s.num_tokens == 1 for s in out.scheduled)
-        result = self.executor.execute(batch)
+        try:
+            result = self.executor.execute(batch)
+        except WorkerGroupError as error:
+            return self._recover(error)
+        self._consecutive_failures = 0
         return self.scheduler.update_from_output(out, unpack_result(result))
+
+    def _recover(self, error: WorkerGroupError) -> list[Request]:
+        """Rebuild the worker group and recompute every request; give up after repeated failures.
+
+        Clients see a pause: generated tokens are kept and recomputed, none is lost or repeated.
+        """
+        self.scheduler.requeue_all()
+        self.step_builder.reset()
+        while True:
+            self._consecutive_failures += 1
+            if self._consecutive_failures > self.max_restarts:
+                return self._fail_all(error)
+            delay = self.restart_backoff_s * 2 ** (self._consecutive_failures - 1)
+            logger.warning("worker group failed (%s); restart %d in %.1fs", error, self._consecutive_failures, delay)
+            time.sleep(delay)
+            try:
+                num_blocks = self.executor.restart()
+            except Exception as restart_error:  # a failed restart counts as another failure
+                error = WorkerGroupError(f"restart failed: {restart_error}")
+                continue
+            self.num_restarts += 1
+            if num_blocks != self.block_table.num_blocks:
+                self.block_table = BlockTable(
+                    num_blocks, self.config.cache.block_size, self.config.cache.enable_prefix_caching
+                )
+                self.scheduler.replace_block_table(self.block_table)
+            return []
+
+    def _fail_all(self, error: WorkerGroupError) -> list[Request]:
+        """Finish every in-flight request with a retriable error instead of restarting forever."""
+        message = f"worker group failed {self._consecutive_failures - 1} times in a row; retry the request ({error})"
+        failed = list(self.scheduler.requests.values())
+        for request in failed:
+            request.error = message
+            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ABORTED)
+        self._consecutive_failures = 0
+        return failed

@@ -5,12 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from worker.model_loader import resolve_model_dir
-
 from cluster.config import EngineConfig
 from proto import step_pb2
 from worker.config import WorkerConfig
+from worker.model_loader import resolve_model_dir
 from worker.worker import Worker
+
+
+class WorkerGroupError(RuntimeError):
+    """A rank failed, died or missed its deadline: the whole group must be rebuilt."""
 
 
 class Executor(Protocol):
@@ -19,6 +22,10 @@ class Executor(Protocol):
     num_blocks: int
 
     def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult: ...
+
+    def restart(self) -> int:
+        """Replace every rank with a fresh one (new processes, empty cache); returns the new block count."""
+        ...
 
     def shutdown(self) -> None: ...
 
@@ -32,6 +39,7 @@ def worker_config(config: EngineConfig, model_dir: Path) -> WorkerConfig:
     cache = config.cache
     return WorkerConfig(
         model_dir=str(model_dir),
+        model_spec=config.model,
         dtype=config.dtype,
         device=config.device,
         load_format=config.load_format,
@@ -53,6 +61,9 @@ class InProcessExecutor:
 
     def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
         return self.worker.execute_step(batch)
+
+    def restart(self) -> int:
+        raise WorkerGroupError("the in-process worker cannot be restarted")
 
     def shutdown(self) -> None:
         self.worker = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -41,6 +42,10 @@ class LLM:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         enable_chunked_prefill: bool = True,
+        tensor_parallel_size: int = 1,
+        ray_address: str | None = None,
+        placement_strategy: str = "PACK",
+        head_name: str | None = None,
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -49,6 +54,7 @@ class LLM:
             device=device,
             load_format=load_format,
             seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
@@ -70,9 +76,20 @@ class LLM:
         eos = info.eos_token_ids
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
-        executor = InProcessExecutor(worker_config(self.config, self.model_dir))
-        self.engine = EngineCore(self.config, executor, limit, info.vocab_size, eos)
         self._ids = itertools.count()
+        self._remote = None
+        self.engine = None
+        if tensor_parallel_size > 1 or ray_address is not None:
+            # Tensor parallel (or an existing cluster): a head actor on Ray drives worker actors over gRPC.
+            from cluster.head import ClusterOptions
+            from cluster.remote_engine import RemoteEngine
+
+            options = ClusterOptions(tensor_parallel_size=tensor_parallel_size, placement_strategy=placement_strategy)
+            name = head_name or f"pagerail-head-{uuid.uuid4().hex[:8]}"
+            self._remote = RemoteEngine(self.config, options, ray_address, name, device)
+        else:
+            executor = InProcessExecutor(worker_config(self.config, self.model_dir))
+            self.engine = EngineCore(self.config, executor, limit, info.vocab_size, eos)
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -84,6 +101,7 @@ class LLM:
         params_list = _as_params_list(params, len(prompts))
         outputs: list[RequestOutput] = []
         children: dict[str, tuple[RequestOutput, int, SamplingParams]] = {}
+        pending: list[tuple[str, list[int], SamplingParams]] = []
         try:
             for prompt, sp in zip(prompts, params_list, strict=True):
                 token_ids = self._encode(prompt)
@@ -93,13 +111,19 @@ class LLM:
                     # Each of the n sequences is its own request; they share the prompt's cached blocks.
                     child_params = sp if sp.seed is None or index == 0 else replace(sp, seed=sp.seed + index)
                     child_id = f"{output.request_id}-{index}" if sp.n > 1 else output.request_id
-                    self.engine.add_request(child_id, token_ids, child_params)
                     children[child_id] = (output, index, sp)
+                    pending.append((child_id, token_ids, child_params))
                     output.outputs.append(CompletionOutput(index, "", [], None))
-            self._run(children)
+            if self._remote is not None:
+                self._run_remote(children, pending)
+            else:
+                for child_id, token_ids, child_params in pending:
+                    self.engine.add_request(child_id, token_ids, child_params)
+                self._run(children)
         except BaseException:
-            for child_id in children:
-                self.engine.abort(child_id)
+            if self.engine is not None:
+                for child_id in children:
+                    self.engine.abort(child_id)
             raise
         return outputs
 
@@ -122,7 +146,16 @@ class LLM:
 
     @property
     def stats(self):
+        """Scheduler counters (in-process), or the head actor's stats dict (tensor parallel)."""
+        if self._remote is not None:
+            return self._remote.stats()
         return self.engine.scheduler.stats
+
+    def shutdown(self) -> None:
+        """Stop the head actor and its workers (tensor parallel); nothing to do in-process."""
+        if self._remote is not None:
+            self._remote.shutdown()
+            self._remote = None
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -152,6 +185,13 @@ class LLM:
                     output.num_cached_tokens = max(output.num_cached_tokens, request.num_cached_tokens)
                     remaining.discard(request.request_id)
 
+    def _run_remote(self, children: dict[str, tuple[RequestOutput, int, SamplingParams]], pending: list) -> None:
+        # Stop strings are applied to the finished text here; the head works on token ids only.
+        for request_id, request in self._remote.run(pending).items():
+            output, index, sp = children[request_id]
+            self._fill(output.outputs[index], request, sp)
+            output.num_cached_tokens = max(output.num_cached_tokens, request.num_cached_tokens)
+
     def _hits_stop_string(self, request: Request, sp: SamplingParams) -> bool:
         text = self._require_tokenizer().decode(request.output_token_ids, skip_special_tokens=sp.skip_special_tokens)
         return any(stop in text for stop in sp.stop)
@@ -160,13 +200,16 @@ class LLM:
         text = ""
         if self.tokenizer is not None:
             text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=sp.skip_special_tokens)
+        finish_reason = request.status.value
         for stop in sp.stop:
             cut = text.find(stop)
             if cut >= 0:
                 text = text[: cut + (len(stop) if sp.include_stop_str_in_output else 0)]
+                finish_reason = "stop"
         completion.text = text
         completion.token_ids = list(request.output_token_ids)
-        completion.finish_reason = request.status.value
+        completion.finish_reason = finish_reason
+        completion.error = request.error
         if sp.logprobs is not None:
             completion.logprobs = [
                 {token: lp, **top}

@@ -16,6 +16,8 @@ class CompletionOutput:
     # Per generated token: {token id: logprob} with the sampled token first, then the top ones.
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    # Set when the engine gave up on the request (retriable), with finish_reason "abort".
+    error: str | None = None
 
 
 @dataclass

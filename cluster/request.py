@@ -47,6 +47,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit on the latest admission
+    error: str | None = None  # why the engine gave up on it (retriable), when it did
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -104,6 +104,26 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
+    def requeue_all(self) -> None:
+        """After the workers lost their KV cache: every request recomputes from its tokens so far.
+
+        Running requests go back to the head of the queue in their running order, generated tokens
+        kept; streaming-input sessions keep waiting for input with nothing cached.
+        """
+        for request in reversed(self.running):
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(request)
+        self.running.clear()
+        for request in self.requests.values():
+            request.num_computed_tokens = 0
+        self.block_table.reset()
+        self._finished_handles.clear()
+
+    def replace_block_table(self, block_table: BlockTable) -> None:
+        """A restarted worker group may hold a different number of blocks."""
+        self.block_table = block_table
+
     def pause(self, mode: PauseMode) -> None:
         self.pause_mode = mode
 

@@ -10,6 +10,8 @@ class WorkerConfig:
     """Built by the head from its engine configuration; plain values so it crosses process boundaries."""
 
     model_dir: str
+    # What the user asked for (None: the embedded default); a node without `model_dir` resolves it itself.
+    model_spec: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     load_format: str = "auto"

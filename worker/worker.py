@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 
 from proto import step_pb2
 from worker.config import WorkerConfig
 from worker.kv_cache import allocate_kv_caches, bytes_per_block, memory_budget
-from worker.model_loader import load_model
+from worker.model_loader import load_model, resolve_model_dir
 from worker.model_runner import ModelRunner
 from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
@@ -54,8 +55,12 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             limit_threads(config.num_threads)
+        model_dir = Path(config.model_dir)
+        if not model_dir.is_dir():
+            # Another node resolved the model; fetch or convert it on this one the same way.
+            model_dir = resolve_model_dir(config.model_spec)
         self.model = load_model(
-            config.model_dir, tp, self.dtype, self.device, load_format=config.load_format, seed=config.seed
+            model_dir, tp, self.dtype, self.device, load_format=config.load_format, seed=config.seed
         )
         self.num_blocks = self._size_cache()
         caches = allocate_kv_caches(

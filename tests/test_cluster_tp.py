@@ -1,0 +1,122 @@
+"""Tensor parallel over gloo on a local Ray cluster: parity with size 1 and transformers, and worker failure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from cluster import LLM, SamplingParams  # noqa: E402
+from tests.parity import compare, engine_greedy, reference_greedy  # noqa: E402
+from tests.tiny_models import make_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 6, 7, 8, 9], [3, 17, 29, 41] * 10, list(range(20, 90)), [100 + (i * 7) % 120 for i in range(23)]]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    # Logical CPUs: three single-CPU ranks plus the driver's work fit on this two-core machine.
+    ray.init(num_cpus=4, namespace="pagerail", include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_tp2_matches_tp1_and_transformers(local_ray, kind, tmp_path):
+    model_dir = make_tiny_model(kind, tmp_path / kind)
+    reference = reference_greedy(model_dir, PROMPTS, 16)
+    single = engine_greedy(LLM(str(model_dir), block_size=4, num_gpu_blocks=128), PROMPTS, 16)
+    llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=128, tensor_parallel_size=2)
+    try:
+        parallel = engine_greedy(llm, PROMPTS, 16)
+    finally:
+        llm.shutdown()
+    assert compare(parallel, reference).identical == len(PROMPTS)
+    assert [tokens for tokens, _ in parallel] == [tokens for tokens, _ in single]
+
+
+def test_tp3_smollm2_matches_transformers(local_ray, smollm2_dir):
+    llm = LLM(str(smollm2_dir), tensor_parallel_size=3, num_gpu_blocks=256)
+    try:
+        prompts = [llm.tokenizer.encode(t) for t in ("The capital of France is", "def add(a, b):", "1, 2, 3,")]
+        ours = engine_greedy(llm, prompts, 12)
+    finally:
+        llm.shutdown()
+    report = compare(ours, reference_greedy(smollm2_dir, prompts, 12))
+    assert report.identical == len(prompts), report.divergences
+
+
+def test_killed_worker_is_replaced_without_changing_tokens(local_ray, tmp_path):
+    model_dir = make_tiny_model("llama", tmp_path / "llama")
+    prompts = [[(p * 13 + i * 7) % 240 + 3 for i in range(6 + p)] for p in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=512, tensor_parallel_size=2)
+    head = llm._remote.head
+    try:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        streams = [head.stream.remote(f"kill-{i}", p, params) for i, p in enumerate(prompts)]
+        # Wait until every request has produced tokens, then freeze the loop so the kill lands mid-generation.
+        firsts = [next(stream) for stream in streams]
+        ray.get(head.pause.remote("all"))
+        stats = ray.get(head.stats.remote())
+        assert stats["num_running"] == 8
+        rank1_pid = ray.get(head.worker_pids.remote())[1]
+        os.kill(rank1_pid, signal.SIGKILL)
+        ray.get(head.resume.remote())
+        outputs = []
+        for first, stream in zip(firsts, streams, strict=True):
+            tokens = list(ray.get(first)["token_ids"])
+            for ref in stream:
+                delta = ray.get(ref)
+                tokens.extend(delta["token_ids"])
+                if delta["finished"]:
+                    assert delta["finish_reason"] == "length" and delta["error"] is None
+            outputs.append(tokens)
+        stats = ray.get(head.stats.remote())
+        assert stats["num_restarts"] == 1
+        assert rank1_pid not in ray.get(head.worker_pids.remote())
+        assert outputs == expected
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+    finally:
+        llm.shutdown()
+
+
+def test_dead_head_gives_a_clear_error_then_restarts(local_ray, tmp_path):
+    from cluster.remote_engine import HeadUnavailableError
+
+    model_dir = make_tiny_model("llama", tmp_path / "llama")
+    llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=512, tensor_parallel_size=2)
+    head = llm._remote.head
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    try:
+        pid = ray.get(head.pid.remote())
+        ray.get(head.pause.remote("all"))
+        errors: list[BaseException] = []
+        caller = threading.Thread(target=lambda: _capture(errors, llm.generate, [[5, 6, 7]], params))
+        caller.start()
+        deadline = time.monotonic() + 30
+        while ray.get(head.stats.remote())["num_unfinished"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        caller.join(timeout=120)
+        assert not caller.is_alive(), "the caller hung after the head died"
+        assert len(errors) == 1 and isinstance(errors[0], HeadUnavailableError)
+        # Ray restarts the head with a fresh worker group; new requests are served again.
+        assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
+        assert ray.get(head.pid.remote()) != pid
+    finally:
+        llm.shutdown()
+
+
+def _capture(errors: list, fn, *args) -> None:
+    try:
+        fn(*args)
+    except BaseException as error:  # noqa: BLE001 - the test inspects whatever was raised
+        errors.append(error)

@@ -1,0 +1,86 @@
+"""Two tensor-parallel WorkerActor ranks on a local Ray over gloo, driven over gRPC, match a single-rank Worker."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from proto import step_pb2, worker_pb2, worker_pb2_grpc
+from tests.tiny_models import make_tiny_model
+from worker.actor import WorkerActor
+from worker.config import WorkerConfig
+from worker.grpc_server import auth_metadata
+from worker.worker import Worker
+
+ray = pytest.importorskip("ray")
+
+TOKEN = "actor-test-token"
+PROMPT = [5, 6, 7, 8, 9]
+TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def prefill_batch() -> step_pb2.StepBatch:
+    request = step_pb2.NewRequest(
+        handle=1,
+        request_id="req-1",
+        token_ids=PROMPT,
+        num_prompt_tokens=len(PROMPT),
+        sampling=step_pb2.SamplingParams(temperature=0.0),
+        block_ids=[0, 1],  # 4-token blocks hold the prompt and the first output
+        num_scheduled_tokens=len(PROMPT),
+    )
+    return step_pb2.StepBatch(step_id=1, new_requests=[request])
+
+
+def decode_batch(previous_token: int) -> step_pb2.StepBatch:
+    """The next step as the head sends it: the sampled token appended, one token scheduled."""
+    request = step_pb2.CachedRequest(handle=1, new_token_ids=[previous_token], num_scheduled_tokens=1)
+    return step_pb2.StepBatch(step_id=2, cached_requests=[request])
+
+
+def test_two_ranks_match_single_rank(local_ray, tmp_path):
+    model_dir = make_tiny_model("llama", tmp_path / "llama")  # 4 heads, 2 KV heads: one KV head per rank
+    config = WorkerConfig(model_dir=str(model_dir), num_blocks=16, block_size=4)
+    remote_actor = ray.remote(num_cpus=1)(WorkerActor)
+    ranks = [remote_actor.remote(config, rank, 2, TOKEN) for rank in range(2)]
+    threads = torch.get_num_threads()
+    try:
+        ip, port = ray.get([ranks[0].node_ip.remote(), ranks[0].reserve_port.remote()], timeout=TIMEOUT_S)
+        rendezvous = f"{ip}:{port}"
+        # Both at once: the rendezvous blocks until every rank has joined.
+        started = ray.get([actor.start.remote(rendezvous) for actor in ranks], timeout=TIMEOUT_S)
+        assert [info["rank"] for info in started] == [0, 1]
+        assert all(info["num_blocks"] == 16 for info in started)
+        assert started[0]["pid"] != started[1]["pid"]
+
+        channels = [grpc.insecure_channel(info["address"]) for info in started]
+        stubs = [worker_pb2_grpc.WorkerServiceStub(channel) for channel in channels]
+        metadata = auth_metadata(TOKEN)
+        infos = [stub.Describe(worker_pb2.DescribeRequest(), metadata=metadata, timeout=TIMEOUT_S) for stub in stubs]
+        assert [(info.rank, info.world_size) for info in infos] == [(0, 2), (1, 2)]
+
+        reference = Worker(WorkerConfig(model_dir=str(model_dir), num_blocks=16, block_size=4, num_threads=1))
+        batch = prefill_batch()
+        for _ in range(2):
+            expected = reference.execute_step(batch)
+            assert list(expected.handles) == [1] and len(expected.token_ids) == 1
+            # Concurrently: each rank blocks in its all-reduce until the other one runs the same step.
+            calls = [stub.ExecuteStep.future(batch, metadata=metadata, timeout=TIMEOUT_S) for stub in stubs]
+            first, second = (call.result() for call in calls)
+            assert first.step_id == second.step_id == batch.step_id
+            assert list(first.handles) == [1] and list(first.token_ids) == list(expected.token_ids)
+            assert list(second.handles) == [] and list(second.token_ids) == []
+            batch = decode_batch(first.token_ids[0])
+        for channel in channels:
+            channel.close()
+    finally:
+        torch.set_num_threads(threads)
+        ray.get([actor.stop.remote() for actor in ranks], timeout=TIMEOUT_S)

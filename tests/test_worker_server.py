@@ -1,0 +1,158 @@
+"""The worker's gRPC server: Describe and ExecuteStep over a real channel, bearer-token refusals, and TLS."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from proto import step_pb2, worker_pb2, worker_pb2_grpc
+from tests.tiny_models import make_tiny_model
+from worker.config import WorkerConfig
+from worker.grpc_server import auth_metadata, check_token, start_worker_server
+from worker.tls import TlsConfig
+from worker.worker import Worker
+
+TOKEN = "s3cret-token-for-tests"
+PROMPT = [5, 6, 7, 8, 9]
+BLOCK_SIZE = 4
+RPC_TIMEOUT_S = 10
+
+
+def prefill_batch(handle: int, step_id: int = 1) -> step_pb2.StepBatch:
+    """One new greedy request whose whole prompt is scheduled, with blocks enough to hold it."""
+    num_blocks = -(-len(PROMPT) // BLOCK_SIZE)
+    request = step_pb2.NewRequest(
+        handle=handle,
+        request_id=f"req-{handle}",
+        token_ids=PROMPT,
+        num_prompt_tokens=len(PROMPT),
+        sampling=step_pb2.SamplingParams(temperature=0.0),
+        block_ids=[handle * num_blocks + i for i in range(num_blocks)],
+        num_scheduled_tokens=len(PROMPT),
+    )
+    return step_pb2.StepBatch(step_id=step_id, new_requests=[request])
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    model_dir = make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
+    threads = torch.get_num_threads()  # the Worker pins this process to one thread; give the rest back after
+    yield Worker(WorkerConfig(model_dir=str(model_dir), num_blocks=64, block_size=BLOCK_SIZE, num_threads=1))
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def stub(worker):
+    server, port = start_worker_server(worker, "127.0.0.1", TOKEN)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield worker_pb2_grpc.WorkerServiceStub(channel)
+    channel.close()
+    server.stop(grace=None)
+
+
+def describe(stub, metadata) -> worker_pb2.WorkerInfo:
+    return stub.Describe(worker_pb2.DescribeRequest(), metadata=metadata, timeout=RPC_TIMEOUT_S)
+
+
+def test_describe_with_token(stub, worker):
+    info = describe(stub, auth_metadata(TOKEN))
+    assert (info.rank, info.world_size, info.num_blocks, info.block_size) == (0, 1, 64, BLOCK_SIZE)
+    assert (info.device, info.dtype) == ("cpu", "float32")
+    # tiny llama: 2 layers, 2 kv heads of 16 dims, K and V, fp32
+    assert info.kv_cache_bytes == 64 * 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
+    assert info.pid > 0
+
+
+def test_execute_step_samples_one_token(stub):
+    result = stub.ExecuteStep(prefill_batch(handle=1, step_id=7), metadata=auth_metadata(TOKEN), timeout=RPC_TIMEOUT_S)
+    assert result.step_id == 7
+    assert list(result.handles) == [1]
+    assert len(result.token_ids) == 1 and 0 <= result.token_ids[0] < 250
+
+
+def test_step_error_is_internal_with_its_text(stub):
+    unknown = step_pb2.StepBatch(step_id=3, cached_requests=[step_pb2.CachedRequest(handle=999)])
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.ExecuteStep(unknown, metadata=auth_metadata(TOKEN), timeout=RPC_TIMEOUT_S)
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    assert "KeyError" in caught.value.details() and "999" in caught.value.details()
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        (),
+        auth_metadata("not-the-token"),
+        (("authorization", f"Basic {TOKEN}"),),
+        (("authorization", TOKEN),),
+        (("authorization", f"Bearer {TOKEN}"), ("authorization", "Bearer other")),
+    ],
+    ids=["none", "wrong-token", "basic-scheme", "no-scheme", "two-headers"],
+)
+def test_refuses_bad_credentials_and_keeps_serving(stub, metadata):
+    for call in (
+        lambda: describe(stub, metadata),
+        lambda: stub.ExecuteStep(prefill_batch(2), metadata=metadata, timeout=RPC_TIMEOUT_S),
+    ):
+        with pytest.raises(grpc.RpcError) as caught:
+            call()
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "not-the-token" not in caught.value.details() and TOKEN not in caught.value.details()
+    assert describe(stub, auth_metadata(TOKEN)).num_blocks == 64
+
+
+def test_token_and_address_validation(worker):
+    for bad in ("", "has space", "ünïcode", None):
+        with pytest.raises(ValueError, match="token"):
+            check_token(bad)
+    with pytest.raises(ValueError, match="port"):
+        start_worker_server(worker, "127.0.0.1", TOKEN, port=70000)
+
+
+def make_certificates(directory: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a certificate it signed for 127.0.0.1 and localhost; returns (cert, key, ca)."""
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["/usr/bin/openssl", *args], cwd=directory, check=True, capture_output=True, timeout=30)
+
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=test-ca")
+    openssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost")
+    (directory / "san.cnf").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth,clientAuth\n"
+    )
+    openssl(
+        "x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "server.pem", "-days", "1", "-extfile", "san.cnf",
+    )  # fmt: skip
+    return directory / "server.pem", directory / "server.key", directory / "ca.pem"
+
+
+def test_tls(worker, tmp_path):
+    tls = TlsConfig.from_files(*make_certificates(tmp_path))
+    assert b"PRIVATE KEY" not in repr(tls).encode()
+    server, port = start_worker_server(worker, "127.0.0.1", TOKEN, tls=tls)
+    try:
+        with grpc.secure_channel(f"127.0.0.1:{port}", tls.channel_credentials()) as channel:
+            info = describe(worker_pb2_grpc.WorkerServiceStub(channel), auth_metadata(TOKEN))
+            assert info.num_blocks == 64
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.RpcError) as caught:
+                worker_pb2_grpc.WorkerServiceStub(channel).Describe(
+                    worker_pb2.DescribeRequest(), metadata=auth_metadata(TOKEN), timeout=3
+                )
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(grace=None)
+
+
+def test_tls_config_rejects_non_pem(tmp_path):
+    (tmp_path / "junk").write_text("not a certificate")
+    with pytest.raises(ValueError, match="not PEM"):
+        TlsConfig.from_files(tmp_path / "junk", tmp_path / "junk", tmp_path / "junk")
+    with pytest.raises(ValueError, match="cannot read"):
+        TlsConfig.from_files(tmp_path / "missing", tmp_path / "junk", tmp_path / "junk")

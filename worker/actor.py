@@ -1,0 +1,190 @@
+"""One tensor-parallel rank as a Ray actor body: joins the process group, loads its shard, serves steps over gRPC."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import socket
+from typing import Any
+
+import grpc
+import torch
+import torch.distributed as dist
+
+from worker.config import WorkerConfig
+from worker.grpc_server import check_token, start_worker_server
+from worker.parallel_state import TensorParallelGroup
+from worker.tls import TlsConfig
+from worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+LOCALHOST = "127.0.0.1"
+# Bounds the rendezvous (a rank that never shows up) and every later collective (a rank that died mid-step).
+DEFAULT_DIST_TIMEOUT_S = 300.0
+# In-flight steps get this long to finish when the head stops a rank.
+_STOP_GRACE_S = 2.0
+
+
+def _ray_initialized() -> bool:
+    # Imported here so the class is usable (and testable) in a plain process without paying for Ray's import.
+    try:
+        import ray
+    except ImportError:
+        return False
+    return ray.is_initialized()
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _check_rendezvous(rendezvous: str) -> str:
+    host, sep, port = rendezvous.rpartition(":") if isinstance(rendezvous, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"rendezvous must be 'host:port' with a port in 1..65535, got {rendezvous!r}")
+    return rendezvous
+
+
+class WorkerActor:
+    """The body of one rank's actor; the launcher wraps it with ray.remote and drives it in this order:
+    node_ip / reserve_port (rank 0 only) → start on every rank at once → ... → stop."""
+
+    def __init__(
+        self, config: WorkerConfig, rank: int, world_size: int, token: str, tls: TlsConfig | None = None
+    ) -> None:
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank!r}")
+        if tls is not None and not isinstance(tls, TlsConfig):
+            raise TypeError(f"tls must be a TlsConfig or None, got {type(tls).__name__}")
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self._token = check_token(token)
+        self._tls = tls
+        self.worker: Worker | None = None
+        self._server: grpc.Server | None = None
+        self._joined_group = False
+
+    def __repr__(self) -> str:
+        # Ray prints actors in logs and errors; the token must never appear there.
+        return f"WorkerActor(rank={self.rank}, world_size={self.world_size}, model_dir={self.config.model_dir!r})"
+
+    def node_ip(self) -> str:
+        """The address other nodes reach this actor on."""
+        if _ray_initialized():
+            import ray
+
+            return ray.util.get_node_ip_address()
+        return LOCALHOST
+
+    def reserve_port(self) -> int:
+        """A TCP port free right now on this node, for the torch.distributed store rank 0 hosts."""
+        # The port is released before the store binds it; the window is short and a clash fails loudly.
+        host = self.node_ip()
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, 0))
+            return probe.getsockname()[1]
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def start(self, rendezvous: str, timeout_s: float = DEFAULT_DIST_TIMEOUT_S) -> dict[str, Any]:
+        """Join the process group at `rendezvous` ('host:port' from rank 0's reserve_port), load the shard, serve.
+
+        Every rank must call this at the same time: the rendezvous blocks until all `world_size` ranks joined.
+        """
+        if self.worker is not None:
+            raise RuntimeError(f"rank {self.rank} is already started")
+        config = self._resolved_config()
+        try:
+            tp = self._join_group(rendezvous, config, timeout_s)
+            try:
+                self.worker = Worker(config, tp)
+            except ValueError as error:
+                # Typically heads or KV heads that the tensor-parallel size cannot split.
+                raise ValueError(
+                    f"rank {self.rank} of {self.world_size} cannot load {config.model_dir}: {error}"
+                ) from error
+            host = self.node_ip()
+            self._server, port = start_worker_server(self.worker, host, self._token, self._tls)
+        except BaseException:
+            self.stop()
+            raise
+        address = _host_port(host, port)
+        logger.info(
+            "rank %d of %d: %d KV blocks, serving on %s", self.rank, self.world_size, self.worker.num_blocks, address
+        )
+        return {
+            "address": address,
+            "num_blocks": self.worker.num_blocks,
+            "pid": os.getpid(),
+            "rank": self.rank,
+            "node_id": _node_id(),
+        }
+
+    def stop(self) -> None:
+        """Stop serving and leave the process group; safe to call more than once."""
+        if self._server is not None:
+            self._server.stop(grace=_STOP_GRACE_S).wait()
+            self._server = None
+        if self._joined_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._joined_group = False
+        self.worker = None
+
+    def _resolved_config(self) -> WorkerConfig:
+        """Pin the device and the CPU thread count this actor may use."""
+        config = self.config
+        if config.device in ("auto", "cuda") and torch.cuda.is_available():
+            # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, which is therefore always device 0.
+            return dataclasses.replace(config, device="cuda:0")
+        if config.num_threads is None:
+            cpus = self._assigned_cpus()
+            if cpus is not None:
+                # A rank granted one CPU of a two-core node must not start a thread per core.
+                return dataclasses.replace(config, num_threads=max(1, int(cpus)))
+        return config
+
+    @staticmethod
+    def _assigned_cpus() -> float | None:
+        if not _ray_initialized():
+            return None
+        import ray
+
+        return ray.get_runtime_context().get_assigned_resources().get("CPU")
+
+    def _join_group(self, rendezvous: str, config: WorkerConfig, timeout_s: float) -> TensorParallelGroup:
+        if self.world_size == 1:
+            return TensorParallelGroup()
+        _check_rendezvous(rendezvous)
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if dist.is_initialized():
+            raise RuntimeError("this process already belongs to a torch.distributed process group")
+        on_cuda = config.device.startswith("cuda")
+        if on_cuda:
+            torch.cuda.set_device(0)
+        dist.init_process_group(
+            backend="nccl" if on_cuda else "gloo",
+            init_method=f"tcp://{rendezvous}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self._joined_group = True
+        return TensorParallelGroup(self.rank, self.world_size, dist.group.WORLD)
+
+
+def _node_id() -> str:
+    """The Ray node this rank runs on ("local" outside Ray)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
+    except ImportError:
+        return "local"

@@ -1,0 +1,160 @@
+"""The gRPC server a worker rank runs for its head: bearer-token auth, optional TLS, one step at a time."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from proto import step_pb2, worker_pb2, worker_pb2_grpc
+from worker.kv_cache import bytes_per_block
+from worker.tls import TlsConfig
+from worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+AUTH_METADATA_KEY = "authorization"
+_SCHEME = "bearer"
+# A step carrying a few thousand new prompts (token ids plus block ids) runs to tens of MiB.
+MAX_MESSAGE_BYTES = 256 << 20
+# Steps are serialised anyway; the spare threads answer Describe and refuse bad calls meanwhile.
+_NUM_THREADS = 4
+
+
+def check_token(token: str) -> str:
+    """Return `token` if it can travel as a bearer token in gRPC metadata, else raise ValueError."""
+    if not isinstance(token, str) or not token:
+        raise ValueError("the worker token must be a non-empty string")
+    # gRPC metadata values must be printable ASCII; a space would also break the "Bearer <token>" split.
+    if not all("!" <= char <= "~" for char in token):
+        raise ValueError("the worker token must be printable ASCII without spaces")
+    return token
+
+
+def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """The call metadata that authenticates a client to a worker holding the same token."""
+    return ((AUTH_METADATA_KEY, f"Bearer {check_token(token)}"),)
+
+
+def _refusal(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming shape as `handler` that answers UNAUTHENTICATED without running it."""
+
+    def refuse(request: Any, context: grpc.ServicerContext) -> None:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+    if handler is None or not (handler.request_streaming or handler.response_streaming):
+        return grpc.unary_unary_rpc_method_handler(refuse)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    return grpc.unary_stream_rpc_method_handler(refuse)
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Refuses every call whose metadata lacks `authorization: Bearer <token>` with this server's token."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = check_token(token).encode()
+
+    def _authorized(self, metadata: tuple[Any, ...] | None) -> bool:
+        values = [item.value for item in metadata or () if item.key == AUTH_METADATA_KEY]
+        # Two authorization entries are ambiguous; refuse rather than guess which one counts.
+        if len(values) != 1 or not isinstance(values[0], str):
+            return False
+        scheme, _, presented = values[0].partition(" ")
+        if scheme.lower() != _SCHEME:
+            return False
+        # Constant-time comparison so the response time does not leak how much of the token matched.
+        return hmac.compare_digest(presented.strip().encode(), self._expected)
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        if self._authorized(handler_call_details.invocation_metadata):
+            return continuation(handler_call_details)
+        logger.warning("refused an unauthenticated call to %s", handler_call_details.method)
+        return _refusal(continuation(handler_call_details))
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    """Serves one Worker: steps in arrival order, one at a time, and a description of its shard."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        # The model runner keeps per-request state and the KV cache; two steps at once would corrupt both.
+        self._step_lock = threading.Lock()
+
+    def ExecuteStep(self, request: step_pb2.StepBatch, context: grpc.ServicerContext) -> step_pb2.StepResult:
+        with self._step_lock:
+            try:
+                return self.worker.execute_step(request)
+            except Exception as error:
+                logger.exception("rank %d: step %d failed", self.worker.tp.rank, request.step_id)
+                context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id}: {type(error).__name__}: {error}")
+
+    def Describe(self, request: worker_pb2.DescribeRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerInfo:
+        return describe(self.worker)
+
+
+def describe(worker: Worker) -> worker_pb2.WorkerInfo:
+    """What the head needs to know about a rank: its place in the group and the size of its cache shard."""
+    model, config = worker.model, worker.config
+    per_block = bytes_per_block(
+        model.num_layers, model.num_kv_heads_per_rank, model.head_dim, config.block_size, worker.dtype
+    )
+    return worker_pb2.WorkerInfo(
+        rank=worker.tp.rank,
+        world_size=worker.tp.size,
+        num_blocks=worker.num_blocks,
+        block_size=config.block_size,
+        device=str(worker.device),
+        dtype=str(worker.dtype).removeprefix("torch."),
+        kv_cache_bytes=per_block * worker.num_blocks,
+        pid=os.getpid(),
+    )
+
+
+def _bind_address(host: str, port: int) -> str:
+    if not host:
+        raise ValueError("host must be a non-empty address to bind, e.g. '127.0.0.1'")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an integer in 0..65535 (0: any free port), got {port!r}")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6 literal
+    return f"{host}:{port}"
+
+
+def start_worker_server(
+    worker: Worker, host: str, token: str, tls: TlsConfig | None = None, port: int = 0
+) -> tuple[grpc.Server, int]:
+    """Serve `worker` on `host`:`port` (0: the OS picks a free port) and return the running server and its port."""
+    address = _bind_address(host, port)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=_NUM_THREADS, thread_name_prefix="worker-grpc"),
+        interceptors=[TokenAuthInterceptor(token)],
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # Without this a second server could silently share a fixed port and steal half the calls.
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(worker), server)
+    try:
+        bound = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
+    except RuntimeError as error:
+        raise RuntimeError(f"worker server could not bind {address}: {error}") from error
+    if bound == 0:
+        raise RuntimeError(f"worker server could not bind {address}")
+    server.start()
+    logger.info("rank %d: serving on %s:%d (%s)", worker.tp.rank, host, bound, "TLS" if tls else "plaintext")
+    return server, bound
