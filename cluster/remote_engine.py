@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from types import SimpleNamespace
@@ -46,6 +47,18 @@ class RemoteEngine:
                 raise cause from None
             raise
         return {result["request_id"]: _as_request(result) for result in results}
+
+    def wait_until_ready(self, timeout_s: float = 300.0) -> None:
+        """Block until the head answers (after Ray restarted it, once its new workers are up)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                ray.get(self.head.ready.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                return
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def stats(self) -> dict:
         return ray.get(self.head.stats.remote())

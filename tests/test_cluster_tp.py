@@ -109,6 +109,7 @@ def test_dead_head_gives_a_clear_error_then_restarts(local_ray, tmp_path):
         assert not caller.is_alive(), "the caller hung after the head died"
         assert len(errors) == 1 and isinstance(errors[0], HeadUnavailableError)
         # Ray restarts the head with a fresh worker group; new requests are served again.
+        llm._remote.wait_until_ready(timeout_s=120)
         assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
         assert ray.get(head.pid.remote()) != pid
     finally:
