@@ -162,6 +162,10 @@ class HeadActor:
             "dispatch": dispatch.summary() if dispatch is not None else {},
         }
 
+    def reset_dispatch_stats(self) -> None:
+        if self.group.dispatch_stats is not None:
+            self.group.dispatch_stats.reset()
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wakeup.set()

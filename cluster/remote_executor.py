@@ -31,6 +31,9 @@ class DispatchStats:
     # Round trip minus the slowest rank's own reported compute time: the cost of dispatching.
     overhead_s: deque = field(default_factory=lambda: deque(maxlen=4096))
 
+    def reset(self) -> None:
+        self.__init__()
+
     def summary(self) -> dict:
         def pct(values, q):
             ordered = sorted(values)
@@ -39,6 +42,7 @@ class DispatchStats:
         return {
             "steps": self.num_steps,
             "round_trip_p50_s": statistics.median(self.round_trip_s) if self.round_trip_s else 0.0,
+            "round_trip_p99_s": pct(self.round_trip_s, 0.99),
             "overhead_p50_s": statistics.median(self.overhead_s) if self.overhead_s else 0.0,
             "overhead_p99_s": pct(self.overhead_s, 0.99),
             "bytes_sent_per_rank": self.bytes_sent_per_rank,

@@ -64,12 +64,17 @@ class ModelRunner:
         scheduled = self.states.apply(batch)
         if scheduled:
             flat = build_flat_batch(scheduled, self.block_size, self.device, self.workspace)
+            forward_started = time.perf_counter()
             hidden = self.model(flat.input_ids, flat.positions, flat.attention)
+            logits = None
             if flat.sample_states:
                 # Every rank joins the logits gather; only rank 0 samples and answers.
                 logits = self.model.compute_logits(hidden[flat.sample_rows])
-                if self.tp.rank == 0:
-                    self._sample(logits, flat.sample_states, result)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            result.forward_seconds = time.perf_counter() - forward_started
+            if logits is not None and self.tp.rank == 0:
+                self._sample(logits, flat.sample_states, result)
             for state in flat.ordered:
                 state.num_computed_tokens += state.num_scheduled_tokens
         result.compute_seconds = time.perf_counter() - started

@@ -1,0 +1,144 @@
+"""Head → worker dispatch cost: round trip per decode step minus the ranks' own compute, and wire bytes.
+
+Part 1 runs tensor-parallel ranks on Ray over loopback gRPC with a tiny dummy-weight model, so the
+figures are dominated by dispatch, at several numbers of decoding requests. Part 2 measures, for the
+embedded model in-process, the share of each decode step spent outside the model's forward pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+
+from cluster import LLM, SamplingParams
+
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "eos_token_id": 2,
+    "tie_word_embeddings": True,
+}
+
+
+def dispatch_figures(tp: int, sizes: list[int], max_tokens: int) -> list[dict]:
+    model_dir = Path(tempfile.mkdtemp()) / "tiny"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(TINY_CONFIG))
+    ray.init(num_cpus=tp + 2, include_dashboard=False, log_to_driver=False)
+    llm = LLM(str(model_dir), load_format="dummy", tensor_parallel_size=tp, num_gpu_blocks=8192, max_num_seqs=512)
+    head = llm._remote.head
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rows = []
+    try:
+        for size in sizes:
+            streams = [head.stream.remote(f"n{size}-{i}", [7 + i % 50] * 8, params) for i in range(size)]
+            firsts = [next(stream) for stream in streams]
+            ray.get(firsts)  # every request has its first token: from here on, steps are pure decodes
+            ray.get(head.reset_dispatch_stats.remote())
+            for stream in streams:
+                for _ in stream:
+                    pass
+            stats = ray.get(head.stats.remote())["dispatch"]
+            steps = max(stats["steps"], 1)
+            rows.append(
+                {
+                    "decoding_requests": size,
+                    "steps": stats["steps"],
+                    "dispatch_p50_ms": 1e3 * stats["overhead_p50_s"],
+                    "dispatch_p99_ms": 1e3 * stats["overhead_p99_s"],
+                    "round_trip_p50_ms": 1e3 * stats["round_trip_p50_s"],
+                    "bytes_per_step_per_request": stats["total_bytes_sent"] / (steps * tp * size),
+                }
+            )
+    finally:
+        llm.shutdown()
+        ray.shutdown()
+    return rows
+
+
+def outside_forward_share(num_requests: int, decode_steps: int) -> dict:
+    """In-process, embedded model: (step wall time − forward time) / step wall time over decode steps."""
+    llm = LLM(None)
+    engine = llm.engine
+    worker = engine.executor.worker
+    forward_times: list[float] = []
+    execute = worker.execute_step
+
+    def timed_execute(batch):
+        result = execute(batch)
+        forward_times.append(result.forward_seconds)
+        return result
+
+    engine.executor.worker.execute_step = timed_execute
+    rng = random.Random(0)
+    for i in range(num_requests):
+        prompt = [rng.randrange(100, 40000) for _ in range(rng.randint(32, 256))]
+        engine.add_request(
+            f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=decode_steps + 8, ignore_eos=True)
+        )
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
+        engine.step()
+    forward_times.clear()
+    walls = []
+    for _ in range(decode_steps):
+        started = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - started)
+    outside = [w - f for w, f in zip(walls, forward_times, strict=True)]
+    return {
+        "decoding_requests": num_requests,
+        "step_p50_ms": 1e3 * statistics.median(walls),
+        "forward_p50_ms": 1e3 * statistics.median(forward_times),
+        "outside_forward_share": sum(outside) / sum(walls),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--sizes", type=int, nargs="+", default=(1, 64, 256))
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--embedded-requests", type=int, default=32)
+    parser.add_argument("--embedded-steps", type=int, default=20)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    report = {
+        "dispatch": dispatch_figures(args.tp, list(args.sizes), args.max_tokens),
+        "embedded_tp1": outside_forward_share(args.embedded_requests, args.embedded_steps),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"dispatch, tensor parallel {args.tp} on loopback (round trip minus the slowest rank's compute):")
+    print("  requests  steps  dispatch p50 ms  dispatch p99 ms  round trip p50 ms  bytes/step/request")
+    for row in report["dispatch"]:
+        print(
+            f"  {row['decoding_requests']:8d}  {row['steps']:5d}  {row['dispatch_p50_ms']:15.3f}  "
+            f"{row['dispatch_p99_ms']:15.3f}  {row['round_trip_p50_ms']:17.3f}  "
+            f"{row['bytes_per_step_per_request']:18.1f}"
+        )
+    e = report["embedded_tp1"]
+    print(
+        f"embedded model, tp 1, {e['decoding_requests']} decoding requests: step p50 {e['step_p50_ms']:.1f} ms, "
+        f"forward p50 {e['forward_p50_ms']:.1f} ms, outside the forward pass {100 * e['outside_forward_share']:.1f}%"
+    )
+
+
+if __name__ == "__main__":
+    main()
