@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 
 from cluster.block_table import BlockTable
@@ -70,6 +71,7 @@ class EngineCore:
         self.last_step_num_requests = 0
         self.last_step_decode_only = False
         self.last_step_idle = True
+        self.schedule_seconds: deque[float] = deque(maxlen=4096)
 
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, final: bool = True
@@ -114,7 +116,9 @@ class EngineCore:
 
     def step(self) -> list[Request]:
         """schedule → run → postprocess; returns requests that got a token or finished."""
+        started = time.perf_counter()
         out = self.scheduler.schedule()
+        self.schedule_seconds.append(time.perf_counter() - started)
         self.last_step_idle = out.empty
         if out.empty:
             return []

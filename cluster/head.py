@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import queue
+import statistics
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -159,6 +160,7 @@ class HeadActor:
             "num_preemptions": scheduler.stats.num_preemptions,
             "num_computed_tokens": scheduler.stats.num_computed_tokens,
             "num_prefix_hit_tokens": scheduler.stats.num_prefix_hit_tokens,
+            "schedule_p50_s": statistics.median(self.engine.schedule_seconds) if self.engine.schedule_seconds else 0.0,
             "dispatch": dispatch.summary() if dispatch is not None else {},
         }
 
