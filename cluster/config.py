@@ -54,8 +54,14 @@ class SchedulerConfig:
     # None: the model's own limit (max_position_embeddings).
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    # New requests are refused (QueueFullError) while this many wait; None: no limit.
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
+        _require(
+            self.max_waiting_requests is None or self.max_waiting_requests >= 1,
+            f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}",
+        )
         _require(
             self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
         )

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from cluster.block_table import BlockTable
 from cluster.config import EngineConfig
+from cluster.errors import QueueFullError
 from cluster.executor import Executor, WorkerGroupError
 from cluster.request import Request, RequestStatus
 from cluster.sampling_params import SamplingParams
@@ -83,6 +84,9 @@ class EngineCore:
             return self.scheduler.append_input(request_id, list(prompt_token_ids), final)
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
+        limit = self.config.scheduler.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests); retry shortly")
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop |= self.eos_token_ids

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import ray
 
 from cluster.config import EngineConfig
+from cluster.frontend.engine_client import RequestDelta
 from cluster.head import ClusterOptions
 from cluster.launcher import connect, start_head
 from cluster.sampling_params import SamplingParams
@@ -46,7 +47,7 @@ class RemoteEngine:
             if isinstance(cause, ValueError):
                 raise cause from None
             raise
-        return {result["request_id"]: _as_request(result) for result in results}
+        return {result.request_id: _as_request(result) for result in results}
 
     def wait_until_ready(self, timeout_s: float = 300.0) -> None:
         """Block until the head answers (after Ray restarted it, once its new workers are up)."""
@@ -70,15 +71,15 @@ class RemoteEngine:
             ray.kill(self.head, no_restart=True)
 
 
-def _as_request(result: dict) -> SimpleNamespace:
+def _as_request(result: RequestDelta) -> SimpleNamespace:
     """Shape a head's result like a finished Request, so the LLM fills outputs the same way for both paths."""
     return SimpleNamespace(
-        request_id=result["request_id"],
-        output_token_ids=result["token_ids"],
-        logprobs=result["logprobs"],
-        top_logprobs=result["top_logprobs"],
-        num_cached_tokens=result["num_cached_tokens"],
-        status=SimpleNamespace(value=result["finish_reason"]),
-        error=result["error"],
+        request_id=result.request_id,
+        output_token_ids=result.token_ids,
+        logprobs=result.logprobs,
+        top_logprobs=result.top_logprobs,
+        num_cached_tokens=result.num_cached_tokens,
+        status=SimpleNamespace(value=result.finish_reason),
+        error=result.error,
         finished=True,
     )

@@ -72,12 +72,12 @@ def test_killed_worker_is_replaced_without_changing_tokens(local_ray, tmp_path):
         ray.get(head.resume.remote())
         outputs = []
         for first, stream in zip(firsts, streams, strict=True):
-            tokens = list(ray.get(first)["token_ids"])
+            tokens = list(ray.get(first).token_ids)
             for ref in stream:
                 delta = ray.get(ref)
-                tokens.extend(delta["token_ids"])
-                if delta["finished"]:
-                    assert delta["finish_reason"] == "length" and delta["error"] is None
+                tokens.extend(delta.token_ids)
+                if delta.finished:
+                    assert delta.finish_reason == "length" and delta.error is None
             outputs.append(tokens)
         stats = ray.get(head.stats.remote())
         assert stats["num_restarts"] == 1

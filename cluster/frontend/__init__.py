@@ -1,0 +1,1 @@
+"""The front doors: OpenAI-compatible HTTP, the public gRPC API, tokenization and detokenization."""

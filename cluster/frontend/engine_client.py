@@ -1,0 +1,53 @@
+"""What the frontend needs from an engine: token-level requests in, token deltas out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from cluster.errors import QueueFullError
+from cluster.sampling_params import SamplingParams
+
+__all__ = ["EngineClient", "QueueFullError", "RequestDelta"]
+
+
+@dataclass
+class RequestDelta:
+    """New tokens of one request since its previous delta, and its state; the last one has finished=True."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    logprobs: list[float] = field(default_factory=list)  # aligned with token_ids when asked for
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    error: str | None = None  # why the engine gave up (retriable), when it did
+
+
+class EngineClient(Protocol):
+    """One model replica as the frontend sees it. `generate` raises ValueError for bad input, QueueFullError
+    when the waiting queue is full; both before yielding anything."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, final: bool = True
+    ) -> AsyncIterator[RequestDelta]: ...
+
+    async def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def is_ready(self) -> bool: ...
+
+    async def pause(self, mode: str) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def stats(self) -> dict: ...

@@ -1,0 +1,136 @@
+"""API errors in OpenAI's shape, and the mapping from validation failures to them."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from pydantic import ValidationError
+
+INVALID_REQUEST = "invalid_request_error"
+
+# A message that opens with a field path and a verb, e.g. "top_p must be in (0, 1]" or "messages[2].content is empty".
+_FIELD_AT_START = re.compile(
+    r"^(?P<param>[a-z_][a-z0-9_]*(?:\[\d+\]|\.[a-z_][a-z0-9_]*)*) "
+    r"(?:must|should|cannot|can't|is|are|has|have|exceeds|needs|requires|holds)\b"
+)
+# Pydantic names union members in the error location ("str", "list[int]", "function-after[...]"); they are no field.
+_UNION_TAG = re.compile(r"[\[\]()\-,]|^(?:str|int|float|bool|list|dict|none|tuple)$")
+_PYDANTIC_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+class APIError(Exception):
+    """A failure that the HTTP layer answers with `status` and the OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = INVALID_REQUEST,  # noqa: A002 - OpenAI's field name
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Extra response headers; Retry-After takes whole seconds, so a fraction is rounded up."""
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+    def __repr__(self) -> str:
+        return f"APIError(status={self.status}, message={self.message!r}, param={self.param!r}, code={self.code!r})"
+
+
+def error_body(err: APIError) -> dict[str, Any]:
+    """The JSON body OpenAI clients parse: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, INVALID_REQUEST, param=param)
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "Incorrect or missing API key", INVALID_REQUEST, code="invalid_api_key")
+
+
+def not_found_model(name: str) -> APIError:
+    return APIError(
+        404, f"The model {name!r} does not exist on this server", INVALID_REQUEST, param="model", code="model_not_found"
+    )
+
+
+def payload_too_large(limit: int) -> APIError:
+    return APIError(413, f"Request body exceeds the limit of {limit} bytes", INVALID_REQUEST, code="request_too_large")
+
+
+def overloaded(retry_after_s: float) -> APIError:
+    return APIError(
+        429,
+        f"The server is at capacity; retry after {retry_after_s:g} s",
+        "rate_limit_error",
+        code="rate_limit_exceeded",
+        retry_after_s=retry_after_s,
+    )
+
+
+def unavailable(message: str, retry_after_s: float | None = None) -> APIError:
+    return APIError(503, message, "server_error", code="service_unavailable", retry_after_s=retry_after_s)
+
+
+def from_value_error(err: ValueError) -> APIError:
+    """400 for a ValueError raised by validation code; the field it names first becomes `param`."""
+    message = str(err)
+    match = _FIELD_AT_START.match(message)
+    return bad_request(message, match.group("param") if match else None)
+
+
+def from_validation_error(err: ValidationError) -> APIError:
+    """400 naming the first invalid field (as `messages[0].content`) and what is wrong with it."""
+    errors = err.errors(include_url=False)
+    if not errors:
+        return bad_request(str(err))
+    first = errors[0]
+    param = _field_path(first["loc"])
+    message = _strip_prefix(str(first["msg"]))
+    if first["type"] == "missing":
+        message = "field required"
+    if param is None:
+        return bad_request(f"Invalid request body: {message}")
+    # Messages raised by our own validators already open with the field name.
+    if message.startswith(param.split("[")[0].split(".")[0]):
+        text = message
+    else:
+        text = f"Invalid value for {param!r}: {message}"
+    if len(errors) > 1 and all(_field_path(e["loc"]) != param for e in errors[1:]):
+        text += f" (and {len(errors) - 1} more invalid field{'s' if len(errors) > 2 else ''})"
+    return bad_request(text, param)
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str | None:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _UNION_TAG.search(part) or part[:1].isupper():  # union member or model class name
+            continue
+        else:
+            path += f".{part}" if path else part
+    return path or None
+
+
+def _strip_prefix(message: str) -> str:
+    for prefix in _PYDANTIC_PREFIXES:
+        if message.startswith(prefix):
+            return message[len(prefix) :]
+    return message
