@@ -100,20 +100,24 @@ def from_validation_error(err: ValidationError) -> APIError:
     errors = err.errors(include_url=False)
     if not errors:
         return bad_request(str(err))
-    first = errors[0]
+    root = _field_path(errors[0]["loc"])
+    related = [e for e in errors if _is_under(_field_path(e["loc"]), root)]
+    # A union reports one error per member; the one that got deepest into the input says the most.
+    first = max(related, key=lambda e: len(e["loc"]))
     param = _field_path(first["loc"])
     message = _strip_prefix(str(first["msg"]))
     if first["type"] == "missing":
-        message = "field required"
-    if param is None:
-        return bad_request(f"Invalid request body: {message}")
-    # Messages raised by our own validators already open with the field name.
-    if message.startswith(param.split("[")[0].split(".")[0]):
-        text = message
+        text = f"Missing required field {param!r}"
+    elif param is None:
+        text = f"Invalid request body: {message}"
+    elif (named := _FIELD_AT_START.match(message)) and param.endswith(named.group("param")):
+        # Our own validators name the field without its place in the body; give its full path.
+        text = param + message[named.end("param") :]
     else:
         text = f"Invalid value for {param!r}: {message}"
-    if len(errors) > 1 and all(_field_path(e["loc"]) != param for e in errors[1:]):
-        text += f" (and {len(errors) - 1} more invalid field{'s' if len(errors) > 2 else ''})"
+    others = {_field_path(e["loc"]) for e in errors if not _is_under(_field_path(e["loc"]), root)}
+    if others:
+        text += f" (and {len(others)} more invalid field{'s' if len(others) > 1 else ''})"
     return bad_request(text, param)
 
 
@@ -127,6 +131,12 @@ def _field_path(loc: tuple[int | str, ...]) -> str | None:
         else:
             path += f".{part}" if path else part
     return path or None
+
+
+def _is_under(path: str | None, root: str | None) -> bool:
+    if root is None or path is None:
+        return path == root
+    return path == root or path.startswith((root + "[", root + "."))
 
 
 def _strip_prefix(message: str) -> str:

@@ -1,0 +1,98 @@
+"""EngineClient implementations: an in-process async engine, and a head actor reached through Ray."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import ray
+
+from cluster.async_engine import AsyncEngine
+from cluster.errors import QueueFullError
+from cluster.frontend.engine_client import RequestDelta
+from cluster.sampling_params import SamplingParams
+
+
+class LocalEngineClient:
+    """The engine loop runs in this process (the embedded single-process mode and tests)."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self._engine = engine
+        self.model_name = model_name
+        self.max_model_len = engine.engine.max_model_len
+        self.vocab_size = engine.engine.vocab_size
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, final: bool = True
+    ) -> AsyncIterator[RequestDelta]:
+        return self._engine.stream(request_id, prompt_token_ids, params, final)
+
+    async def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None:
+        self._engine.append_input(request_id, token_ids, final)
+
+    async def abort(self, request_id: str) -> None:
+        self._engine.abort(request_id)
+
+    async def is_ready(self) -> bool:
+        return True
+
+    async def pause(self, mode: str) -> None:
+        self._engine.pause(mode)
+
+    async def resume(self) -> None:
+        self._engine.resume()
+
+    async def stats(self) -> dict:
+        return self._engine.stats()
+
+
+class HeadEngineClient:
+    """A model replica's head actor on Ray; token deltas stream back as Ray object refs."""
+
+    def __init__(self, head, model_name: str, max_model_len: int, vocab_size: int) -> None:
+        self._head = head
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, final: bool = True
+    ) -> AsyncIterator[RequestDelta]:
+        refs = self._head.stream.remote(request_id, prompt_token_ids, params, final)
+        finished = False
+        try:
+            async for ref in refs:
+                try:
+                    delta = await ref
+                except ray.exceptions.RayTaskError as error:
+                    # Hand the caller the head's own exception (bad input, queue full), not Ray's wrapper.
+                    cause = getattr(error, "cause", None)
+                    if isinstance(cause, (ValueError, QueueFullError)):
+                        raise cause from None
+                    raise
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                # The client went away: the head must free the request's blocks.
+                self._head.abort.remote(request_id)
+
+    async def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None:
+        await self._head.append_input.remote(request_id, token_ids, final)
+
+    async def abort(self, request_id: str) -> None:
+        await self._head.abort.remote(request_id)
+
+    async def is_ready(self) -> bool:
+        try:
+            return await self._head.ready.remote()
+        except Exception:  # a restarting or dead head is simply not ready
+            return False
+
+    async def pause(self, mode: str) -> None:
+        await self._head.pause.remote(mode)
+
+    async def resume(self) -> None:
+        await self._head.resume.remote()
+
+    async def stats(self) -> dict:
+        return await self._head.stats.remote()

@@ -1,0 +1,278 @@
+"""The public gRPC API: the Generation service over an EngineClient, plus health, reflection and API keys."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.metadata
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
+from grpc_reflection.v1alpha import reflection
+
+from cluster.frontend.detokenizer import IncrementalDetokenizer
+from cluster.frontend.engine_client import EngineClient, RequestDelta
+from cluster.frontend.grpc_convert import (
+    RpcError,
+    numeric_stats,
+    sampling_params_from_proto,
+    status_on_error,
+    token_logprobs,
+    usage,
+)
+from cluster.frontend.grpc_guards import ApiKeyInterceptor, EngineHealth
+from cluster.sampling_params import SamplingParams
+from proto import api_pb2, api_pb2_grpc
+
+GENERATION_SERVICE = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+MAX_REQUEST_ID_LEN = 256
+
+
+class Detokenizer(Protocol):
+    """Turns a request's output tokens into text deltas and spots stop strings."""
+
+    @property
+    def stopped(self) -> bool: ...
+
+    def add(self, token_ids: list[int]) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+DetokenizerFactory = Callable[[Any, list[int], SamplingParams], Detokenizer]
+
+
+def default_detokenizer_factory(tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> Detokenizer:
+    """The frontend's IncrementalDetokenizer, configured from the request's sampling params."""
+    return IncrementalDetokenizer(
+        tokenizer,
+        prompt_token_ids,
+        skip_special_tokens=params.skip_special_tokens,
+        stop=params.stop,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        min_tokens=params.min_tokens,
+    )
+
+
+@dataclass
+class _Stream:
+    """One request streaming from this server: where its deltas arrive and how far it got."""
+
+    request_id: str
+    prompt_ids: list[int]  # grows with each chunk of a streaming-input session
+    params: SamplingParams
+    detokenize: bool
+    send_text: bool
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestDelta, or the exception that ended it
+    detokenizer: Detokenizer | None = None
+    last: RequestDelta | None = None
+    finished: bool = False  # the client got its last message
+    engine_done: bool = False  # the engine finished or was told to abort: nothing left to free
+
+
+class GenerationServicer(api_pb2_grpc.GenerationServicer):
+    """pagerail.api.Generation over one engine replica; tokenization, detokenization and stop strings live here."""
+
+    def __init__(
+        self, engine: EngineClient, tokenizer: Any | None, detokenizer_factory: DetokenizerFactory | None = None
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.detokenizer_factory = detokenizer_factory or default_detokenizer_factory
+        self._streams: dict[str, _Stream] = {}
+        self._started = time.monotonic()
+
+    async def Generate(self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        async with status_on_error(context):
+            if request.WhichOneof("input") is None:
+                raise ValueError("input: set text or token_ids")
+            async for response in self._run(self._new_stream(request), context):
+                yield response
+
+    async def Session(self, request_iterator: AsyncIterator[api_pb2.SessionRequest], context):  # noqa: N802
+        async with status_on_error(context):
+            messages = aiter(request_iterator)
+            first = await anext(messages, None)
+            if first is None:
+                raise ValueError("the session ended before its first message")
+            stream = self._new_stream(first)
+            feed = None if first.final else functools.partial(self._feed, messages)
+            async for response in self._run(stream, context, feed):
+                yield response
+
+    async def Abort(self, request: api_pb2.AbortRequest, context) -> api_pb2.AbortResponse:  # noqa: N802
+        stream = self._streams.get(request.request_id)
+        if stream is None:
+            return api_pb2.AbortResponse(found=False)
+        if not stream.engine_done:
+            stream.engine_done = True
+            # Ends the stream now, even when the engine has nothing to send (a session still waiting for input).
+            last = stream.last or RequestDelta(stream.request_id, [], len(stream.prompt_ids), 0)
+            ended = RequestDelta(stream.request_id, [], last.num_prompt_tokens, last.num_output_tokens, True, "abort")
+            ended.num_cached_tokens = last.num_cached_tokens
+            stream.events.put_nowait(ended)
+            await self.engine.abort(stream.request_id)
+        return api_pb2.AbortResponse(found=True)
+
+    async def GetModelInfo(self, request: api_pb2.ModelInfoRequest, context) -> api_pb2.ModelInfo:  # noqa: N802
+        engine = self.engine
+        return api_pb2.ModelInfo(
+            model_name=engine.model_name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size
+        )
+
+    async def GetServerInfo(self, request: api_pb2.ServerInfoRequest, context) -> api_pb2.ServerInfo:  # noqa: N802
+        async with status_on_error(context):
+            stats = numeric_stats(await self.engine.stats())
+            stats["grpc.active_streams"] = float(len(self._streams))
+            uptime = time.monotonic() - self._started
+            return api_pb2.ServerInfo(version=_version(), uptime_seconds=uptime, stats=stats)
+
+    def _new_stream(self, message: api_pb2.GenerateRequest | api_pb2.SessionRequest) -> _Stream:
+        request_id = message.request_id or uuid.uuid4().hex
+        if len(request_id) > MAX_REQUEST_ID_LEN:
+            raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_LEN} characters, got {len(request_id)}")
+        params = sampling_params_from_proto(message.sampling_params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings are matched on text, and this model has no tokenizer")
+        prompt_ids = self._input_ids(message, first=True)
+        if not prompt_ids:
+            raise ValueError("input: the prompt must contain at least one token")
+        # Stop strings need the text even when the client does not want it.
+        detokenize = self.tokenizer is not None and (not message.skip_detokenize or bool(params.stop))
+        return _Stream(request_id, prompt_ids, params, detokenize, send_text=not message.skip_detokenize)
+
+    def _input_ids(self, message: api_pb2.GenerateRequest | api_pb2.SessionRequest, *, first: bool) -> list[int]:
+        kind = message.WhichOneof("input")
+        if kind == "token_ids":
+            ids = list(message.token_ids.ids)
+            vocab_size = self.engine.vocab_size
+            bad = next((i for i, token in enumerate(ids) if not 0 <= token < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"token_ids.ids[{bad}] = {ids[bad]} is outside the vocabulary [0, {vocab_size})")
+            return ids
+        if kind == "text":
+            if self.tokenizer is None:
+                raise ValueError("text: this model has no tokenizer; send token_ids instead")
+            # Special tokens such as BOS belong in front of the prompt, not in front of every chunk.
+            return list(self.tokenizer.encode(message.text, add_special_tokens=first))
+        return []
+
+    async def _run(
+        self,
+        stream: _Stream,
+        context: grpc.aio.ServicerContext,
+        feed: Callable[[_Stream], Awaitable[None]] | None = None,
+    ) -> AsyncIterator[api_pb2.GenerateResponse]:
+        request_id = stream.request_id
+        if request_id in self._streams:
+            raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already streaming")
+        self._streams[request_id] = stream
+        tasks = [asyncio.create_task(self._pump(stream, final=feed is None))]
+        try:
+            await context.send_initial_metadata((("request-id", request_id),))
+            if feed is not None:
+                await asyncio.sleep(0)  # let the engine open the request before the first append_input reaches it
+                tasks.append(asyncio.create_task(feed(stream)))
+            while not stream.finished:
+                event = await stream.events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                yield self._response(stream, event)
+        finally:
+            self._streams.pop(request_id, None)
+            if not stream.engine_done:
+                await self.engine.abort(request_id)  # a cancelled client or a stop string: free the KV blocks
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _pump(self, stream: _Stream, *, final: bool) -> None:
+        """Move the engine's deltas into the stream's queue, so that a cancelled client can abort it first."""
+        try:
+            generator = self.engine.generate(stream.request_id, list(stream.prompt_ids), stream.params, final=final)
+            async for delta in generator:
+                stream.events.put_nowait(delta)
+            stream.events.put_nowait(RpcError(grpc.StatusCode.INTERNAL, "the engine ended the stream unfinished"))
+        except Exception as exc:
+            stream.events.put_nowait(exc)
+
+    async def _feed(self, messages: AsyncIterator[api_pb2.SessionRequest], stream: _Stream) -> None:
+        """Hand a session's later input chunks to the engine until the final one or the client's half-close."""
+        try:
+            async for message in messages:
+                if message.request_id or message.HasField("sampling_params") or message.skip_detokenize:
+                    raise ValueError("request_id, sampling_params and skip_detokenize go in the first message only")
+                ids = self._input_ids(message, first=False)
+                stream.prompt_ids.extend(ids)
+                await self.engine.append_input(stream.request_id, ids, message.final)
+                if message.final:
+                    return
+            await self.engine.append_input(stream.request_id, [], True)
+        except Exception as exc:
+            stream.events.put_nowait(exc)
+
+    def _response(self, stream: _Stream, delta: RequestDelta) -> api_pb2.GenerateResponse:
+        if delta.error:
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, f"the engine gave up on this request: {delta.error}")
+        stream.last = delta
+        reason = (delta.finish_reason or "stop") if delta.finished else None
+        response = api_pb2.GenerateResponse(request_id=stream.request_id, token_ids=delta.token_ids)
+        if stream.detokenize:
+            if stream.detokenizer is None:  # created late: a session's prompt is complete only now
+                stream.detokenizer = self.detokenizer_factory(self.tokenizer, list(stream.prompt_ids), stream.params)
+            text = stream.detokenizer.add(list(delta.token_ids))
+            if stream.detokenizer.stopped:
+                reason = "stop"
+            elif delta.finished:
+                text += stream.detokenizer.flush()
+            if stream.send_text:
+                response.text = text
+        if stream.params.logprobs is not None:
+            response.logprobs.extend(token_logprobs(delta))
+        if delta.finished:
+            stream.engine_done = True
+        if reason is not None:
+            stream.finished = True
+            response.finish_reason = reason
+            response.usage.CopyFrom(usage(delta))
+        return response
+
+
+@functools.cache
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pagerail")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def build_grpc_server(
+    engine: EngineClient,
+    tokenizer: Any | None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    ready: Callable[[], Awaitable[bool]] | None = None,
+    health: EngineHealth | None = None,
+    detokenizer_factory: DetokenizerFactory | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """An unstarted grpc.aio server with Generation, Health and reflection, and the port it bound (port=0: any).
+
+    Health follows `ready` (default: engine.is_ready); pass your own `health` to flip it with set_serving().
+    Call from inside the event loop that will run the server.
+    """
+    interceptors = [ApiKeyInterceptor(api_key)] if api_key is not None else []
+    server = grpc.aio.server(interceptors=interceptors)
+    api_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, tokenizer, detokenizer_factory), server)
+    health = health or EngineHealth(ready or engine.is_ready, (GENERATION_SERVICE,))
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection((GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return server, server.add_insecure_port(address)

@@ -1,0 +1,248 @@
+"""The OpenAI-compatible HTTP server: routes, API key, body limit, request ids, errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from cluster.errors import QueueFullError
+from cluster.frontend import openai_routes
+from cluster.frontend.chat import encode_prompt, render_chat
+from cluster.frontend.engine_client import EngineClient
+from cluster.frontend.errors import (
+    APIError,
+    bad_request,
+    error_body,
+    from_validation_error,
+    from_value_error,
+    overloaded,
+    payload_too_large,
+    unauthorized,
+    unavailable,
+)
+from cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+_OPEN_PATHS = ("/health", "/ready", "/version", "/metrics")
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the engine, the tokenizer, and whether new requests are still admitted."""
+
+    engine: EngineClient
+    tokenizer: object
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    draining: bool = False
+    in_flight: int = 0
+
+
+def create_app(state: ServerState, ready: Callable[[], Awaitable[bool]] | None = None) -> FastAPI:
+    app = FastAPI(title="pagerail", version=VERSION, docs_url=None, redoc_url=None)
+    app.state.server = state
+
+    app.add_middleware(GuardMiddleware, state=state)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError):
+        return _error_response(error)
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(_: Request, error: QueueFullError):
+        return _error_response(overloaded(error.retry_after_s))
+
+    @app.exception_handler(ValueError)
+    async def value_error(_: Request, error: ValueError):
+        return _error_response(from_value_error(error))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError):
+        return _error_response(bad_request(str(error.errors()[0].get("msg", error)) if error.errors() else str(error)))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def is_ready():
+        engine_ready = await (ready() if ready is not None else state.engine.is_ready())
+        if state.draining or not engine_ready:
+            return _error_response(unavailable("not ready" if not state.draining else "draining", 1))
+        return {"status": "ready"}
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": state.served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pagerail",
+            "max_model_len": state.engine.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parse(request, state, CompletionRequest)
+        return await _admitted(
+            state,
+            openai_routes.completions(
+                body, state.engine, state.tokenizer, state.served_model_name, request.state.request_id
+            ),
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _parse(request, state, ChatCompletionRequest)
+        return await _admitted(
+            state,
+            openai_routes.chat_completions(
+                body, state.engine, state.tokenizer, state.served_model_name, request.state.request_id
+            ),
+        )
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        payload = await _json(request, state)
+        if "messages" in payload:
+            tokens = render_chat(state.tokenizer, payload["messages"])
+        elif "prompt" in payload:
+            tokens = encode_prompt(state.tokenizer, payload["prompt"], state.engine.vocab_size)
+        else:
+            raise bad_request("either prompt or messages is required", "prompt")
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        payload = await _json(request, state)
+        tokens = payload.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise bad_request("tokens must be a list of token ids", "tokens")
+        if any(not 0 <= t < state.engine.vocab_size for t in tokens):
+            raise bad_request(f"tokens must be in [0, {state.engine.vocab_size})", "tokens")
+        return {"prompt": state.tokenizer.decode(tokens)}
+
+    @app.post("/pause")
+    async def pause(mode: str = "all"):
+        if mode not in ("new", "all"):
+            raise bad_request("mode must be 'new' or 'all'", "mode")
+        await state.engine.pause(mode)
+        return {"status": "paused", "mode": mode}
+
+    @app.post("/resume")
+    async def resume():
+        await state.engine.resume()
+        return {"status": "running"}
+
+    return app
+
+
+class GuardMiddleware:
+    """Plain ASGI (so streaming and client disconnects pass straight through): request id, API key, body size."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        request_id = headers.get("x-request-id") or openai_routes.new_request_id()
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = list(message["headers"]) + [(b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        try:
+            _check_key(self.state, scope["path"], headers.get("authorization", ""))
+            length = headers.get("content-length", "")
+            if length.isdigit() and int(length) > self.state.max_body_bytes:
+                raise payload_too_large(self.state.max_body_bytes)
+        except APIError as error:
+            await _error_response(error)(scope, receive, send_with_id)
+            return
+        await self.app(scope, receive, send_with_id)
+
+
+def _request_id(request: Request) -> str:
+    return request.scope["state"]["request_id"]
+
+
+def _check_key(state: ServerState, path: str, header: str) -> None:
+    if state.api_key is None or path in _OPEN_PATHS:
+        return
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), state.api_key.encode()):
+        raise unauthorized()
+
+
+async def _json(request: Request, state: ServerState) -> dict:
+    raw = await request.body()
+    if len(raw) > state.max_body_bytes:
+        raise payload_too_large(state.max_body_bytes)
+    try:
+        payload = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise bad_request(f"request body is not valid JSON: {error}") from None
+    if not isinstance(payload, dict):
+        raise bad_request("request body must be a JSON object")
+    return payload
+
+
+async def _parse(request: Request, state: ServerState, model):
+    if state.draining:
+        raise unavailable("the server is shutting down", retry_after_s=5)
+    payload = await _json(request, state)
+    try:
+        return model.model_validate(payload)
+    except ValidationError as error:
+        raise from_validation_error(error) from None
+
+
+async def _admitted(state: ServerState, handler):
+    """Count in-flight requests so a drain knows when the last one has left."""
+    state.in_flight += 1
+    try:
+        response = await handler
+    except BaseException:
+        state.in_flight -= 1
+        raise
+    if hasattr(response, "body_iterator"):
+        inner = response.body_iterator
+
+        async def counted():
+            try:
+                async for chunk in inner:
+                    yield chunk
+            finally:
+                state.in_flight -= 1
+
+        response.body_iterator = counted()
+    else:
+        state.in_flight -= 1
+    return response
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error_body(error), status_code=error.status, headers=error.headers)

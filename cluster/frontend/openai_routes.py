@@ -1,0 +1,258 @@
+"""OpenAI `/v1/completions` and `/v1/chat/completions`: streaming (SSE) and whole responses."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from cluster.frontend.chat import encode_prompt, render_chat
+from cluster.frontend.engine_client import EngineClient
+from cluster.frontend.errors import from_value_error, not_found_model
+from cluster.frontend.generation import ChoiceDelta, Usage, stream_choices
+from cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.sampling_params import SamplingParams
+
+
+def _check_model(requested: str | None, served: str) -> None:
+    if requested and requested != served:
+        raise not_found_model(requested)
+
+
+def _sampling(request, engine: EngineClient, prompt_len: int) -> SamplingParams:
+    try:
+        return request.to_sampling_params(default_max_tokens=max(1, engine.max_model_len - prompt_len))
+    except ValueError as error:
+        raise from_value_error(error) from None
+
+
+def _usage_json(usage: Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _first_then_rest(stream: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
+    """Pull the first delta before the response starts, so bad input and a full queue become real errors."""
+    first = await anext(stream, None)
+
+    async def chained() -> AsyncIterator[ChoiceDelta]:
+        try:
+            if first is not None:
+                yield first
+            async for delta in stream:
+                yield delta
+        finally:
+            await stream.aclose()
+
+    return chained()
+
+
+# -- completions -----------------------------------------------------------------------------------
+
+
+def _completion_logprobs(deltas: list[ChoiceDelta]) -> dict:
+    tokens, token_logprobs, top_logprobs = [], [], []
+    for delta in deltas:
+        for text, logprob, top in delta.logprobs:
+            tokens.append(text)
+            token_logprobs.append(logprob)
+            top_logprobs.append(dict(top))
+    offsets, position = [], 0
+    for text in tokens:
+        offsets.append(position)
+        position += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+async def completions(body: CompletionRequest, engine: EngineClient, tokenizer, served: str, request_id: str):
+    _check_model(body.model, served)
+    prompts = body.prompt_list()
+    encoded = [encode_prompt(tokenizer, prompt, engine.vocab_size) for prompt in prompts]
+    params = [_sampling(body, engine, len(ids)) for ids in encoded]
+    created = int(time.time())
+    completion_id = f"cmpl-{request_id}"
+    usage = Usage()
+    streams = []
+    for number, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
+        try:
+            stream = await _first_then_rest(
+                stream_choices(engine, tokenizer, f"{completion_id}-{number}", ids, sp, usage)
+            )
+        except ValueError as error:
+            raise from_value_error(error) from None
+        streams.append((number * sp.n, stream))
+
+    def chunk(index: int, delta: ChoiceDelta) -> dict:
+        choice = {"index": index, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}
+        if body.logprobs is not None:
+            choice["logprobs"] = _completion_logprobs([delta])
+        return choice
+
+    if body.stream:
+
+        async def events() -> AsyncIterator[str]:
+            for offset, stream in streams:
+                async for delta in stream:
+                    yield _sse(
+                        {
+                            "id": completion_id,
+                            "object": "text_completion",
+                            "created": created,
+                            "model": served,
+                            "choices": [chunk(offset + delta.index, delta)],
+                        }
+                    )
+            if body.include_usage():
+                yield _sse(
+                    {
+                        "id": completion_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": served,
+                        "choices": [],
+                        "usage": _usage_json(usage),
+                    }
+                )
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    collected: dict[int, list[ChoiceDelta]] = {}
+    for offset, stream in streams:
+        async for delta in stream:
+            collected.setdefault(offset + delta.index, []).append(delta)
+    choices = []
+    for index in sorted(collected):
+        deltas = collected[index]
+        choice = {
+            "index": index,
+            "text": "".join(d.text for d in deltas),
+            "logprobs": None,
+            "finish_reason": deltas[-1].finish_reason,
+        }
+        if body.logprobs is not None:
+            choice["logprobs"] = _completion_logprobs(deltas)
+        choices.append(choice)
+    return JSONResponse(
+        {
+            "id": completion_id,
+            "object": "text_completion",
+            "created": created,
+            "model": served,
+            "choices": choices,
+            "usage": _usage_json(usage),
+        }
+    )
+
+
+# -- chat ------------------------------------------------------------------------------------------
+
+
+def _chat_logprobs(deltas: list[ChoiceDelta]) -> dict:
+    content = []
+    for delta in deltas:
+        for text, logprob, top in delta.logprobs:
+            content.append(
+                {
+                    "token": text,
+                    "logprob": logprob,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top],
+                }
+            )
+    return {"content": content}
+
+
+async def chat_completions(body: ChatCompletionRequest, engine: EngineClient, tokenizer, served: str, request_id: str):
+    _check_model(body.model, served)
+    prompt_ids = render_chat(tokenizer, body.messages)
+    params = _sampling(body, engine, len(prompt_ids))
+    created = int(time.time())
+    chat_id = f"chatcmpl-{request_id}"
+    usage = Usage()
+    try:
+        stream = await _first_then_rest(stream_choices(engine, tokenizer, chat_id, prompt_ids, params, usage))
+    except ValueError as error:
+        raise from_value_error(error) from None
+
+    if body.stream:
+
+        async def events() -> AsyncIterator[str]:
+            def envelope(choices: list, **extra) -> dict:
+                return {
+                    "id": chat_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": served,
+                    "choices": choices,
+                    **extra,
+                }
+
+            started: set[int] = set()
+            async for delta in stream:
+                if delta.index not in started:
+                    started.add(delta.index)
+                    yield _sse(
+                        envelope(
+                            [
+                                {
+                                    "index": delta.index,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
+                    )
+                choice = {
+                    "index": delta.index,
+                    "delta": {"content": delta.text} if delta.text else {},
+                    "logprobs": _chat_logprobs([delta]) if body.wants_logprobs() else None,
+                    "finish_reason": delta.finish_reason,
+                }
+                yield _sse(envelope([choice]))
+            if body.include_usage():
+                yield _sse(envelope([], usage=_usage_json(usage)))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    collected: dict[int, list[ChoiceDelta]] = {}
+    async for delta in stream:
+        collected.setdefault(delta.index, []).append(delta)
+    choices = []
+    for index in sorted(collected):
+        deltas = collected[index]
+        choices.append(
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+                "logprobs": _chat_logprobs(deltas) if body.wants_logprobs() else None,
+                "finish_reason": deltas[-1].finish_reason,
+            }
+        )
+    return JSONResponse(
+        {
+            "id": chat_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": served,
+            "choices": choices,
+            "usage": _usage_json(usage),
+        }
+    )
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

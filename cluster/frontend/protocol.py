@@ -1,0 +1,345 @@
+"""Pydantic models of the OpenAI completions, chat and models API, and their mapping to SamplingParams."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from cluster.frontend.errors import from_value_error
+from cluster.sampling_params import MAX_LOGPROBS, SamplingParams
+
+# Every stop string is searched for after each token, so their number and length bound the per-token cost.
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+
+
+# Request fields that SamplingParams takes under the same name.
+_PASSED_THROUGH = (
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+)  # fmt: skip
+
+
+def random_id(prefix: str) -> str:
+    """An id like OpenAI's: `cmpl-<hex>`, `chatcmpl-<hex>`."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class _Lenient(BaseModel):
+    # Clients send fields this server does not know (extra_body, vendor options); they are ignored, not refused.
+    # Strict types keep "0.5" from passing as a number and true from passing as 1.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool | None = False
+
+
+class _SamplingRequest(_Lenient):
+    """Fields shared by completions and chat; None means "the default", as OpenAI allows explicit nulls."""
+
+    model: str | None = None  # None: the model this server serves
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = False
+    include_stop_str_in_output: bool | None = False
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = True
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+        for text in stops:
+            if not text:
+                raise ValueError("stop must hold non-empty strings")
+            if len(text) > MAX_STOP_LENGTH:
+                raise ValueError(f"stop must hold strings of at most {MAX_STOP_LENGTH} characters, got {len(text)}")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
+    @field_validator("logit_bias", "echo", "suffix", "tools", check_fields=False)
+    @classmethod
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        # Ignoring these would silently return something other than what was asked for.
+        if value:
+            raise ValueError(f"{info.field_name} is not supported; leave it out")
+        return value
+
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a chunk carrying token usage."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _build(self, max_tokens: int | None, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+        stop = self.stop if self.stop is not None else ()
+        # Explicit nulls fall back to SamplingParams' own defaults.
+        values = {name: getattr(self, name) for name in _PASSED_THROUGH if getattr(self, name) is not None}
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+                stop=tuple([stop] if isinstance(stop, str) else stop),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                logprobs=logprobs,
+                **values,
+            )
+        except ValueError as err:
+            raise from_value_error(err) from err
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return value
+        shape = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        if not isinstance(value, list) or not value:
+            raise ValueError(shape + (" (got an empty list)" if value == [] else ""))
+        if all(isinstance(p, str) for p in value) or all(_is_token_id(t) for t in value):
+            return value
+        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
+            return value
+        raise ValueError(shape)
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value != (info.data.get("n") or 1):
+            raise ValueError("best_of is not supported unless it equals n; leave it out")
+        return value
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompt as a batch: one entry per choice group, each a string or a list of token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(t, int) for t in self.prompt):
+            return [list(self.prompt)]  # type: ignore[arg-type]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """SamplingParams for this request; raises APIError (400) naming the offending field."""
+        return self._build(self.max_tokens, default_max_tokens, self.logprobs)
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not all(isinstance(p, dict) for p in value):
+            raise ValueError("content must be a string or a list of content parts")
+        return value
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _check_max_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
+        other = info.data.get("max_tokens")
+        if value is not None and other is not None and other != value:
+            raise ValueError(f"max_completion_tokens must equal max_tokens when both are sent, got {value} and {other}")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type", "text") != "text":
+            raise ValueError(f"response_format is not supported unless its type is 'text', got {value.get('type')!r}")
+        return value
+
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """SamplingParams for this request; raises APIError (400) naming the offending field."""
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._build(max_tokens, default_max_tokens, logprobs)
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ---- responses ----
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None  # {"cached_tokens": k} when the prefix cache served some
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(CompletionResponse):
+    usage: UsageInfo | None = None  # only the last chunk carries it, when stream_options.include_usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "pagerail"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

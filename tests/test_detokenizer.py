@@ -1,0 +1,132 @@
+"""Incremental detokenizer: streamed text equals a full decode, stop strings never leak, cost per token is flat."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from cluster.frontend.detokenizer import IncrementalDetokenizer
+
+TEXTS = [
+    "Hello world, this is a plain sentence.",
+    "naïve café — 日本語 🙂",
+    "🙂🙂🙂 emoji runs, Ωμέγα, Привет, עברית, 한국어 and ＦＵＬＬＷＩＤＴＨ",
+    "  leading spaces\n\ttabs\n\nand blank lines  ",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from worker.model_loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
+
+
+def _stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1) -> list[str]:
+    pieces = [detok.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    pieces.append(detok.flush())
+    return pieces
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_streamed_text_equals_full_decode(tokenizer, text: str, chunk: int) -> None:
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Question: say something.\nAnswer:"))
+    pieces = _stream(detok, ids, chunk)
+    assert "".join(pieces) == tokenizer.decode(ids) == detok.text
+    assert all("\ufffd" not in piece for piece in pieces)  # partial UTF-8 sequences are held back, never streamed
+
+
+def test_multibyte_characters_are_held_until_complete(tokenizer) -> None:
+    ids = tokenizer.encode("日本語")
+    assert len(ids) > 3  # byte-level pieces of single characters
+    detok = IncrementalDetokenizer(tokenizer, [])
+    pieces = _stream(detok, ids)
+    assert "" in pieces and "".join(pieces) == "日本語"
+
+
+def test_special_tokens_skipped_or_kept(tokenizer) -> None:
+    ids = tokenizer.encode("hi") + [tokenizer.eos_token_id]
+    assert "".join(_stream(IncrementalDetokenizer(tokenizer, []), ids)) == "hi"
+    kept = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
+    assert "".join(_stream(kept, ids)) == "hi" + tokenizer.eos_token
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_across_tokens_is_never_leaked(tokenizer, include: bool) -> None:
+    text = "The answer is forty-two, END OF STORY and more text after it"
+    stop = "forty-two, END"
+    ids = tokenizer.encode(text)
+    assert len(tokenizer.encode(" " + stop)) > 3  # the stop string spans several tokens
+    detok = IncrementalDetokenizer(tokenizer, [], stop=(stop,), include_stop_str_in_output=include)
+    streamed = ""
+    for token_id in ids:
+        streamed += detok.add([token_id])
+        if not include:
+            # No streamed tail may already be the start of the stop string.
+            assert not any(stop.startswith(streamed[k:]) for k in range(len(streamed)))
+        if detok.stopped:
+            break
+    assert detok.stopped and detok.stop_reason == stop
+    expected = "The answer is " + (stop if include else "")
+    assert streamed == detok.text == expected
+    assert detok.add(ids[:3]) == "" and detok.flush() == ""
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer) -> None:
+    ids = tokenizer.encode("alpha beta gamma delta")
+    detok = IncrementalDetokenizer(tokenizer, [], stop=("delta", "beta g", "zzz"))
+    assert "".join(_stream(detok, ids, chunk=4)) == "alpha "
+    assert detok.stop_reason == "beta g"
+
+
+def test_held_prefix_is_released_when_no_stop_matches(tokenizer) -> None:
+    ids = tokenizer.encode("counting to fort")
+    detok = IncrementalDetokenizer(tokenizer, [], stop=("forty-two",))
+    streamed = "".join(detok.add([t]) for t in ids)
+    assert streamed == "counting to "  # "fort" could still become the stop string
+    assert detok.flush() == "fort" and detok.text == "counting to fort" and not detok.stopped
+
+
+def test_held_prefix_is_released_when_the_text_diverges(tokenizer) -> None:
+    ids = tokenizer.encode("forty winks")
+    detok = IncrementalDetokenizer(tokenizer, [], stop=("forty-two",))
+    assert "".join(_stream(detok, ids)) == "forty winks" and not detok.stopped
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer) -> None:
+    ids = tokenizer.encode("stop here, then stop again")
+    detok = IncrementalDetokenizer(tokenizer, [], stop=("stop",), min_tokens=3)
+    assert "".join(_stream(detok, ids)) == "stop here, then "
+
+
+def test_finish_adds_the_last_tokens(tokenizer) -> None:
+    ids = tokenizer.encode("naïve café")
+    detok = IncrementalDetokenizer(tokenizer, [])
+    head = detok.add(ids[:-1])
+    assert head + detok.finish(ids[-1:]) == "naïve café"
+
+
+def test_token_text(tokenizer) -> None:
+    ids = tokenizer.encode("Hello world")
+    detok = IncrementalDetokenizer(tokenizer, [])
+    assert [detok.token_text(t) for t in ids] == ["Hello", " world"]
+
+
+def test_cost_per_token_does_not_grow(tokenizer) -> None:
+    ids = tokenizer.encode("Lorem ipsum dolor sit amet, consectetur adipiscing elit; café 日本語. " * 120)[:2000]
+    assert len(ids) == 2000
+    detok = IncrementalDetokenizer(tokenizer, [], stop=("never appears", "nor this"))
+    start = time.perf_counter()
+    first_half = "".join(detok.add([t]) for t in ids[:1000])
+    middle = time.perf_counter()
+    second_half = "".join(detok.add([t]) for t in ids[1000:]) + detok.flush()
+    end = time.perf_counter()
+    assert first_half + second_half == tokenizer.decode(ids)
+    assert end - start < 0.5  # about 15 ms here; quadratic decoding would take seconds
+    # The second thousand tokens cost about what the first did (generous bound for a noisy shared machine).
+    assert end - middle < 4 * (middle - start) + 0.05

@@ -1,0 +1,301 @@
+"""The public gRPC API over the fake engine: streaming, sessions, aborts, health, reflection, API keys, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from cluster.frontend.grpc_api import build_grpc_server
+from cluster.frontend.grpc_guards import EngineHealth
+from proto import api_pb2, api_pb2_grpc
+from tests.fake_engine import FakeEngineClient
+
+VOCAB = 1000  # the fake engine's default vocabulary
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from worker.model_loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
+
+
+def async_test(fn):
+    """Run a coroutine test in its own event loop, bounded so a hung stream fails instead of stalling the suite."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        asyncio.run(asyncio.wait_for(fn(*args, **kwargs), timeout=10))
+
+    return run
+
+
+@contextlib.asynccontextmanager
+async def serve(engine: FakeEngineClient, tokenizer=None, **kwargs) -> AsyncIterator[grpc.aio.Channel]:
+    server, port = build_grpc_server(engine, tokenizer, host="127.0.0.1", port=0, **kwargs)
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield channel
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+def fake_tokens(prompt: list[int], n: int) -> list[int]:
+    """What FakeEngineClient generates for `prompt`."""
+    return [(sum(prompt) + 7 * i) % VOCAB for i in range(n)]
+
+
+def token_request(ids: list[int], request_id: str = "", **sampling) -> api_pb2.GenerateRequest:
+    params = api_pb2.SamplingParams(**sampling)
+    return api_pb2.GenerateRequest(request_id=request_id, token_ids=api_pb2.TokenIds(ids=ids), sampling_params=params)
+
+
+async def read_rest(call) -> list[api_pb2.GenerateResponse]:
+    """The remaining responses of a call already read with read() (iteration and read() do not mix)."""
+    responses = []
+    while (response := await call.read()) is not grpc.aio.EOF:
+        responses.append(response)
+    return responses
+
+
+async def wait_until(condition, timeout: float = 2.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    assert condition(), "condition not met in time"
+
+
+@async_test
+async def test_generate_by_token_ids_streams_tokens_usage_and_logprobs():
+    async with serve(FakeEngineClient()) as channel:
+        call = api_pb2_grpc.GenerationStub(channel).Generate(token_request([1, 2, 3], max_tokens=5, logprobs=1))
+        request_id = dict(await call.initial_metadata())["request-id"]
+        responses = [response async for response in call]
+    assert request_id and all(r.request_id == request_id for r in responses)
+    assert [t for r in responses for t in r.token_ids] == fake_tokens([1, 2, 3], 5)
+    assert [r.finish_reason for r in responses] == ["", "", "", "", "length"]
+    assert not any(r.HasField("usage") for r in responses[:-1])
+    usage = responses[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (3, 5, 0)
+    first = responses[0].logprobs[0]
+    assert first.token_id == 6 and first.logprob == -0.5
+    assert [(top.token_id, top.logprob) for top in first.top_logprobs] == [(6, -0.5), (7, -1.5)]
+    assert all(r.text == "" for r in responses)  # no tokenizer, no text
+
+
+@async_test
+async def test_generate_by_text_detokenizes(tokenizer):
+    async with serve(FakeEngineClient(), tokenizer) as channel:
+        request = api_pb2.GenerateRequest(
+            text="Hello world again", sampling_params=api_pb2.SamplingParams(max_tokens=8)
+        )
+        responses = [response async for response in api_pb2_grpc.GenerationStub(channel).Generate(request)]
+    tokens = [t for r in responses for t in r.token_ids]
+    assert tokens == fake_tokens(tokenizer.encode("Hello world again"), 8)
+    assert "".join(r.text for r in responses) == tokenizer.decode(tokens)
+    assert responses[-1].finish_reason == "length" and responses[-1].usage.completion_tokens == 8
+
+
+class StopAfter:
+    """A detokenizer that writes one letter per token and stops after `limit` tokens."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.seen, self.stopped = limit, 0, False
+
+    def add(self, token_ids: list[int]) -> str:
+        self.seen += len(token_ids)
+        self.stopped = self.seen >= self.limit
+        return "x" * len(token_ids)
+
+    def flush(self) -> str:
+        return ""
+
+
+@async_test
+async def test_stop_from_detokenizer_finishes_with_stop_and_aborts_engine():
+    engine = FakeEngineClient(step_delay_s=0.01)
+    factory = lambda tokenizer, prompt_ids, params: StopAfter(3)  # noqa: E731
+    async with serve(engine, object(), detokenizer_factory=factory) as channel:
+        call = api_pb2_grpc.GenerationStub(channel).Generate(token_request([5], "r-stop", max_tokens=100))
+        responses = [response async for response in call]
+    assert "".join(r.text for r in responses) == "xxx"
+    assert responses[-1].finish_reason == "stop" and responses[-1].usage.completion_tokens == 3
+    await wait_until(lambda: engine.aborted == ["r-stop"])
+
+
+@async_test
+async def test_abort_ends_a_running_stream():
+    engine = FakeEngineClient(step_delay_s=0.02)
+    async with serve(engine) as channel:
+        stub = api_pb2_grpc.GenerationStub(channel)
+        call = stub.Generate(token_request([1], "r-abort", max_tokens=200))
+        responses = [await call.read(), await call.read()]
+        assert (await stub.Abort(api_pb2.AbortRequest(request_id="r-abort"))).found
+        responses += await read_rest(call)
+        assert not (await stub.Abort(api_pb2.AbortRequest(request_id="r-abort"))).found
+    assert responses[-1].finish_reason == "abort" and len(responses) < 200
+    assert engine.aborted == ["r-abort"]
+
+
+@async_test
+async def test_abort_ends_a_session_still_waiting_for_input():
+    engine = FakeEngineClient()
+
+    async def open_input():
+        yield api_pb2.SessionRequest(request_id="r-open", token_ids=api_pb2.TokenIds(ids=[1]))
+        await asyncio.sleep(30)  # never sends the rest
+
+    async with serve(engine) as channel:
+        stub = api_pb2_grpc.GenerationStub(channel)
+        call = stub.Session(open_input())
+        await call.initial_metadata()
+        await wait_until(lambda: "r-open" in engine.active)
+        assert (await stub.Abort(api_pb2.AbortRequest(request_id="r-open"))).found
+        responses = await read_rest(call)
+    assert [r.finish_reason for r in responses] == ["abort"] and responses[0].usage.prompt_tokens == 1
+    assert engine.aborted == ["r-open"] and not engine.active
+
+
+@async_test
+async def test_client_cancel_aborts_the_engine_request():
+    engine = FakeEngineClient(step_delay_s=0.02)
+    async with serve(engine) as channel:
+        call = api_pb2_grpc.GenerationStub(channel).Generate(token_request([1], "r-cancel", max_tokens=200))
+        await call.read()
+        call.cancel()
+        await wait_until(lambda: engine.aborted == ["r-cancel"])
+        await wait_until(lambda: not engine.active)
+
+
+def session_messages(chunks: list[list[int]], final: bool = True, **sampling):
+    async def messages():
+        for i, ids in enumerate(chunks):
+            message = api_pb2.SessionRequest(token_ids=api_pb2.TokenIds(ids=ids), final=final and i == len(chunks) - 1)
+            if i == 0:
+                message.request_id = "r-session"
+                message.sampling_params.CopyFrom(api_pb2.SamplingParams(**sampling))
+            yield message
+            await asyncio.sleep(0.01)  # arrive one by one, as a client streaming its input would
+
+    return messages()
+
+
+@async_test
+async def test_session_of_three_chunks_equals_one_generate():
+    async with serve(FakeEngineClient()) as channel:
+        stub = api_pb2_grpc.GenerationStub(channel)
+        whole = [r async for r in stub.Generate(token_request([10, 20, 30, 40, 50], max_tokens=6))]
+        chunked = [r async for r in stub.Session(session_messages([[10, 20], [30, 40], [50]], max_tokens=6))]
+        # The client closing its side ends the input as well as final=true does.
+        closed = [r async for r in stub.Session(session_messages([[10], [20, 30, 40, 50]], final=False, max_tokens=6))]
+    expected = fake_tokens([10, 20, 30, 40, 50], 6)
+    for responses in (whole, chunked, closed):
+        assert [t for r in responses for t in r.token_ids] == expected
+        assert responses[-1].finish_reason == "length" and responses[-1].usage.prompt_tokens == 5
+
+
+@async_test
+async def test_health_follows_readiness_and_setter():
+    engine = FakeEngineClient()
+    engine.ready = False
+    health = EngineHealth(engine.is_ready, ("pagerail.api.Generation",))
+    async with serve(engine, health=health) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+
+        async def status(service: str = "") -> int:
+            return (await stub.Check(health_pb2.HealthCheckRequest(service=service))).status
+
+        assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
+        engine.ready = True
+        await health.set_serving(True)
+        assert await status() == health_pb2.HealthCheckResponse.SERVING
+        assert await status("pagerail.api.Generation") == health_pb2.HealthCheckResponse.SERVING
+        await health.set_serving(False)  # draining: held down although the engine is ready
+        assert await status() == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@async_test
+async def test_reflection_lists_services():
+    async with serve(FakeEngineClient()) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = [
+            r async for r in stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        ]
+    names = {service.name for service in responses[0].list_services_response.service}
+    assert {"pagerail.api.Generation", "grpc.health.v1.Health"} <= names
+
+
+@async_test
+async def test_api_key_is_required_except_for_health():
+    async with serve(FakeEngineClient(), api_key="sekret") as channel:
+        stub = api_pb2_grpc.GenerationStub(channel)
+        for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", "sekret"),)):
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.GetModelInfo(api_pb2.ModelInfoRequest(), metadata=metadata)
+            assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            [r async for r in stub.Generate(token_request([1], max_tokens=2))]
+        assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        info = await stub.GetModelInfo(api_pb2.ModelInfoRequest(), metadata=(("authorization", "Bearer sekret"),))
+        assert (info.model_name, info.max_model_len, info.vocab_size) == ("fake", 256, VOCAB)
+        check = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@async_test
+async def test_bad_input_is_invalid_argument_naming_the_field():
+    async with serve(FakeEngineClient()) as channel:
+        stub = api_pb2_grpc.GenerationStub(channel)
+        cases = [
+            (token_request([1], top_p=2.0), "top_p"),
+            (token_request([1], max_tokens=0), "max_tokens"),
+            (token_request([1], stop_token_ids=[-1]), "stop_token_ids"),
+            (token_request([1, VOCAB]), "token_ids.ids[1]"),
+            (token_request([1], max_tokens=1000), "max_model_len"),  # found by the engine, not the server
+            (api_pb2.GenerateRequest(), "input"),
+            (api_pb2.GenerateRequest(text="hi"), "no tokenizer"),
+        ]
+        for request, field in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                [r async for r in stub.Generate(request)]
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+            assert field in error.value.details()
+
+        async def later_params():
+            yield api_pb2.SessionRequest(token_ids=api_pb2.TokenIds(ids=[1]))
+            yield api_pb2.SessionRequest(token_ids=api_pb2.TokenIds(ids=[2]), sampling_params=api_pb2.SamplingParams())
+
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            [r async for r in stub.Session(later_params())]
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling_params" in error.value.details()
+
+
+@async_test
+async def test_full_queue_is_resource_exhausted_with_retry_after():
+    engine = FakeEngineClient(max_waiting=1, step_delay_s=0.02)
+    async with serve(engine) as channel:
+        stub = api_pb2_grpc.GenerationStub(channel)
+        running = stub.Generate(token_request([1], "r-running", max_tokens=200))
+        await running.read()
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            [r async for r in stub.Generate(token_request([2], max_tokens=2))]
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(error.value.trailing_metadata())["retry-after"] == "1"
+        with pytest.raises(grpc.aio.AioRpcError) as error:  # the running id cannot be reused meanwhile
+            [r async for r in stub.Generate(token_request([2], "r-running", max_tokens=2))]
+        assert error.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        info = await stub.GetServerInfo(api_pb2.ServerInfoRequest())
+        assert info.stats["num_unfinished"] == 1 and info.stats["grpc.active_streams"] == 1 and info.version
+        running.cancel()
