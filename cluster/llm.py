@@ -42,6 +42,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         enable_chunked_prefill: bool = True,
+        max_waiting_requests: int | None = None,
         tensor_parallel_size: int = 1,
         ray_address: str | None = None,
         placement_strategy: str = "PACK",
@@ -67,6 +68,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=enable_chunked_prefill,
+                max_waiting_requests=max_waiting_requests,
             ),
         )
         self.model_dir = locate_model(self.config)
