@@ -1,0 +1,182 @@
+"""The official openai client against the HTTP server on the embedded model; disconnects and overload."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from cluster import LLM, SamplingParams
+from cluster.async_engine import AsyncEngine
+from cluster.frontend.clients import LocalEngineClient
+from cluster.frontend.http_app import ServerState, create_app
+from tests.http_server import BackgroundServer
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2"
+
+
+def serve_llm(llm: LLM, **state):
+    engine = LocalEngineClient(AsyncEngine(llm.engine), MODEL)
+    return engine, BackgroundServer(create_app(ServerState(engine, llm.tokenizer, MODEL, **state)))
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir):
+    return LLM(str(smollm2_dir))
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """Greedy outputs of LLM.generate, computed before the server's loop thread owns the engine."""
+    chat_prompt = [{"role": "user", "content": "Name three fruits."}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    return {
+        "chat": llm.chat(chat_prompt, greedy)[0].outputs[0].text,
+        "completion": llm.generate(["The capital of France is"], greedy)[0].outputs[0].text,
+    }
+
+
+@pytest.fixture(scope="module")
+def client(llm, reference):
+    engine, server = serve_llm(llm, api_key="sk-e2e")
+    with server as base_url:
+        yield openai.OpenAI(base_url=base_url + "/v1", api_key="sk-e2e", max_retries=0), engine, base_url
+
+
+def test_chat_and_completions_match_llm_generate(client, reference):
+    api, _, _ = client
+    chat = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name three fruits."}], max_tokens=24, temperature=0
+    )
+    assert chat.choices[0].message.content == reference["chat"]
+    assert (
+        chat.usage.completion_tokens > 0
+        and chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    )
+    completion = api.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=24, temperature=0)
+    assert completion.choices[0].text == reference["completion"]
+    assert completion.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streaming_with_usage_equals_whole_response(client, reference):
+    api, _, _ = client
+    stream = api.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name three fruits."}],
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference["chat"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1
+    pieces = list(
+        api.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=24, temperature=0, stream=True
+        )
+    )
+    assert "".join(p.choices[0].text for p in pieces) == reference["completion"]
+
+
+def test_n_stop_strings_and_logprobs(client):
+    api, _, _ = client
+    two = api.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        max_tokens=12,
+        n=2,
+        seed=5,
+        temperature=1.0,
+    )
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    stopped = api.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=30, temperature=0, stop=[" 7"])
+    assert stopped.choices[0].finish_reason == "stop" and " 7" not in stopped.choices[0].text
+    assert "6" in stopped.choices[0].text
+    with_logprobs = api.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = with_logprobs.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(entry.top_logprobs) == 3 and entry.logprob <= 0 for entry in content)
+    legacy = api.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0, logprobs=2)
+    assert len(legacy.choices[0].logprobs.token_logprobs) == 4
+
+
+def test_dropped_streams_are_aborted_and_free_their_blocks(client):
+    _, engine, base_url = client
+    body = {
+        "model": MODEL,
+        "prompt": "Write a long essay about the sea.",
+        "max_tokens": 200,
+        "temperature": 0.7,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": "Bearer sk-e2e"}
+
+    async def one(index: int) -> int:
+        async with (
+            httpx.AsyncClient(timeout=120) as http,
+            http.stream(
+                "POST", base_url + "/v1/completions", json={**body, "seed": index}, headers=headers
+            ) as response,
+        ):
+            assert response.status_code == 200
+            chunks = 0
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks += 1
+                    if index % 2 and chunks == 3:
+                        return chunks  # drop the connection mid-stream
+            return chunks
+
+    async def everyone() -> list[int]:
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(20))), 600)
+
+    counts = asyncio.run(everyone())
+    assert all(c == 3 for c in counts[1::2]) and all(c >= 100 for c in counts[0::2])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = asyncio.run(engine.stats())
+        if stats["num_unfinished"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]:
+            break
+        time.sleep(0.1)
+    assert stats["num_unfinished"] == 0 and stats["num_free_blocks"] == stats["num_blocks"], stats
+
+
+def test_overload_gets_429_with_retry_after_while_admitted_requests_finish(smollm2_dir):
+    llm = LLM(str(smollm2_dir), max_num_seqs=2, max_waiting_requests=2)
+    _, server = serve_llm(llm)
+    body = {"model": MODEL, "prompt": "Count to twenty:", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    results: list[httpx.Response] = []
+    lock = threading.Lock()
+    with server as base_url:
+
+        def call() -> None:
+            response = httpx.post(base_url + "/v1/completions", json=body, timeout=300)
+            with lock:
+                results.append(response)
+
+        threads = [threading.Thread(target=call) for _ in range(12)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    refused = [r for r in results if r.status_code == 429]
+    served = [r for r in results if r.status_code == 200]
+    assert refused and served and len(refused) + len(served) == 12
+    assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+    assert all(r.json()["usage"]["completion_tokens"] == 40 for r in served)
