@@ -79,7 +79,7 @@ def test_bad_input_gets_its_status_and_error_body(server, name, path, body, head
 
 def test_server_keeps_serving_after_bad_input(server):
     base_url, _, _ = server
-    for name, path, body, headers, _, _ in BAD_REQUESTS[:5]:
+    for _name, path, body, headers, _, _ in BAD_REQUESTS[:5]:
         httpx.post(base_url + path, json=body, headers=headers)
     response = httpx.post(base_url + "/v1/chat/completions", json=chat(), headers=AUTH)
     assert response.status_code == 200
