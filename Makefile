@@ -1,4 +1,4 @@
-# Two entry points: `make run` (generate with the embedded model) and `make test` (the whole suite).
+# Two entry points: `make run` (serve the embedded model) and `make test` (the whole suite).
 # Each creates .venv and installs everything on a fresh machine; later runs reuse it.
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/pagerail generate --prompt "What is the capital of France?" --max-tokens 48
+	$(VENV)/bin/pagerail serve $(SERVE_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

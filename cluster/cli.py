@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cluster.serve import add_serve_arguments
+
 
 def _generate(args: argparse.Namespace) -> int:
     from cluster import LLM, SamplingParams
@@ -19,9 +21,18 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from cluster.serve import serve
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagerail", description="Distributed LLM serving engine.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command")
+    serve = commands.add_parser("serve", help="serve a model over the OpenAI HTTP API and gRPC")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=_serve)
     generate = commands.add_parser("generate", help="generate completions offline with the Python engine")
     generate.add_argument("--model", default=None, help="local dir, .gguf file or hub id (default: embedded SmolLM2)")
     generate.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
@@ -36,7 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
     try:
         return args.func(args)
     except ValueError as error:

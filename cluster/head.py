@@ -60,7 +60,8 @@ class HeadActor:
     # -- called by clients ----------------------------------------------------------------------
 
     def ready(self) -> bool:
-        return True
+        """Model loaded and every rank up (false while the worker group restarts)."""
+        return self.group.running
 
     def model_info(self) -> dict:
         return {

@@ -100,6 +100,11 @@ class WorkerGroup:
         return self.num_blocks
 
     @property
+    def running(self) -> bool:
+        """True between a successful start and the next shutdown (false while restarting)."""
+        return self._executor is not None
+
+    @property
     def dispatch_stats(self):
         return self._executor.stats if self._executor is not None else None
 

@@ -1,0 +1,30 @@
+"""The frontend's own process: a Ray actor serving HTTP and gRPC for a head actor, so tokenizing and
+detokenizing never stall the head's engine loop."""
+
+from __future__ import annotations
+
+import ray
+from transformers import AutoTokenizer
+
+from cluster.frontend.clients import HeadEngineClient
+from cluster.frontend.server import FrontendServer, FrontendSettings
+from cluster.launcher import NAMESPACE
+
+
+class FrontendActor:
+    def __init__(self, head_name: str, tokenizer_dir: str, settings: FrontendSettings, model_info: dict) -> None:
+        head = ray.get_actor(head_name, namespace=NAMESPACE)
+        engine = HeadEngineClient(
+            head, settings.served_model_name, model_info["max_model_len"], model_info["vocab_size"]
+        )
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.server = FrontendServer(engine, tokenizer, settings)
+
+    async def start(self) -> dict:
+        return await self.server.start()
+
+    async def drain(self, grace_s: float) -> int:
+        return await self.server.drain(grace_s)
+
+    async def stop(self) -> None:
+        await self.server.stop()

@@ -1,0 +1,99 @@
+"""Runs the HTTP (uvicorn) and gRPC servers on one event loop over one engine client, and drains them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import uvicorn
+
+from cluster.frontend.engine_client import EngineClient
+from cluster.frontend.grpc_api import build_grpc_server
+from cluster.frontend.grpc_guards import EngineHealth
+from cluster.frontend.http_app import ServerState, create_app
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FrontendSettings:
+    """Where the front doors listen and how they guard themselves."""
+
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 50051
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+
+
+class FrontendServer:
+    """Both front doors of one model replica."""
+
+    def __init__(self, engine: EngineClient, tokenizer, settings: FrontendSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.state = ServerState(
+            engine,
+            tokenizer,
+            settings.served_model_name,
+            api_key=settings.api_key,
+            max_body_bytes=settings.max_body_bytes,
+        )
+        self._http: uvicorn.Server | None = None
+        self._http_task: asyncio.Task | None = None
+        self._grpc = None
+        self._health: EngineHealth | None = None
+
+    async def start(self) -> dict:
+        """Bind both ports (0 picks a free one) and serve; returns the bound ports."""
+        config = uvicorn.Config(
+            create_app(self.state),
+            host=self.settings.host,
+            port=self.settings.port,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
+        self._http = uvicorn.Server(config)
+        self._http_task = asyncio.create_task(self._http.serve())
+        while not self._http.started:
+            if self._http_task.done():
+                self._http_task.result()  # raises the bind error
+                raise RuntimeError(f"HTTP server could not listen on {self.settings.host}:{self.settings.port}")
+            await asyncio.sleep(0.01)
+        http_port = self._http.servers[0].sockets[0].getsockname()[1]
+        self._health = EngineHealth(self.engine.is_ready, services=("pagerail.api.Generation",))
+        self._grpc, grpc_port = build_grpc_server(
+            self.engine,
+            self.state.tokenizer,
+            host=self.settings.host,
+            port=self.settings.grpc_port,
+            api_key=self.settings.api_key,
+            health=self._health,
+        )
+        await self._grpc.start()
+        return {"http_port": http_port, "grpc_port": grpc_port}
+
+    async def drain(self, grace_s: float) -> int:
+        """Stop admitting, let in-flight requests finish for up to `grace_s`; returns how many were still open."""
+        self.state.draining = True
+        await self._health.set_serving(False)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            stats = await self.engine.stats()
+            if stats.get("num_unfinished", 0) == 0 and self.state.in_flight == 0:
+                return 0
+            await asyncio.sleep(0.1)
+        stats = await self.engine.stats()
+        return int(stats.get("num_unfinished", 0))
+
+    async def stop(self) -> None:
+        """Close both servers; requests still open are cancelled, which aborts them in the engine."""
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1.0)
+        if self._http is not None:
+            self._http.should_exit = True
+            await self._http_task

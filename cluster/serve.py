@@ -1,0 +1,126 @@
+"""`pagerail serve`: start (or join) Ray, the workers and head of one model replica, and its frontend."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+
+from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="local dir, .gguf file or hub id (default: embedded SmolLM2)")
+    parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: derived)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    parser.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: any free port)")
+    parser.add_argument("--ray-address", default=None, help='join this Ray cluster ("auto": the local one)')
+    parser.add_argument("--api-key", default=os.environ.get("PAGERAIL_API_KEY"), help="or PAGERAIL_API_KEY")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-waiting-requests", type=int, default=None)
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
+
+
+def _say(message: str) -> None:
+    print(f"pagerail: {message}", flush=True)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.executor import locate_model
+    from cluster.frontend.actor import FrontendActor
+    from cluster.frontend.server import FrontendSettings
+    from cluster.head import ClusterOptions
+    from cluster.launcher import connect, start_head
+    from cluster.sampling_params import SamplingParams
+
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            max_waiting_requests=args.max_waiting_requests,
+        ),
+    )
+    started = time.monotonic()
+    _say("locating the model")
+    model_dir = locate_model(config)  # the embedded model is converted once, with a progress bar
+    served_name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct").rstrip("/").split("/")[-1]
+    _say(f"starting Ray{' at ' + args.ray_address if args.ray_address else ''}")
+    connect(args.ray_address)
+    # Installed after Ray starts: its own crash handler would otherwise take SIGTERM and abort the process.
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    use_gpu = args.device == "cuda" or (args.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    options = ClusterOptions(tensor_parallel_size=args.tensor_parallel_size, use_gpu=use_gpu)
+    head_name = f"pagerail-head-{os.getpid()}"
+    _say(f"loading {served_name} on {args.tensor_parallel_size} worker(s)")
+    head = start_head(config, options, head_name)
+    _say("warming up")
+    ray.get(head.generate.remote("warmup", [1] * 8, SamplingParams(max_tokens=2, ignore_eos=True)))
+    settings = FrontendSettings(
+        served_model_name=served_name,
+        host=args.host,
+        port=args.port,
+        grpc_port=args.grpc_port,
+        api_key=args.api_key,
+    )
+    frontend = (
+        ray.remote(FrontendActor)
+        .options(num_cpus=0, max_concurrency=10_000)
+        .remote(head_name, str(model_dir), settings, ray.get(head.model_info.remote()))
+    )
+    ports = ray.get(frontend.start.remote())
+    base = f"http://{args.host}:{ports['http_port']}"
+    _say(
+        f"ready in {time.monotonic() - started:.0f}s: OpenAI API {base}/v1, gRPC {args.host}:{ports['grpc_port']}, "
+        f"model {served_name!r}"
+    )
+    stop.wait()
+    _say(f"draining (up to {args.drain_timeout:g}s)")
+    try:
+        left = ray.get(frontend.drain.remote(args.drain_timeout), timeout=args.drain_timeout + 30)
+        if left:
+            _say(f"aborting {left} request(s) still running")
+        ray.get(frontend.stop.remote(), timeout=60)
+        ray.get(head.shutdown.remote(), timeout=60)
+        ray.kill(head, no_restart=True)
+    except (ray.exceptions.RayError, TimeoutError) as error:
+        # A signal sent to the whole process group (Ctrl-C) also stops Ray's own processes.
+        _say(f"Ray went away while draining ({type(error).__name__}); stopping")
+    ray.shutdown()
+    _say("stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagerail serve")
+    add_serve_arguments(parser)
+    return serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
