@@ -127,6 +127,10 @@ class AsyncEngine:
             "schedule_p50_s": statistics.median(engine.schedule_seconds) if engine.schedule_seconds else 0.0,
         }
 
+    def metrics_text(self) -> str:
+        """The engine's Prometheus exposition."""
+        return self.engine.metrics.render(self.engine).decode()
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wakeup.set()

@@ -77,6 +77,8 @@ class EngineConfig:
     """Everything one model replica needs: model, devices, cache and scheduler settings."""
 
     model: str | None = None
+    # The name clients send and every metric carries; None: derived from `model`.
+    served_model_name: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"
@@ -85,6 +87,13 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @property
+    def model_name(self) -> str:
+        """The name metrics and APIs use when none is given: the model's last path component."""
+        if self.served_model_name:
+            return self.served_model_name
+        return (self.model or "SmolLM2-135M-Instruct").rstrip("/").split("/")[-1]
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from cluster.block_table import BlockTable
 from cluster.config import EngineConfig
+from cluster.engine_metrics import EngineMetrics
 from cluster.errors import QueueFullError
 from cluster.executor import Executor, WorkerGroupError
 from cluster.request import Request, RequestStatus
@@ -62,6 +63,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.block_table, max_model_len)
         self.step_builder = StepMessageBuilder()
         self._handles = itertools.count(1)
+        self.metrics = EngineMetrics(config.model_name)
         # Worker-group failures in a row; reset by every successful step.
         self.max_restarts = 3
         self.restart_backoff_s = 0.5
@@ -110,7 +112,10 @@ class EngineCore:
                 raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size}), got {token!r}")
 
     def abort(self, request_id: str) -> Request | None:
-        return self.scheduler.abort(request_id)
+        request = self.scheduler.abort(request_id)
+        if request is not None:
+            self.metrics.observe_finished(request)
+        return request
 
     def pause(self, mode: PauseMode) -> None:
         self.scheduler.pause(mode)
@@ -130,12 +135,16 @@ class EngineCore:
         self.last_step_bytes = batch.ByteSize()
         self.last_step_num_requests = len(out.scheduled)
         self.last_step_decode_only = not batch.new_requests and all(s.num_tokens == 1 for s in out.scheduled)
+        dispatched = time.perf_counter()
         try:
             result = self.executor.execute(batch)
         except WorkerGroupError as error:
             return self._recover(error)
+        round_trip = time.perf_counter() - dispatched
         self._consecutive_failures = 0
-        return self.scheduler.update_from_output(out, unpack_result(result))
+        changed = self.scheduler.update_from_output(out, unpack_result(result))
+        self.metrics.observe_step(self, out, result, dispatched - started, round_trip, changed)
+        return changed
 
     def _recover(self, error: WorkerGroupError) -> list[Request]:
         """Rebuild the worker group and recompute every request; give up after repeated failures.

@@ -110,6 +110,9 @@ class HeadActor:
         dispatch = self.group.dispatch_stats
         return {**self.async_engine.stats(), "dispatch": dispatch.summary() if dispatch is not None else {}}
 
+    def metrics(self) -> str:
+        return self.async_engine.metrics_text()
+
     def reset_dispatch_stats(self) -> None:
         if self.group.dispatch_stats is not None:
             self.group.dispatch_stats.reset()

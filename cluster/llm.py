@@ -29,6 +29,7 @@ class LLM:
         model: str | None = None,
         *,
         tokenizer: str | None = None,
+        served_model_name: str | None = None,
         dtype: str = "auto",
         device: str = "auto",
         load_format: str = "auto",
@@ -50,6 +51,7 @@ class LLM:
     ) -> None:
         self.config = EngineConfig(
             model=model,
+            served_model_name=served_model_name,
             tokenizer=tokenizer,
             dtype=dtype,
             device=device,

@@ -25,6 +25,7 @@ class DispatchStats:
     num_steps: int = 0
     bytes_sent_per_rank: int = 0  # latest step
     bytes_received_per_rank: list[int] = field(default_factory=list)  # latest step
+    last_round_trip_per_rank: list[float] = field(default_factory=list)  # latest step
     total_bytes_sent: int = 0
     total_bytes_received: int = 0
     round_trip_s: deque = field(default_factory=lambda: deque(maxlen=4096))
@@ -72,15 +73,23 @@ class RemoteExecutor:
     def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
         payload = batch.SerializeToString()
         started = time.perf_counter()
+        finished_at = [0.0] * len(self._calls)
         try:
             futures = [call.future(payload, metadata=self._metadata, timeout=self._timeout) for call in self._calls]
-            replies = [future.result() for future in futures]
+            for rank, future in enumerate(futures):
+                future.add_done_callback(lambda _, rank=rank: finished_at.__setitem__(rank, time.perf_counter()))
+            replies = []
+            for rank, future in enumerate(futures):
+                replies.append(future.result())
+                # The done callback may run a moment after result() returns: fall back to now.
+                finished_at[rank] = finished_at[rank] or time.perf_counter()
         except grpc.RpcError as error:
             code = error.code() if hasattr(error, "code") else None
             raise WorkerGroupError(f"a worker rank failed during step {batch.step_id}: {code}") from error
         elapsed = time.perf_counter() - started
         results = [step_pb2.StepResult.FromString(reply) for reply in replies]
         self._record(len(payload), [len(r) for r in replies], elapsed, max(r.compute_seconds for r in results))
+        self.stats.last_round_trip_per_rank = [max(0.0, t - started) for t in finished_at]
         return results[0]
 
     def _record(self, sent: int, received: list[int], elapsed: float, compute: float) -> None:

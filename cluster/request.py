@@ -48,6 +48,12 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit on the latest admission
     error: str | None = None  # why the engine gave up on it (retriable), when it did
+    # Telemetry: when it was first scheduled, got its first and latest token; what the metrics counted.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_reported_tokens: int = 0
+    metrics_done: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

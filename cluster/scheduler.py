@@ -51,6 +51,7 @@ class SchedulerStats:
     num_steps: int = 0
     num_preemptions: int = 0
     num_prefix_hit_tokens: int = 0
+    num_prefix_query_tokens: int = 0
     num_computed_tokens: int = 0
     num_mixed_steps: int = 0  # steps with a partial prefill chunk next to decodes
     peak_live_tokens: int = 0
@@ -199,6 +200,8 @@ class Scheduler:
                     request.num_computed_tokens = 0
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
+            if admitted:
+                self.stats.num_prefix_query_tokens += request.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if cached:

@@ -49,6 +49,7 @@ def serve(args: argparse.Namespace) -> int:
 
     config = EngineConfig(
         model=args.model,
+        served_model_name=args.served_model_name,
         dtype=args.dtype,
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
@@ -67,7 +68,7 @@ def serve(args: argparse.Namespace) -> int:
     started = time.monotonic()
     _say("locating the model")
     model_dir = locate_model(config)  # the embedded model is converted once, with a progress bar
-    served_name = args.served_model_name or (args.model or "SmolLM2-135M-Instruct").rstrip("/").split("/")[-1]
+    served_name = config.model_name
     _say(f"starting Ray{' at ' + args.ray_address if args.ray_address else ''}")
     connect(args.ray_address)
     # Installed after Ray starts: its own crash handler would otherwise take SIGTERM and abort the process.

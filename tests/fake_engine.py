@@ -102,3 +102,6 @@ class FakeEngineClient:
 
     async def stats(self) -> dict:
         return {"num_unfinished": len(self.active)}
+
+    async def metrics(self) -> str:
+        return ""

@@ -121,3 +121,33 @@ def _capture(errors: list, fn, *args) -> None:
         fn(*args)
     except BaseException as error:  # noqa: BLE001 - the test inspects whatever was raised
         errors.append(error)
+
+
+def test_dispatch_metrics_grow_with_the_batch(local_ray, tmp_path):
+    from tests.test_metrics import value
+
+    model_dir = make_tiny_model("llama", tmp_path / "llama")
+    llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=512, tensor_parallel_size=2)
+    head = llm._remote.head
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def per_step(prompts) -> float:
+        before = ray.get(head.metrics.remote())
+        llm.generate(prompts, params)
+        after = ray.get(head.metrics.remote())
+
+        def grew(name, **labels):
+            return value(after, name, **labels) - value(before, name, **labels)
+
+        assert grew("dispatch_rtt_seconds_count", rank="1") > 0
+        assert grew("dispatch_bytes_total", direction="received", rank="0") > 0
+        return grew("dispatch_bytes_total", direction="sent", rank="1") / grew(
+            "step_duration_seconds_count", phase="schedule"
+        )
+
+    try:
+        single = per_step([[5, 6, 7]])
+        batch = per_step([[5 + i, 6, 7] for i in range(16)])
+    finally:
+        llm.shutdown()
+    assert batch > 4 * single

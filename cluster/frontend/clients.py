@@ -44,6 +44,9 @@ class LocalEngineClient:
     async def stats(self) -> dict:
         return self._engine.stats()
 
+    async def metrics(self) -> str:
+        return self._engine.metrics_text()
+
 
 class HeadEngineClient:
     """A model replica's head actor on Ray; token deltas stream back as Ray object refs."""
@@ -96,3 +99,6 @@ class HeadEngineClient:
 
     async def stats(self) -> dict:
         return await self._head.stats.remote()
+
+    async def metrics(self) -> str:
+        return await self._head.metrics.remote()

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from cluster.errors import QueueFullError
@@ -81,6 +82,10 @@ def create_app(state: ServerState, ready: Callable[[], Awaitable[bool]] | None =
         if state.draining or not engine_ready:
             return _error_response(unavailable("not ready" if not state.draining else "draining", 1))
         return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(await state.engine.metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version():

@@ -1,0 +1,197 @@
+"""Prometheus metrics of one model replica's engine: queue, memory, latency and network, vLLM's names."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from cluster.engine import EngineCore
+    from cluster.request import Request
+    from cluster.scheduler import SchedulerOutput
+    from proto import step_pb2
+
+# promtool (CI checks the exposition with it) rejects ":" in exported names, so vLLM's names take "pagerail_".
+PREFIX = "pagerail_"
+# LLM latencies run from milliseconds (one decode step) to minutes (a long generation in a queue).
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+    640.0,
+)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class EngineMetrics:
+    """Every series carries `model_name`; a registry of its own so several replicas can live in one process."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets, extra: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(PREFIX + name, doc, [*labels, *extra], buckets=buckets, registry=self.registry)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.paused = gauge("num_requests_paused", "Requests held by a pause.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).")
+        self.slot_utilization = gauge(
+            "kv_cache_slot_utilization", "Live tokens / allocated KV slots of the running batch (0 to 1)."
+        )
+        self.free_blocks = gauge("num_free_blocks", "KV cache blocks free for allocation.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
+        self.success = counter("request_success", "Finished requests by reason.", ("finished_reason",))
+        self.restarts = counter("worker_restarts", "Worker group restarts after a failure.")
+        self.dispatch_bytes = counter(
+            "dispatch_bytes", "Bytes of step messages between head and ranks.", ("direction", "rank")
+        )
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS
+        )
+        self.decode_time = histogram("request_decode_time_seconds", "First token to finish.", LATENCY_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens", "Tokens computed per engine step.", TOKEN_BUCKETS)
+        self.step_duration = histogram("step_duration_seconds", "Engine step time by phase.", STEP_BUCKETS, ("phase",))
+        self.dispatch_rtt = histogram("dispatch_rtt_seconds", "Step round trip per rank.", STEP_BUCKETS, ("rank",))
+        self._seen_preemptions = 0
+        self._seen_prefix = (0, 0)
+        self._seen_restarts = 0
+
+    # -- per step (engine loop thread) ----------------------------------------------------------
+
+    def observe_step(
+        self,
+        engine: EngineCore,
+        out: SchedulerOutput,
+        result: step_pb2.StepResult,
+        schedule_s: float,
+        round_trip_s: float,
+        changed: list[Request],
+    ) -> None:
+        name = self.model_name
+        now = time.monotonic()
+        for item in out.scheduled:
+            request = item.request
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+                self.queue_time.labels(name).observe(now - request.arrival_time)
+        self.iteration_tokens.labels(name).observe(out.num_batched_tokens)
+        forward = result.forward_seconds
+        self.step_duration.labels(name, "schedule").observe(schedule_s)
+        self.step_duration.labels(name, "dispatch").observe(max(0.0, round_trip_s - result.compute_seconds))
+        self.step_duration.labels(name, "forward").observe(forward)
+        self.step_duration.labels(name, "sample").observe(max(0.0, result.compute_seconds - forward))
+        for request in changed:
+            self._observe_tokens(request, now)
+        self._observe_dispatch(engine)
+        self.refresh(engine)
+
+    def _observe_tokens(self, request: Request, now: float) -> None:
+        name = self.model_name
+        new_tokens = request.num_output_tokens - request.num_reported_tokens
+        if new_tokens > 0:
+            self.generation_tokens.labels(name).inc(new_tokens)
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self.ttft.labels(name).observe(now - request.arrival_time)
+                if request.first_scheduled_time is not None:
+                    self.prefill_time.labels(name).observe(now - request.first_scheduled_time)
+            elif request.last_token_time is not None:
+                self.itl.labels(name).observe((now - request.last_token_time) / new_tokens)
+            request.last_token_time = now
+            request.num_reported_tokens = request.num_output_tokens
+        if request.finished:
+            self.observe_finished(request, now)
+
+    def observe_finished(self, request: Request, now: float | None = None) -> None:
+        """Count a finished request once, whether it ended in a step or by an abort."""
+        if request.metrics_done:
+            return
+        request.metrics_done = True
+        now = time.monotonic() if now is None else now
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(request.num_prompt_tokens)
+        self.success.labels(name, request.status.value).inc()
+        self.e2e.labels(name).observe(now - request.arrival_time)
+        if request.first_token_time is not None:
+            self.decode_time.labels(name).observe(now - request.first_token_time)
+
+    def _observe_dispatch(self, engine: EngineCore) -> None:
+        stats = getattr(engine.executor, "dispatch_stats", None)
+        if stats is None or not stats.bytes_received_per_rank:
+            return
+        name = self.model_name
+        for rank, received in enumerate(stats.bytes_received_per_rank):
+            self.dispatch_bytes.labels(name, "sent", str(rank)).inc(stats.bytes_sent_per_rank)
+            self.dispatch_bytes.labels(name, "received", str(rank)).inc(received)
+        for rank, rtt in enumerate(stats.last_round_trip_per_rank):
+            self.dispatch_rtt.labels(name, str(rank)).observe(rtt)
+
+    # -- gauges and totals, read at any time ----------------------------------------------------
+
+    def refresh(self, engine: EngineCore) -> None:
+        """Bring gauges and counters fed by the scheduler's totals up to date."""
+        name = self.model_name
+        scheduler, table = engine.scheduler, engine.block_table
+        running, waiting = len(scheduler.running), len(scheduler.waiting)
+        self.running.labels(name).set(running)
+        self.waiting.labels(name).set(waiting)
+        mode = scheduler.pause_mode.value
+        self.paused.labels(name).set(running + waiting if mode == "all" else waiting if mode == "new" else 0)
+        self.kv_usage.labels(name).set(table.usage)
+        self.free_blocks.labels(name).set(table.num_free_blocks)
+        slots = table.num_used_blocks * table.block_size
+        live = sum(r.num_computed_tokens for r in scheduler.running)
+        self.slot_utilization.labels(name).set(live / slots if slots else 0.0)
+        stats = scheduler.stats
+        self.preemptions.labels(name).inc(stats.num_preemptions - self._seen_preemptions)
+        self._seen_preemptions = stats.num_preemptions
+        queries, hits = stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens
+        self.prefix_queries.labels(name).inc(queries - self._seen_prefix[0])
+        self.prefix_hits.labels(name).inc(hits - self._seen_prefix[1])
+        self._seen_prefix = (queries, hits)
+        self.restarts.labels(name).inc(engine.num_restarts - self._seen_restarts)
+        self._seen_restarts = engine.num_restarts
+
+    def render(self, engine: EngineCore) -> bytes:
+        """The Prometheus text exposition."""
+        self.refresh(engine)
+        return generate_latest(self.registry)
