@@ -15,6 +15,7 @@ from cluster.frontend.engine_client import RequestDelta
 from cluster.model_info import read_model_info
 from cluster.sampling_params import SamplingParams
 from cluster.worker_group import WorkerGroup
+from worker.logs import configure_logging
 from worker.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class HeadActor:
     """Runs the engine loop in a thread; async methods hand requests in and results out."""
 
     def __init__(self, config: EngineConfig, options: ClusterOptions, token: str) -> None:
+        configure_logging()
         model_dir = locate_model(config)
         info = read_model_info(model_dir)
         self.group = WorkerGroup(

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import enum
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from cluster.block_table import BlockTable
 from cluster.config import SchedulerConfig
 from cluster.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 class PauseMode(enum.Enum):
@@ -285,6 +288,11 @@ class Scheduler:
             )
 
     def _preempt(self, request: Request) -> None:
+        logger.info(
+            "preempted request %s: the KV cache ran out of blocks (%d free of %d); %d tokens will be recomputed",
+            request.request_id, self.block_table.num_free_blocks, self.block_table.num_blocks,
+            request.num_computed_tokens, extra={"request_id": request.request_id},
+        )
         self.block_table.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED

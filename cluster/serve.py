@@ -10,6 +10,7 @@ import threading
 import time
 
 from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
+from worker.logs import LOG_FORMAT_ENV, configure_logging
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +31,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-waiting-requests", type=int, default=None)
+    parser.add_argument("--log-format", default="text", choices=("text", "json"), help="json: one object per line")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
 
 
@@ -65,6 +67,9 @@ def serve(args: argparse.Namespace) -> int:
             max_waiting_requests=args.max_waiting_requests,
         ),
     )
+    # Actors started by this process inherit the environment, so every process logs the same way.
+    os.environ[LOG_FORMAT_ENV] = args.log_format
+    configure_logging(args.log_format)
     started = time.monotonic()
     _say("locating the model")
     model_dir = locate_model(config)  # the embedded model is converted once, with a progress bar
