@@ -23,6 +23,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: any free port)")
     parser.add_argument("--ray-address", default=None, help='join this Ray cluster ("auto": the local one)')
+    parser.add_argument(
+        "--placement-strategy", default="PACK", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+        help="how the ranks' bundles are placed: STRICT_SPREAD puts one rank per node",
+    )
     parser.add_argument("--api-key", default=os.environ.get("PAGERAIL_API_KEY"), help="or PAGERAIL_API_KEY")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
@@ -81,7 +85,9 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     use_gpu = args.device == "cuda" or (args.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-    options = ClusterOptions(tensor_parallel_size=args.tensor_parallel_size, use_gpu=use_gpu)
+    options = ClusterOptions(
+        tensor_parallel_size=args.tensor_parallel_size, use_gpu=use_gpu, placement_strategy=args.placement_strategy
+    )
     head_name = f"pagerail-head-{os.getpid()}"
     _say(f"loading {served_name} on {args.tensor_parallel_size} worker(s)")
     head = start_head(config, options, head_name)
