@@ -50,8 +50,10 @@ def tiny_config(kind: str):
     raise ValueError(f"kind must be one of {', '.join(TINY_KINDS)}, got {kind!r}")
 
 
-def make_tiny_model(kind: str, path: str | Path, seed: int = 0) -> Path:
+def make_tiny_model(kind: str, path: str | Path, seed: int = 0, vocab_size: int | None = None) -> Path:
     """Save a tiny random `kind` model (config + model.safetensors) into `path` and return it.
+
+    `vocab_size` overrides the tiny vocabulary, e.g. to match a real tokenizer's for tests that send text.
 
     Weights are drawn larger than the default init, norms and biases away from 1 and 0, so that every
     parameter visibly moves the logits and a wrong mapping cannot hide.
@@ -61,7 +63,10 @@ def make_tiny_model(kind: str, path: str | Path, seed: int = 0) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+    config = tiny_config(kind)
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
