@@ -62,11 +62,16 @@ class AsyncEngine:
     # -- asyncio side ---------------------------------------------------------------------------
 
     async def stream(
-        self, request_id: str, token_ids: Sequence[int], params: SamplingParams, final: bool = True
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        final: bool = True,
+        trace_context: dict[str, str] | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Yield new tokens as they come, the last delta with finished=True; ValueError/QueueFullError first."""
         subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
-        self._submit(("add", request_id, list(token_ids), params, final, subscriber))
+        self._submit(("add", request_id, list(token_ids), params, final, subscriber, trace_context))
         finished = False
         try:
             while True:
@@ -169,9 +174,11 @@ class AsyncEngine:
                 return
             kind = command[0]
             if kind == "add":
-                _, request_id, token_ids, params, final, subscriber = command
+                _, request_id, token_ids, params, final, subscriber, trace_context = command
                 try:
-                    request = self.engine.add_request(request_id, token_ids, params, final=final)
+                    request = self.engine.add_request(
+                        request_id, token_ids, params, final=final, trace_context=trace_context
+                    )
                 except (ValueError, RuntimeError) as error:  # bad input, or the waiting queue is full
                     self._deliver(subscriber, error)
                     continue

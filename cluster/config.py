@@ -73,6 +73,28 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ObservabilityConfig:
+    """Where traces go and how many of them are kept."""
+
+    # OTLP collector for traces (gRPC, or HTTP/protobuf per OTEL_EXPORTER_OTLP_TRACES_PROTOCOL); None: tracing off.
+    otlp_traces_endpoint: str | None = None
+    trace_sampling_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(
+            self.otlp_traces_endpoint is None
+            or (isinstance(self.otlp_traces_endpoint, str) and bool(self.otlp_traces_endpoint.strip())),
+            "otlp_traces_endpoint must be a collector address such as 'http://localhost:4317', or None",
+        )
+        _require(
+            not isinstance(self.trace_sampling_ratio, bool)
+            and isinstance(self.trace_sampling_ratio, int | float)
+            and 0.0 <= self.trace_sampling_ratio <= 1.0,
+            f"trace_sampling_ratio must be in [0, 1], got {self.trace_sampling_ratio!r}",
+        )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one model replica needs: model, devices, cache and scheduler settings."""
 
@@ -87,6 +109,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     @property
     def model_name(self) -> str:

@@ -17,6 +17,7 @@ from cluster.request import Request, RequestStatus
 from cluster.sampling_params import SamplingParams
 from cluster.scheduler import PauseMode, Scheduler
 from cluster.step_builder import StepMessageBuilder
+from cluster.step_tracing import dispatch_span, end_step_span, start_step_span
 from proto import step_pb2
 
 logger = logging.getLogger(__name__)
@@ -77,9 +78,18 @@ class EngineCore:
         self.schedule_seconds: deque[float] = deque(maxlen=4096)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, final: bool = True
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        final: bool = True,
+        trace_context: dict[str, str] | None = None,
     ) -> Request:
-        """Queue a request; an id that names an open streaming-input session appends its next chunk."""
+        """Queue a request; an id that names an open streaming-input session appends its next chunk.
+
+        `trace_context` is the W3C carrier of the caller's request span, which this request's steps link to.
+        """
         self._check_tokens(prompt_token_ids)
         existing = self.scheduler.requests.get(request_id)
         if existing is not None and existing.input_open:
@@ -102,6 +112,7 @@ class EngineCore:
             else self.max_model_len - len(prompt_token_ids),
             stop_token_ids=frozenset(stop),
             input_open=not final,
+            trace_context=trace_context,
         )
         self.scheduler.add_request(request)
         return request
@@ -126,24 +137,29 @@ class EngineCore:
     def step(self) -> list[Request]:
         """schedule → run → postprocess; returns requests that got a token or finished."""
         started = time.perf_counter()
+        started_ns = time.time_ns()
         out = self.scheduler.schedule()
         self.schedule_seconds.append(time.perf_counter() - started)
         self.last_step_idle = out.empty
         if out.empty:
             return []
+        span = start_step_span(out, started_ns)
         batch = self.step_builder.build(out)
         self.last_step_bytes = batch.ByteSize()
         self.last_step_num_requests = len(out.scheduled)
         self.last_step_decode_only = not batch.new_requests and all(s.num_tokens == 1 for s in out.scheduled)
         dispatched = time.perf_counter()
         try:
-            result = self.executor.execute(batch)
+            with dispatch_span(span, batch):
+                result = self.executor.execute(batch)
         except WorkerGroupError as error:
+            end_step_span(span, error)
             return self._recover(error)
         round_trip = time.perf_counter() - dispatched
         self._consecutive_failures = 0
         changed = self.scheduler.update_from_output(out, unpack_result(result))
         self.metrics.observe_step(self, out, result, dispatched - started, round_trip, changed)
+        end_step_span(span)
         return changed
 
     def _recover(self, error: WorkerGroupError) -> list[Request]:

@@ -49,6 +49,8 @@ def worker_config(config: EngineConfig, model_dir: Path) -> WorkerConfig:
         gpu_memory_utilization=cache.gpu_memory_utilization,
         num_blocks=cache.num_gpu_blocks,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        otlp_traces_endpoint=config.observability.otlp_traces_endpoint,
+        trace_sampling_ratio=config.observability.trace_sampling_ratio,
     )
 
 

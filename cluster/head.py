@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -15,6 +16,7 @@ from cluster.frontend.engine_client import RequestDelta
 from cluster.model_info import read_model_info
 from cluster.sampling_params import SamplingParams
 from cluster.worker_group import WorkerGroup
+from worker import telemetry
 from worker.logs import configure_logging
 from worker.tls import TlsConfig
 
@@ -39,6 +41,10 @@ class HeadActor:
 
     def __init__(self, config: EngineConfig, options: ClusterOptions, token: str) -> None:
         configure_logging()
+        observability = config.observability
+        telemetry.configure_tracing(
+            "head", endpoint=observability.otlp_traces_endpoint, sampling_ratio=observability.trace_sampling_ratio
+        )
         model_dir = locate_model(config)
         info = read_model_info(model_dir)
         self.group = WorkerGroup(
@@ -79,10 +85,18 @@ class HeadActor:
         return await self.async_engine.generate(request_id, token_ids, params, final)
 
     async def stream(
-        self, request_id: str, token_ids: Sequence[int], params: SamplingParams, final: bool = True
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        final: bool = True,
+        trace_context: dict[str, str] | None = None,
     ) -> AsyncIterator[RequestDelta]:
-        """Yield each batch of new tokens as the engine produces them, the last one with finished=True."""
-        async for delta in self.async_engine.stream(request_id, token_ids, params, final):
+        """Yield each batch of new tokens as the engine produces them, the last one with finished=True.
+
+        `trace_context`: the W3C carrier of the caller's request span, which the step spans link to.
+        """
+        async for delta in self.async_engine.stream(request_id, token_ids, params, final, trace_context):
             yield delta
 
     def append_input(self, request_id: str, token_ids: Sequence[int], final: bool) -> None:
@@ -119,6 +133,15 @@ class HeadActor:
         if self.group.dispatch_stats is not None:
             self.group.dispatch_stats.reset()
 
+    async def flush_traces(self) -> bool:
+        """Export the spans the head and every rank still buffer; True when all did."""
+        # In threads: flushing waits on exporters and on the ranks, and must not stall this actor's event loop.
+        flushed = await asyncio.gather(asyncio.to_thread(telemetry.flush), asyncio.to_thread(self.group.flush_traces))
+        return all(flushed)
+
     def shutdown(self) -> None:
         self.async_engine.shutdown()
+        if telemetry.tracing_enabled():
+            self.group.flush_traces(timeout_s=5.0)  # the ranks' last spans, before they are killed
         self.group.shutdown()
+        telemetry.flush(timeout_s=5.0)

@@ -10,13 +10,14 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
+from cluster.config import CacheConfig, EngineConfig, ObservabilityConfig, SchedulerConfig
 from cluster.engine import EngineCore
 from cluster.executor import InProcessExecutor, locate_model, worker_config
 from cluster.model_info import read_model_info
 from cluster.outputs import CompletionOutput, RequestOutput
 from cluster.request import Request, RequestStatus
 from cluster.sampling_params import SamplingParams
+from worker import telemetry
 
 Prompt = str | Sequence[int]
 
@@ -48,6 +49,8 @@ class LLM:
         ray_address: str | None = None,
         placement_strategy: str = "PACK",
         head_name: str | None = None,
+        otlp_traces_endpoint: str | None = None,
+        trace_sampling_ratio: float = 1.0,
     ) -> None:
         self.config = EngineConfig(
             model=model,
@@ -72,6 +75,9 @@ class LLM:
                 enable_chunked_prefill=enable_chunked_prefill,
                 max_waiting_requests=max_waiting_requests,
             ),
+            observability=ObservabilityConfig(
+                otlp_traces_endpoint=otlp_traces_endpoint, trace_sampling_ratio=trace_sampling_ratio
+            ),
         )
         self.model_dir = locate_model(self.config)
         info = read_model_info(self.model_dir)
@@ -92,6 +98,8 @@ class LLM:
             name = head_name or f"pagerail-head-{uuid.uuid4().hex[:8]}"
             self._remote = RemoteEngine(self.config, options, ray_address, name, device)
         else:
+            # This process is the head (and its only rank): its steps' spans go to the collector from here.
+            telemetry.configure_tracing("head", endpoint=otlp_traces_endpoint, sampling_ratio=trace_sampling_ratio)
             executor = InProcessExecutor(worker_config(self.config, self.model_dir))
             self.engine = EngineCore(self.config, executor, limit, info.vocab_size, eos)
 

@@ -12,6 +12,7 @@ import grpc
 from cluster.executor import WorkerGroupError
 from proto import step_pb2
 from worker.grpc_server import auth_metadata
+from worker.telemetry import inject_metadata
 from worker.tls import TlsConfig
 
 _EXECUTE_STEP = "/pagerail.worker.WorkerService/ExecuteStep"
@@ -74,8 +75,10 @@ class RemoteExecutor:
         payload = batch.SerializeToString()
         started = time.perf_counter()
         finished_at = [0.0] * len(self._calls)
+        # The current (dispatch) span travels with the token, so each rank's ExecuteStep span is its child.
+        metadata = (*self._metadata, *inject_metadata())
         try:
-            futures = [call.future(payload, metadata=self._metadata, timeout=self._timeout) for call in self._calls]
+            futures = [call.future(payload, metadata=metadata, timeout=self._timeout) for call in self._calls]
             for rank, future in enumerate(futures):
                 future.add_done_callback(lambda _, rank=rank: finished_at.__setitem__(rank, time.perf_counter()))
             replies = []

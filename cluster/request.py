@@ -48,6 +48,8 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit on the latest admission
     error: str | None = None  # why the engine gave up on it (retriable), when it did
+    # W3C carrier (traceparent, tracestate) of the frontend's request span; the step spans link to it.
+    trace_context: dict[str, str] | None = None
     # Telemetry: when it was first scheduled, got its first and latest token; what the metrics counted.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

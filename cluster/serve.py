@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
+from cluster.config import CacheConfig, EngineConfig, ObservabilityConfig, SchedulerConfig
 from worker.logs import LOG_FORMAT_ENV, configure_logging
 
 
@@ -36,6 +36,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-waiting-requests", type=int, default=None)
     parser.add_argument("--log-format", default="text", choices=("text", "json"), help="json: one object per line")
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="OTLP collector for traces, e.g. http://localhost:4317 (gRPC; HTTP/protobuf when "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); default: tracing off",
+    )
+    parser.add_argument("--trace-sampling-ratio", type=float, default=1.0, help="share of traces kept, in [0, 1]")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
 
 
@@ -70,6 +77,9 @@ def serve(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             max_waiting_requests=args.max_waiting_requests,
         ),
+        observability=ObservabilityConfig(
+            otlp_traces_endpoint=args.otlp_traces_endpoint, trace_sampling_ratio=args.trace_sampling_ratio
+        ),
     )
     # Actors started by this process inherit the environment, so every process logs the same way.
     os.environ[LOG_FORMAT_ENV] = args.log_format
@@ -99,6 +109,8 @@ def serve(args: argparse.Namespace) -> int:
         port=args.port,
         grpc_port=args.grpc_port,
         api_key=args.api_key,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        trace_sampling_ratio=args.trace_sampling_ratio,
     )
     frontend = (
         ray.remote(FrontendActor)

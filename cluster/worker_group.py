@@ -117,6 +117,14 @@ class WorkerGroup:
         self.shutdown()
         return self.start()
 
+    def flush_traces(self, timeout_s: float = 10.0) -> bool:
+        """Ask every rank to export the spans it still buffers; False when one did not within `timeout_s`."""
+        try:
+            return all(ray.get([actor.flush_traces.remote() for actor in self._actors], timeout=timeout_s))
+        except ray.exceptions.RayError as error:  # a dead or stuck rank: its spans are lost, not the caller's call
+            logger.warning("could not flush the ranks' traces: %s", error)
+            return False
+
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.close()

@@ -35,7 +35,13 @@ class FakeEngineClient:
         self._more_input: dict[str, asyncio.Event] = {}
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, final: bool = True
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        final: bool = True,
+        trace_context: dict[str, str] | None = None,
     ) -> AsyncIterator[RequestDelta]:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")

@@ -13,6 +13,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
+from worker import telemetry
 from worker.config import WorkerConfig
 from worker.grpc_server import check_token, start_worker_server
 from worker.parallel_state import TensorParallelGroup
@@ -69,6 +70,9 @@ class WorkerActor:
         self.worker: Worker | None = None
         self._server: grpc.Server | None = None
         self._joined_group = False
+        telemetry.configure_tracing(
+            "worker", endpoint=config.otlp_traces_endpoint, sampling_ratio=config.trace_sampling_ratio, rank=rank
+        )
 
     def __repr__(self) -> str:
         # Ray prints actors in logs and errors; the token must never appear there.
@@ -92,6 +96,10 @@ class WorkerActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def flush_traces(self) -> bool:
+        """Export the spans this rank still buffers; the head asks on its own flush and before stopping the rank."""
+        return telemetry.flush()
 
     def start(self, rendezvous: str, timeout_s: float = DEFAULT_DIST_TIMEOUT_S) -> dict[str, Any]:
         """Join the process group at `rendezvous` ('host:port' from rank 0's reserve_port), load the shard, serve.

@@ -23,3 +23,6 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     # Torch intra-op threads; None: every core this process may run on.
     num_threads: int | None = None
+    # OTLP collector for this rank's spans; None: tracing off.
+    otlp_traces_endpoint: str | None = None
+    trace_sampling_ratio: float = 1.0

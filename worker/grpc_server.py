@@ -8,16 +8,20 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent import futures
+from contextlib import nullcontext
 from typing import Any
 
 import grpc
+from opentelemetry.trace import SpanKind
 
 from proto import step_pb2, worker_pb2, worker_pb2_grpc
 from worker.kv_cache import bytes_per_block
+from worker.telemetry import RANK_ATTRIBUTE, extract_metadata, get_tracer, tracing_enabled
 from worker.tls import TlsConfig
 from worker.worker import Worker
 
 logger = logging.getLogger(__name__)
+_tracer = get_tracer("pagerail.worker")
 
 AUTH_METADATA_KEY = "authorization"
 _SCHEME = "bearer"
@@ -94,12 +98,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._step_lock = threading.Lock()
 
     def ExecuteStep(self, request: step_pb2.StepBatch, context: grpc.ServicerContext) -> step_pb2.StepResult:
-        with self._step_lock:
+        with self._step_span(request, context), self._step_lock:
             try:
                 return self.worker.execute_step(request)
             except Exception as error:
                 logger.exception("rank %d: step %d failed", self.worker.tp.rank, request.step_id)
                 context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id}: {type(error).__name__}: {error}")
+
+    def _step_span(self, request: step_pb2.StepBatch, context: grpc.ServicerContext):
+        """A child of the head's dispatch span, whose context came in the call metadata; it includes the lock wait."""
+        if not tracing_enabled():
+            return nullcontext()
+        return _tracer.start_as_current_span(
+            "ExecuteStep",
+            context=extract_metadata(context.invocation_metadata()),
+            kind=SpanKind.SERVER,
+            attributes={
+                "rpc.system": "grpc",
+                "rpc.service": "pagerail.worker.WorkerService",
+                "rpc.method": "ExecuteStep",
+                "pagerail.step_id": request.step_id,
+                RANK_ATTRIBUTE: self.worker.tp.rank,
+            },
+        )
 
     def Describe(self, request: worker_pb2.DescribeRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerInfo:
         return describe(self.worker)

@@ -11,7 +11,9 @@ from worker.input_batch import GatherWorkspace, build_flat_batch
 from worker.parallel_state import TensorParallelGroup
 from worker.request_state import RequestState, RequestStates
 from worker.sampler import Sampler, SamplingRow
+from worker.telemetry import get_tracer, traced
 
+_tracer = get_tracer("pagerail.worker")
 _NO_TOKENS: list[int] = []
 
 
@@ -61,20 +63,23 @@ class ModelRunner:
     def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
         started = time.perf_counter()
         result = step_pb2.StepResult(step_id=batch.step_id)
-        scheduled = self.states.apply(batch)
-        if scheduled:
-            flat = build_flat_batch(scheduled, self.block_size, self.device, self.workspace)
+        with traced(_tracer, "prepare_inputs"):
+            scheduled = self.states.apply(batch)
+            flat = build_flat_batch(scheduled, self.block_size, self.device, self.workspace) if scheduled else None
+        if flat is not None:
             forward_started = time.perf_counter()
-            hidden = self.model(flat.input_ids, flat.positions, flat.attention)
-            logits = None
-            if flat.sample_states:
-                # Every rank joins the logits gather; only rank 0 samples and answers.
-                logits = self.model.compute_logits(hidden[flat.sample_rows])
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            with traced(_tracer, "forward"):
+                hidden = self.model(flat.input_ids, flat.positions, flat.attention)
+                logits = None
+                if flat.sample_states:
+                    # Every rank joins the logits gather; only rank 0 samples and answers.
+                    logits = self.model.compute_logits(hidden[flat.sample_rows])
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
             result.forward_seconds = time.perf_counter() - forward_started
             if logits is not None and self.tp.rank == 0:
-                self._sample(logits, flat.sample_states, result)
+                with traced(_tracer, "sample"):
+                    self._sample(logits, flat.sample_states, result)
             for state in flat.ordered:
                 state.num_computed_tokens += state.num_scheduled_tokens
         result.compute_seconds = time.perf_counter() - started

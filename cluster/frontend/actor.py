@@ -3,16 +3,22 @@ detokenizing never stall the head's engine loop."""
 
 from __future__ import annotations
 
+import asyncio
+
 import ray
 from transformers import AutoTokenizer
 
 from cluster.frontend.clients import HeadEngineClient
 from cluster.frontend.server import FrontendServer, FrontendSettings
 from cluster.launcher import NAMESPACE
+from worker import telemetry
 
 
 class FrontendActor:
     def __init__(self, head_name: str, tokenizer_dir: str, settings: FrontendSettings, model_info: dict) -> None:
+        telemetry.configure_tracing(
+            "frontend", endpoint=settings.otlp_traces_endpoint, sampling_ratio=settings.trace_sampling_ratio
+        )
         head = ray.get_actor(head_name, namespace=NAMESPACE)
         engine = HeadEngineClient(
             head, settings.served_model_name, model_info["max_model_len"], model_info["vocab_size"]
@@ -28,3 +34,8 @@ class FrontendActor:
 
     async def stop(self) -> None:
         await self.server.stop()
+        await self.flush_traces()
+
+    async def flush_traces(self) -> bool:
+        """Export the request spans this process still buffers."""
+        return await asyncio.to_thread(telemetry.flush)

@@ -22,9 +22,15 @@ class LocalEngineClient:
         self.vocab_size = engine.engine.vocab_size
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, final: bool = True
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        final: bool = True,
+        trace_context: dict[str, str] | None = None,
     ) -> AsyncIterator[RequestDelta]:
-        return self._engine.stream(request_id, prompt_token_ids, params, final)
+        return self._engine.stream(request_id, prompt_token_ids, params, final, trace_context)
 
     async def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None:
         self._engine.append_input(request_id, token_ids, final)
@@ -58,9 +64,15 @@ class HeadEngineClient:
         self.vocab_size = vocab_size
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, final: bool = True
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        final: bool = True,
+        trace_context: dict[str, str] | None = None,
     ) -> AsyncIterator[RequestDelta]:
-        refs = self._head.stream.remote(request_id, prompt_token_ids, params, final)
+        refs = self._head.stream.remote(request_id, prompt_token_ids, params, final, trace_context)
         finished = False
         try:
             async for ref in refs:

@@ -30,14 +30,21 @@ class RequestDelta:
 
 class EngineClient(Protocol):
     """One model replica as the frontend sees it. `generate` raises ValueError for bad input, QueueFullError
-    when the waiting queue is full; both before yielding anything."""
+    when the waiting queue is full; both before yielding anything. Its `trace_context` is the W3C carrier
+    (traceparent, tracestate) of the request span the engine's step spans link to."""
 
     model_name: str
     max_model_len: int
     vocab_size: int
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, final: bool = True
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        final: bool = True,
+        trace_context: dict[str, str] | None = None,
     ) -> AsyncIterator[RequestDelta]: ...
 
     async def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None: ...

@@ -6,6 +6,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
+from opentelemetry import trace
+
+from cluster.frontend import tracing
 from cluster.frontend.detokenizer import IncrementalDetokenizer
 from cluster.frontend.engine_client import EngineClient
 from cluster.sampling_params import SamplingParams
@@ -53,24 +56,35 @@ async def stream_choice(
         min_tokens=params.min_tokens,
     )
     want_logprobs = params.logprobs is not None
-    stream = engine.generate(request_id, prompt_ids, params)
+    span = trace.get_current_span()  # the request span, when the route runs inside one
+    stream = engine.generate(request_id, prompt_ids, params, trace_context=tracing.engine_carrier(span))
+    tracing.record_queued(span, request_id)
     try:
         async for delta in stream:
             usage.completion_tokens += len(delta.token_ids)
             usage.cached_tokens = max(usage.cached_tokens, delta.num_cached_tokens)
+            tracing.record_delta(span, request_id, delta)
             text = detokenizer.add(delta.token_ids)
             logprobs = _logprob_entries(detokenizer, delta) if want_logprobs else []
             if detokenizer.stopped:
                 await engine.abort(request_id)
+                _trace_finished(span, request_id, "stop", delta.num_output_tokens, usage)
                 yield ChoiceDelta(index, text, delta.token_ids, logprobs, "stop")
                 return
             if delta.finished:
+                _trace_finished(span, request_id, delta.finish_reason, delta.num_output_tokens, usage)
                 yield ChoiceDelta(index, text + detokenizer.flush(), delta.token_ids, logprobs, delta.finish_reason)
                 return
             if text or delta.token_ids:
                 yield ChoiceDelta(index, text, delta.token_ids, logprobs)
     finally:
         await stream.aclose()
+
+
+def _trace_finished(span: trace.Span, request_id: str, reason: str | None, num_outputs: int, usage: Usage) -> None:
+    """One choice finished: its event, and the request's token counts so far."""
+    tracing.record_finished(span, request_id, reason, num_outputs)
+    tracing.record_usage(span, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
 
 
 def _logprob_entries(detokenizer: IncrementalDetokenizer, delta) -> list[tuple[str, float, list[tuple[str, float]]]]:

@@ -15,7 +15,9 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
 
+from cluster.frontend import tracing
 from cluster.frontend.detokenizer import IncrementalDetokenizer
 from cluster.frontend.engine_client import EngineClient, RequestDelta
 from cluster.frontend.grpc_convert import (
@@ -74,6 +76,7 @@ class _Stream:
     last: RequestDelta | None = None
     finished: bool = False  # the client got its last message
     engine_done: bool = False  # the engine finished or was told to abort: nothing left to free
+    span: trace.Span = trace.INVALID_SPAN  # the call's request span (Generate only)
 
 
 class GenerationServicer(api_pb2_grpc.GenerationServicer):
@@ -89,11 +92,19 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         self._started = time.monotonic()
 
     async def Generate(self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        async with status_on_error(context):
-            if request.WhichOneof("input") is None:
-                raise ValueError("input: set text or token_ids")
-            async for response in self._run(self._new_stream(request), context):
-                yield response
+        # Not made current: this generator's frames may resume in other contexts; the span travels on the stream.
+        span = tracing.start_grpc_span("Generate", context.invocation_metadata())
+        try:
+            async with status_on_error(context):
+                if request.WhichOneof("input") is None:
+                    raise ValueError("input: set text or token_ids")
+                stream = self._new_stream(request)
+                stream.span = span
+                tracing.annotate_request(span, stream.request_id, self.engine.model_name, stream.params)
+                async for response in self._run(stream, context):
+                    yield response
+        finally:
+            tracing.end_grpc_span(span, context.code())
 
     async def Session(self, request_iterator: AsyncIterator[api_pb2.SessionRequest], context):  # noqa: N802
         async with status_on_error(context):
@@ -195,7 +206,14 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
     async def _pump(self, stream: _Stream, *, final: bool) -> None:
         """Move the engine's deltas into the stream's queue, so that a cancelled client can abort it first."""
         try:
-            generator = self.engine.generate(stream.request_id, list(stream.prompt_ids), stream.params, final=final)
+            generator = self.engine.generate(
+                stream.request_id,
+                list(stream.prompt_ids),
+                stream.params,
+                final=final,
+                trace_context=tracing.engine_carrier(stream.span),
+            )
+            tracing.record_queued(stream.span, stream.request_id)
             async for delta in generator:
                 stream.events.put_nowait(delta)
             stream.events.put_nowait(RpcError(grpc.StatusCode.INTERNAL, "the engine ended the stream unfinished"))
@@ -221,6 +239,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         if delta.error:
             raise RpcError(grpc.StatusCode.UNAVAILABLE, f"the engine gave up on this request: {delta.error}")
         stream.last = delta
+        tracing.record_delta(stream.span, stream.request_id, delta)
         reason = (delta.finish_reason or "stop") if delta.finished else None
         response = api_pb2.GenerateResponse(request_id=stream.request_id, token_ids=delta.token_ids)
         if stream.detokenize:
@@ -241,6 +260,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             stream.finished = True
             response.finish_reason = reason
             response.usage.CopyFrom(usage(delta))
+            tracing.record_finished(stream.span, stream.request_id, reason, delta.num_output_tokens)
+            tracing.record_usage(stream.span, delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens)
         return response
 
 

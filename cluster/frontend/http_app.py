@@ -30,6 +30,7 @@ from cluster.frontend.errors import (
     unavailable,
 )
 from cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.frontend.tracing import traced_http
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ class ServerState:
 
 
 def create_app(state: ServerState, ready: Callable[[], Awaitable[bool]] | None = None) -> FastAPI:
-    app = FastAPI(title="pagerail", version=VERSION, docs_url=None, redoc_url=None)
+    # FastAPI's own request spans would duplicate the request span GuardMiddleware opens (with gen_ai attributes).
+    app = FastAPI(title="pagerail", version=VERSION, docs_url=None, redoc_url=None, telemetry={"tracing": False})
     app.state.server = state
 
     app.add_middleware(GuardMiddleware, state=state)
@@ -159,7 +161,8 @@ def create_app(state: ServerState, ready: Callable[[], Awaitable[bool]] | None =
 
 
 class GuardMiddleware:
-    """Plain ASGI (so streaming and client disconnects pass straight through): request id, API key, body size."""
+    """Plain ASGI (so streaming and client disconnects pass straight through): request id, API key, body size,
+    and the request span of the generation routes."""
 
     def __init__(self, app, state: ServerState) -> None:
         self.app = app
@@ -187,7 +190,7 @@ class GuardMiddleware:
         except APIError as error:
             await _error_response(error)(scope, receive, send_with_id)
             return
-        await self.app(scope, receive, send_with_id)
+        await traced_http(self.app, scope, receive, send_with_id, headers)
 
 
 def _request_id(request: Request) -> str:

@@ -8,12 +8,14 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry import trace
 
 from cluster.frontend.chat import encode_prompt, render_chat
 from cluster.frontend.engine_client import EngineClient
 from cluster.frontend.errors import from_value_error, not_found_model
 from cluster.frontend.generation import ChoiceDelta, Usage, stream_choices
 from cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.frontend.tracing import annotate_request
 from cluster.sampling_params import SamplingParams
 
 
@@ -82,6 +84,7 @@ async def completions(body: CompletionRequest, engine: EngineClient, tokenizer, 
     params = [_sampling(body, engine, len(ids)) for ids in encoded]
     created = int(time.time())
     completion_id = f"cmpl-{request_id}"
+    annotate_request(trace.get_current_span(), completion_id, body.model or served, params[0] if params else None)
     usage = Usage()
     streams = []
     for number, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
@@ -180,6 +183,7 @@ async def chat_completions(body: ChatCompletionRequest, engine: EngineClient, to
     params = _sampling(body, engine, len(prompt_ids))
     created = int(time.time())
     chat_id = f"chatcmpl-{request_id}"
+    annotate_request(trace.get_current_span(), chat_id, body.model or served, params)
     usage = Usage()
     try:
         stream = await _first_then_rest(stream_choices(engine, tokenizer, chat_id, prompt_ids, params, usage))

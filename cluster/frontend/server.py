@@ -27,6 +27,9 @@ class FrontendSettings:
     grpc_port: int = 50051
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
+    # OTLP collector for the request spans; None: tracing off.
+    otlp_traces_endpoint: str | None = None
+    trace_sampling_ratio: float = 1.0
 
 
 class FrontendServer:
