@@ -34,11 +34,19 @@ def run_pagerail(llm: LLM, requests) -> dict:
             f"bench-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         )
     decode_bytes_per_request = []
+    execute = engine.executor.execute
+
+    def measured_execute(batch):
+        # A pure decode step: every request already known to the workers, one new token each.
+        decodes = batch.cached_requests
+        if decodes and not batch.new_requests and all(d.num_scheduled_tokens == 1 for d in decodes):
+            decode_bytes_per_request.append(batch.ByteSize() / len(decodes))
+        return execute(batch)
+
+    engine.executor.execute = measured_execute
     started = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
-        if engine.last_step_decode_only and engine.last_step_num_requests:
-            decode_bytes_per_request.append(engine.last_step_bytes / engine.last_step_num_requests)
     elapsed = time.perf_counter() - started
     output_tokens = sum(max_tokens for _, max_tokens in requests)
     stats = llm.stats

@@ -70,10 +70,6 @@ class EngineCore:
         self.restart_backoff_s = 0.5
         self._consecutive_failures = 0
         self.num_restarts = 0
-        # Size of the latest step message and how many requests it carried, for the wire-cost figures.
-        self.last_step_bytes = 0
-        self.last_step_num_requests = 0
-        self.last_step_decode_only = False
         self.last_step_idle = True
         self.schedule_seconds: deque[float] = deque(maxlen=4096)
 
@@ -145,9 +141,6 @@ class EngineCore:
             return []
         span = start_step_span(out, started_ns)
         batch = self.step_builder.build(out)
-        self.last_step_bytes = batch.ByteSize()
-        self.last_step_num_requests = len(out.scheduled)
-        self.last_step_decode_only = not batch.new_requests and all(s.num_tokens == 1 for s in out.scheduled)
         dispatched = time.perf_counter()
         try:
             with dispatch_span(span, batch):

@@ -122,7 +122,6 @@ class EngineMetrics:
         for request in changed:
             self._observe_tokens(request, now)
         self._observe_dispatch(engine)
-        self.refresh(engine)
 
     def _observe_tokens(self, request: Request, now: float) -> None:
         name = self.model_name
@@ -168,7 +167,10 @@ class EngineMetrics:
     # -- gauges and totals, read at any time ----------------------------------------------------
 
     def refresh(self, engine: EngineCore) -> None:
-        """Bring gauges and counters fed by the scheduler's totals up to date."""
+        """Bring gauges and counters fed by the scheduler's totals up to date.
+
+        Run at scrape time rather than every step, so the hot path never walks the running batch for them.
+        """
         name = self.model_name
         scheduler, table = engine.scheduler, engine.block_table
         running, waiting = len(scheduler.running), len(scheduler.waiting)
