@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -19,8 +18,6 @@ from cluster.worker_group import WorkerGroup
 from worker import telemetry
 from worker.logs import configure_logging
 from worker.tls import TlsConfig
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

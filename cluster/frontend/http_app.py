@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -31,8 +30,6 @@ from cluster.frontend.errors import (
 )
 from cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.frontend.tracing import traced_http
-
-logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 _OPEN_PATHS = ("/health", "/ready", "/version", "/metrics")

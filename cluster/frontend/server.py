@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from dataclasses import dataclass
 
@@ -13,8 +12,6 @@ from cluster.frontend.engine_client import EngineClient
 from cluster.frontend.grpc_api import build_grpc_server
 from cluster.frontend.grpc_guards import EngineHealth
 from cluster.frontend.http_app import ServerState, create_app
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
