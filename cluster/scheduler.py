@@ -279,6 +279,13 @@ class Scheduler:
                 f"prompt ({request.num_tokens} tokens) + max_tokens ({request.max_tokens}) exceeds "
                 f"max_model_len={limit}"
             )
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and request.num_tokens + request.max_tokens > budget:
+            # Without chunking a prompt (or a preempted request's recompute) must fit one step's budget.
+            raise ValueError(
+                f"prompt ({request.num_tokens} tokens) + max_tokens ({request.max_tokens}) exceeds "
+                f"max_num_batched_tokens={budget}, which bounds one unchunked prefill"
+            )
         block_size = self.block_table.block_size
         needed = -(-(request.num_tokens + request.max_tokens) // block_size)
         if needed > self.block_table.num_blocks:

@@ -35,6 +35,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-waiting-requests", type=int, default=None)
+    parser.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts across steps so running decodes keep their pace",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse KV blocks of prompts that share a prefix",
+    )
     parser.add_argument("--log-format", default="text", choices=("text", "json"), help="json: one object per line")
     parser.add_argument(
         "--otlp-traces-endpoint",
@@ -70,12 +82,14 @@ def serve(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
             max_waiting_requests=args.max_waiting_requests,
+            enable_chunked_prefill=args.enable_chunked_prefill,
         ),
         observability=ObservabilityConfig(
             otlp_traces_endpoint=args.otlp_traces_endpoint, trace_sampling_ratio=args.trace_sampling_ratio

@@ -8,6 +8,7 @@ import torch
 
 from proto import step_pb2
 from worker.input_batch import GatherWorkspace, build_flat_batch
+from worker.layers.cpu_paged_attention import native_kernel
 from worker.parallel_state import TensorParallelGroup
 from worker.request_state import RequestState, RequestStates
 from worker.sampler import Sampler, SamplingRow
@@ -43,6 +44,13 @@ def sampling_row(state: RequestState) -> SamplingRow:
     )
 
 
+def uses_native_decode(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """True when CPU decode attention for this model runs in the native kernel rather than the torch gather."""
+    kernel = native_kernel()
+    heads, kv_heads = model.num_heads_per_rank, model.num_kv_heads_per_rank
+    return kernel is not None and kernel.supports(heads, kv_heads, model.head_dim, dtype)
+
+
 class ModelRunner:
     """Owns the model shard and its KV cache; executes StepBatch messages."""
 
@@ -54,9 +62,9 @@ class ModelRunner:
         self.states = RequestStates(device)
         self.sampler = Sampler()
         self.workspace = None
-        if device.type == "cpu":
-            # On CUDA the Triton kernel reads the cache in place and needs no gather buffers.
-            dtype = next(model.parameters()).dtype
+        dtype = next(model.parameters()).dtype
+        if device.type == "cpu" and not uses_native_decode(model, dtype):
+            # On CUDA the Triton kernel, and on CPU the native kernel, read the cache in place: no gather buffers.
             self.workspace = GatherWorkspace(block_size, model.num_kv_heads_per_rank, model.head_dim, dtype, device)
 
     @torch.inference_mode()

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.cpu_paged_attention import native_kernel
 from worker.layers.triton_attention import paged_decode_attention, triton_available
 
 
@@ -131,6 +132,18 @@ class Attention(nn.Module):
                 meta.block_size,
                 self.scale,
             )
+        if q.device.type == "cpu":
+            kernel = native_kernel()
+            if kernel is not None and kernel.supports(self.num_heads, self.num_kv_heads, self.head_dim, q.dtype):
+                return kernel.decode(
+                    q,
+                    key_cache,
+                    value_cache,
+                    meta.decode_block_table,
+                    meta.decode_context_lens,
+                    meta.block_size,
+                    self.scale,
+                )
         n = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         keys = self._gather(key_cache, meta.decode_block_table, meta.block_size, meta.decode_key_buffer)

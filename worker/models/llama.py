@@ -165,6 +165,10 @@ class LlamaForCausalLM(nn.Module):
         return _head_dim(self.config)
 
     @property
+    def num_heads_per_rank(self) -> int:
+        return self.model.layers[0].self_attn.qkv_proj.num_heads_per_rank
+
+    @property
     def num_kv_heads_per_rank(self) -> int:
         return self.model.layers[0].self_attn.qkv_proj.num_kv_heads_per_rank
 
