@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cluster.bench.cli import add_bench_parser
 from cluster.serve import add_serve_arguments
 
 
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     generate.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     generate.set_defaults(func=_generate)
+    add_bench_parser(commands)
     return parser
 
 

@@ -60,6 +60,7 @@ class SchedulerStats:
     peak_live_tokens: int = 0
     peak_used_slots: int = 0
     peak_utilisation: float = 0.0
+    peak_running: int = 0  # most sequences holding KV blocks at once
 
 
 class Scheduler:
@@ -324,6 +325,7 @@ class Scheduler:
         stats = self.stats
         stats.num_steps += 1
         stats.num_computed_tokens += out.num_batched_tokens
+        stats.peak_running = max(stats.peak_running, len(self.running))
         has_decode = any(s.num_tokens == 1 and not s.skip_sampling for s in out.scheduled)
         has_partial = any(s.skip_sampling and not s.request.input_open for s in out.scheduled)
         if has_decode and has_partial:

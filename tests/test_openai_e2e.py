@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -12,6 +13,7 @@ import pytest
 
 from cluster import LLM, SamplingParams
 from cluster.async_engine import AsyncEngine
+from cluster.bench.workload import random_workload
 from cluster.frontend.clients import LocalEngineClient
 from cluster.frontend.http_app import ServerState, create_app
 from tests.http_server import BackgroundServer
@@ -180,3 +182,33 @@ def test_overload_gets_429_with_retry_after_while_admitted_requests_finish(smoll
     assert refused and served and len(refused) + len(served) == 12
     assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
     assert all(r.json()["usage"]["completion_tokens"] == 40 for r in served)
+
+
+def client_tokenizer(client):
+    from transformers import AutoTokenizer
+
+    from worker.model_loader import resolve_model_dir
+
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
+
+
+def test_bench_serve_and_sweep_run_on_the_embedded_model(client, tmp_path, capsys):
+    """`pagerail bench serve` and `bench sweep` against this server: every request completes at its exact length."""
+    from cluster.cli import main
+
+    _, _, base_url = client
+    common = ["--base-url", base_url, "--api-key", "sk-e2e", "--num-requests", "4"]
+    common += ["--prompt-len", "8", "32", "--output-len", "3", "6", "--json"]
+    assert main(["bench", "serve", *common, "--concurrency", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    workload = random_workload(4, (8, 32), (3, 6), vocab_size=len(client_tokenizer(client)), seed=0)
+    assert (result["completed"], result["failed"]) == (4, 0)
+    assert result["total_output_tokens"] == sum(r.output_len for r in workload)
+    assert result["total_input_tokens"] == sum(r.prompt_len for r in workload)
+    assert 0 < result["ttft_ms"]["p50"] <= result["e2e_ms"]["p50"]
+
+    assert main(["bench", "sweep", *common, "--concurrencies", "1", "4", "--output-dir", str(tmp_path)]) == 0
+    sweep = json.loads(capsys.readouterr().out)
+    assert [level["completed"] for level in sweep["levels"]] == [4, 4]
+    assert len((tmp_path / "sweep.csv").read_text().splitlines()) == 3
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

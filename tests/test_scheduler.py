@@ -227,3 +227,22 @@ def test_streaming_input_session_keeps_its_blocks():
     assert scheduler.stats.num_computed_tokens == 8 + 5 + 2 + 3
     with pytest.raises(ValueError, match="not an open streaming-input session"):
         scheduler.append_input("s", [1], final=True)
+
+
+def test_unchunked_prefill_refuses_a_request_longer_than_the_step_budget():
+    table = BlockTable(64, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=32, enable_chunked_prefill=False), table, 256)
+    # Prompt plus output must fit: a preempted request recomputes both in one unchunked step.
+    with pytest.raises(ValueError, match="max_num_batched_tokens=32"):
+        scheduler.add_request(make_request("long", 30, 3))
+    scheduler.add_request(make_request("fits", 28, 4))
+    run_all(scheduler)
+    assert table.num_free_blocks == 64
+
+
+def test_peak_running_counts_sequences_holding_blocks_at_once():
+    scheduler = make_scheduler(max_seqs=3)
+    for i in range(5):
+        scheduler.add_request(make_request(f"r{i}", 6, 4))
+    run_all(scheduler)
+    assert scheduler.stats.peak_running == 3

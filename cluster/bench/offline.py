@@ -1,0 +1,289 @@
+"""`pagerail bench throughput`: offline throughput through the engine API, with baselines in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+from cluster.bench.stats import format_table
+from cluster.bench.workload import BenchRequest, add_request_arguments, describe
+
+BASELINES = ("static", "continuous", "roofline")
+
+# Performance targets for the standard workload, each checked against this run's figures.
+TARGETS = {
+    "vs_transformers_generate": 6.0,
+    "vs_transformers_continuous": 6.0,
+    "share_of_roofline": 0.60,
+    "outside_forward_share": 0.05,
+    "peak_slot_utilisation": 0.96,
+    "concurrency_vs_contiguous": 3.0,
+}
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine options of the offline run; names and defaults follow `pagerail serve`."""
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--model", default=None, help="local dir, .gguf file or hub id (default: embedded SmolLM2)")
+    engine.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    engine.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    engine.add_argument("--tensor-parallel-size", type=int, default=1)
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    engine.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV cache size in blocks")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+
+
+def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
+    add_request_arguments(parser)
+    add_engine_arguments(parser)
+    parser.add_argument(
+        "--baseline",
+        nargs="*",
+        choices=BASELINES,
+        default=None,
+        help="also run these in the same invocation (no value: all of them)",
+    )
+    parser.add_argument(
+        "--static-batch-sizes",
+        type=int,
+        nargs="+",
+        default=(8, 64),
+        help="static batch sizes for transformers generate; the fastest one is the baseline",
+    )
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def build_llm(args: argparse.Namespace):
+    from cluster import LLM
+
+    return LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        num_gpu_blocks=args.num_kv_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+
+
+def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
+    """Every request queued at once, then engine steps until all finish; greedy, exact output lengths."""
+    from cluster import SamplingParams
+
+    def params(request: BenchRequest) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
+
+    llm.generate([requests[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    if llm.engine is None:
+        # Tensor parallel on Ray: the head drives the steps, so only end-to-end figures are available.
+        started = time.perf_counter()
+        outputs = llm.generate([r.prompt_token_ids for r in requests], [params(r) for r in requests])
+        seconds = time.perf_counter() - started
+        produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+        return {**_rates(requests, seconds, produced), "steps": None}
+
+    engine = llm.engine
+    engine.scheduler.stats.__init__()  # the warm-up request must not count toward peaks
+    forward_seconds = 0.0
+    execute = engine.executor.execute
+
+    def timed_execute(batch):
+        nonlocal forward_seconds
+        result = execute(batch)
+        forward_seconds += result.forward_seconds
+        return result
+
+    engine.executor.execute = timed_execute
+    try:
+        for i, request in enumerate(requests):
+            engine.add_request(f"bench-{i}", request.prompt_token_ids, params(request))
+        produced = 0
+        started = time.perf_counter()
+        while engine.has_unfinished():
+            for finished in engine.step():
+                produced += len(finished.output_token_ids) if finished.finished else 0
+        seconds = time.perf_counter() - started
+    finally:
+        engine.executor.execute = execute
+    stats = engine.scheduler.stats
+    block_table = engine.block_table
+    kv_slots = block_table.num_blocks * block_table.block_size
+    longest = max(r.prompt_len + r.output_len for r in requests)
+    return {
+        **_rates(requests, seconds, produced),
+        "steps": stats.num_steps,
+        "forward_seconds": forward_seconds,
+        # Scheduling, step message building, sampling and bookkeeping: everything the forward pass is not.
+        "outside_forward_share": max(0.0, 1.0 - forward_seconds / seconds),
+        "preemptions": stats.num_preemptions,
+        "peak_slot_utilisation": stats.peak_utilisation,
+        "peak_used_slots": stats.peak_used_slots,
+        "peak_running": stats.peak_running,
+        "kv_cache_slots": kv_slots,
+        "max_model_len": engine.max_model_len,
+        # The same KV memory reserved contiguously per sequence: at the model's length limit, and at the
+        # longest request of this workload (the most favourable reservation a static server could make).
+        "contiguous_seqs_at_max_model_len": kv_slots // engine.max_model_len,
+        "contiguous_seqs_at_longest_request": kv_slots // longest,
+    }
+
+
+def _rates(requests: list[BenchRequest], seconds: float, produced: int) -> dict[str, float]:
+    output = sum(r.output_len for r in requests)
+    if produced != output:
+        raise RuntimeError(f"pagerail produced {produced} output tokens, the workload asks for {output}")
+    prompt = sum(r.prompt_len for r in requests)
+    return {
+        "seconds": seconds,
+        "output_tokens_per_s": output / seconds,
+        "total_tokens_per_s": (prompt + output) / seconds,
+        "request_throughput": len(requests) / seconds,
+    }
+
+
+def _model_dtype(llm) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype the engine resolved, so baselines run exactly like it."""
+    from worker.worker import resolve_device, resolve_dtype
+
+    device = resolve_device(llm.config.device)
+    return device, resolve_dtype(llm.config.dtype, device)
+
+
+def run_baselines(llm, requests: list[BenchRequest], which: tuple[str, ...], args: argparse.Namespace) -> dict:
+    from cluster.bench import baselines, roofline
+
+    device, dtype = _model_dtype(llm)
+    results: dict[str, Any] = {}
+    if "roofline" in which:
+        shapes = roofline.shapes_from_config(llm.model_dir)
+        results["roofline"] = roofline.measure_roofline(
+            shapes, requests, rows=args.max_num_batched_tokens, dtype=dtype, device=device
+        )
+    if "static" in which:
+        model = baselines.load_hf_model(llm.model_dir, dtype, device)
+        runs = [baselines.run_static_batching(model, requests, size) for size in args.static_batch_sizes]
+        # The fastest batch size is the baseline, so ratios are not flattered by a poor choice.
+        results["transformers_generate"] = {"best": max(runs, key=lambda r: r["output_tokens_per_s"]), "runs": runs}
+        del model
+    if "continuous" in which:
+        model = baselines.load_hf_model(llm.model_dir, dtype, device)  # the manager switches to paged attention
+        # Never more KV than the engine had, nor more than every request at once needs (256-token pages).
+        needed = sum(r.prompt_len + r.output_len + 256 for r in requests)
+        engine_slots = llm.engine.block_table.num_blocks * args.block_size if llm.engine else needed
+        results["transformers_continuous"] = baselines.run_continuous_batching(
+            model,
+            requests,
+            kv_slots=min(engine_slots, needed),
+            max_batch_tokens=args.max_num_batched_tokens,
+            max_requests=args.max_num_seqs,
+        )
+        del model
+    return results
+
+
+def compare(ours: dict, others: dict) -> dict[str, float]:
+    """Ratios of pagerail's output tokens/s to each baseline, and the other target figures."""
+    rate = ours["output_tokens_per_s"]
+    figures: dict[str, float] = {}
+    if "transformers_generate" in others:
+        figures["vs_transformers_generate"] = rate / others["transformers_generate"]["best"]["output_tokens_per_s"]
+    if "transformers_continuous" in others:
+        figures["vs_transformers_continuous"] = rate / others["transformers_continuous"]["output_tokens_per_s"]
+    if "roofline" in others:
+        figures["share_of_roofline"] = rate / others["roofline"]["output_tokens_per_s"]
+    if ours.get("steps") is not None:
+        figures["outside_forward_share"] = ours["outside_forward_share"]
+        figures["peak_slot_utilisation"] = ours["peak_slot_utilisation"]
+        figures["concurrency_vs_contiguous"] = ours["peak_running"] / max(1, ours["contiguous_seqs_at_max_model_len"])
+    return figures
+
+
+def check_targets(figures: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Each figure next to its target; the outside-forward share is the one that must stay below."""
+    checks = {}
+    for name, value in figures.items():
+        target = TARGETS[name]
+        met = value < target if name == "outside_forward_share" else value >= target
+        checks[name] = {"value": value, "target": target, "met": met}
+    return checks
+
+
+def format_report(report: dict) -> str:
+    ours, others = report["pagerail"], report["baselines"]
+    work = report["workload"]
+    lines = [
+        f"model {report['model']} on {report['device']} ({report['dtype']}), {work['num_requests']} requests, "
+        f"{work['prompt_tokens']} prompt + {work['output_tokens']} output tokens",
+        "",
+    ]
+    rows = [["pagerail", ours["output_tokens_per_s"], ours["total_tokens_per_s"], ours["seconds"], "1.00"]]
+
+    def add(label: str, result: dict) -> None:
+        ratio = ours["output_tokens_per_s"] / result["output_tokens_per_s"]
+        rows.append([label, result["output_tokens_per_s"], result["total_tokens_per_s"], result["seconds"], ratio])
+
+    for run in others.get("transformers_generate", {}).get("runs", []):
+        add(f"transformers generate, batch {run['batch_size']}", run)
+    if "transformers_continuous" in others:
+        add("transformers continuous batching", others["transformers_continuous"])
+    if "roofline" in others:
+        add(f"compute roofline ({others['roofline']['rows']}-row matmuls)", others["roofline"])
+    header = ["run", "output tok/s", "total tok/s", "seconds", "pagerail ×"]
+    lines.append(format_table(header, rows))
+    if ours.get("steps") is not None:
+        lines += [
+            "",
+            f"steps {ours['steps']}, preemptions {ours['preemptions']}, "
+            f"outside the forward pass {100 * ours['outside_forward_share']:.1f}% of step time",
+            f"KV cache {ours['kv_cache_slots']} slots: peak {ours['peak_running']} sequences at once, "
+            f"{100 * ours['peak_slot_utilisation']:.1f}% of allocated slots holding live tokens; contiguous "
+            f"reservation would hold {ours['contiguous_seqs_at_longest_request']} (longest request) or "
+            f"{ours['contiguous_seqs_at_max_model_len']} (max_model_len {ours['max_model_len']})",
+        ]
+    if report["targets"]:
+        lines += ["", "targets:"]
+        for name, check in report["targets"].items():
+            verdict = "met" if check["met"] else "NOT met"
+            relation = "<" if name == "outside_forward_share" else ">="
+            lines.append(f"  {name:<28} {check['value']:8.3f}  ({relation} {check['target']:g}: {verdict})")
+    return "\n".join(lines)
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    from cluster.bench.workload import build_workload
+
+    llm = build_llm(args)
+    requests = build_workload(args, tokenizer=llm.tokenizer)
+    device, dtype = _model_dtype(llm)
+    ours = run_pagerail(llm, requests)
+    which = BASELINES if args.baseline == [] else tuple(args.baseline or ())
+    others = run_baselines(llm, requests, which, args) if which else {}
+    figures = compare(ours, others)
+    report = {
+        "model": llm.config.model_name,
+        "device": device.type,
+        "dtype": str(dtype).removeprefix("torch."),
+        "workload": describe(requests),
+        "pagerail": ours,
+        "baselines": others,
+        "figures": figures,
+        "targets": check_targets(figures),
+    }
+    llm.shutdown()
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0

@@ -1,0 +1,407 @@
+"""`pagerail bench serve`: streams a workload to an OpenAI-compatible server and reports latency and throughput."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from cluster.bench.stats import format_table, summarize
+from cluster.bench.workload import BenchRequest, add_request_arguments, build_workload
+
+MAX_ERRORS = 5  # distinct error messages kept in the results; one is usually enough to see what went wrong
+DEFAULT_CONCURRENCY = 16
+API_KEY_ENVS = ("PAGERAIL_API_KEY", "OPENAI_API_KEY")
+
+
+@dataclass
+class RequestResult:
+    """What one streamed request measured; times in seconds."""
+
+    success: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+# -- arguments ---------------------------------------------------------------------------------------
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """Server, workload and request options shared by `bench serve` and `bench sweep`."""
+    server = parser.add_argument_group("server")
+    server.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, without /v1")
+    server.add_argument("--model", default=None, help="model name to request (default: the first from /v1/models)")
+    server.add_argument("--api-key", default=None, help="bearer key (default: $PAGERAIL_API_KEY or $OPENAI_API_KEY)")
+    server.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per request (default 600)")
+    server.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="let requests stop at EOS instead of always producing their output length",
+    )
+    add_request_arguments(parser)
+    parser.add_argument(
+        "--max-concurrency", type=int, default=None, help="with request rates: cap on requests in flight"
+    )
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `bench serve`."""
+    add_workload_arguments(parser)
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument(
+        "--concurrency", type=int, default=None, help=f"requests kept in flight (default {DEFAULT_CONCURRENCY})"
+    )
+    load.add_argument(
+        "--request-rate", type=float, default=None, help="Poisson arrivals in requests/s; 'inf' sends all at once"
+    )
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else the first key found in the environment."""
+    if args.api_key:
+        return args.api_key
+    return next((os.environ[name] for name in API_KEY_ENVS if os.environ.get(name)), None)
+
+
+def resolve_model(base_url: str, api_key: str | None, timeout: float = 30.0) -> str:
+    """The first model id the server lists at /v1/models."""
+    response = httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=_headers(api_key), timeout=timeout)
+    response.raise_for_status()
+    models = response.json().get("data") or []
+    if not models:
+        raise LookupError(f"{base_url}/v1/models lists no models; pass --model")
+    return models[0]["id"]
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+# -- one request -------------------------------------------------------------------------------------
+
+
+def _payload(model: str, request: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "model": model,
+        "prompt": request.prompt_text if request.prompt_text is not None else request.prompt_token_ids,
+        "max_tokens": request.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+    }
+    # Only sent when wanted: a server without the extension may reject the unknown field.
+    if ignore_eos:
+        payload["ignore_eos"] = True
+    return payload
+
+
+def _is_content(chunk: dict[str, Any]) -> bool:
+    """A chunk that delivered output: text, or a token whose text the server is still holding back.
+
+    A closing chunk with empty text and a finish reason delivered nothing and would add a fake gap.
+    """
+    choices = chunk.get("choices") or []
+    return any(choice.get("text") or choice.get("finish_reason") is None for choice in choices)
+
+
+def _error_text(body: str) -> str:
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return body.strip()[:300]
+    if isinstance(error, dict):
+        return str(error.get("message") or error)[:300]
+    return str(error if error is not None else body)[:300]
+
+
+async def _send(
+    client: httpx.AsyncClient,
+    url: str,
+    headers: dict[str, str],
+    payload: dict[str, Any],
+    prompt_len: int,
+    timeout: float,
+) -> RequestResult:
+    result = RequestResult(prompt_tokens=prompt_len)
+    chunks = 0
+    usage_tokens: int | None = None
+    done = False
+    start = last = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout):
+            async with client.stream("POST", url, json=payload, headers=headers) as response:
+                if response.status_code != 200:
+                    body = (await response.aread()).decode(errors="replace")
+                    result.error = f"HTTP {response.status_code}: {_error_text(body)}"
+                    return result
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    now = time.perf_counter()
+                    chunk = json.loads(data)
+                    if chunk.get("error"):
+                        result.error = f"stream error: {_error_text(data)}"
+                        return result
+                    if _is_content(chunk):
+                        if chunks == 0:
+                            result.ttft = now - start
+                        else:
+                            result.itl.append(now - last)
+                        last = now
+                        chunks += 1
+                    usage = chunk.get("usage") or {}
+                    if usage.get("completion_tokens") is not None:
+                        usage_tokens = int(usage["completion_tokens"])
+                    if usage.get("prompt_tokens") is not None:
+                        result.prompt_tokens = int(usage["prompt_tokens"])
+    except (TimeoutError, httpx.TimeoutException):
+        result.error = f"timed out after {timeout:g} s"
+        return result
+    except Exception as error:  # one broken request is a failure to count, not a reason to stop the run
+        result.error = f"{type(error).__name__}: {error}"
+        return result
+    result.e2e = time.perf_counter() - start
+    if not done:
+        result.error = "the stream ended before data: [DONE]"
+    elif chunks == 0:
+        result.error = "the stream carried no output"
+    else:
+        result.success = True
+        # One chunk may carry several tokens, so the server's own count wins when it reports one.
+        result.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    return result
+
+
+# -- the run -----------------------------------------------------------------------------------------
+
+
+async def benchmark_serving(
+    base_url: str,
+    model: str,
+    requests: list[BenchRequest],
+    *,
+    concurrency: int | None,
+    request_rate: float | None,
+    seed: int,
+    api_key: str | None,
+    ignore_eos: bool = True,
+    timeout: float,
+) -> dict[str, Any]:
+    """Streams every request to {base_url}/v1/completions and returns the results dict.
+
+    With `request_rate`, requests arrive as a Poisson process (seeded exponential gaps; inf sends all at once)
+    and `concurrency`, when given, caps how many are in flight. Without it, `concurrency` requests are kept in
+    flight until the list is done.
+    """
+    if not requests:
+        raise ValueError("the workload holds no requests")
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if request_rate is None and concurrency is None:
+        raise ValueError("give a concurrency or a request rate")
+    if request_rate is not None and not request_rate > 0:
+        raise ValueError(f"request rate must be > 0, got {request_rate}")
+
+    url = f"{base_url.rstrip('/')}/v1/completions"
+    headers = _headers(api_key)
+    # Enough connections that the pool never queues requests the load pattern meant to be in flight.
+    connections = concurrency or len(requests)
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    results: list[RequestResult | None] = [None] * len(requests)
+
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout)) as client:
+
+        async def run_one(index: int) -> None:
+            request = requests[index]
+            payload = _payload(model, request, ignore_eos)
+            results[index] = await _send(client, url, headers, payload, request.prompt_len, timeout)
+
+        start = time.perf_counter()
+        if request_rate is None:
+            await _run_closed_loop(run_one, len(requests), concurrency)
+        else:
+            await _run_poisson(run_one, len(requests), request_rate, concurrency, seed)
+        duration = time.perf_counter() - start
+
+    return _aggregate([r for r in results if r is not None], duration, concurrency, request_rate)
+
+
+async def _run_closed_loop(run_one, count: int, concurrency: int) -> None:
+    """`concurrency` workers each take the next request as soon as their previous one finishes."""
+    pending = iter(range(count))
+
+    async def worker() -> None:
+        for index in pending:  # the iterator is shared, so each index is taken by exactly one worker
+            await run_one(index)
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, count))))
+
+
+async def _run_poisson(run_one, count: int, rate: float, limit: int | None, seed: int) -> None:
+    rng = random.Random(seed)
+    gate = asyncio.Semaphore(limit) if limit else None
+
+    async def gated(index: int) -> None:
+        if gate is None:
+            await run_one(index)
+            return
+        async with gate:
+            await run_one(index)
+
+    tasks = []
+    # Arrivals follow a fixed schedule from the start, so a slow sleep does not shift every later arrival.
+    start, offset = time.perf_counter(), 0.0
+    for index in range(count):
+        if index and math.isfinite(rate):
+            offset += rng.expovariate(rate)
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        tasks.append(asyncio.create_task(gated(index)))
+    await asyncio.gather(*tasks)
+
+
+def _aggregate(
+    results: list[RequestResult], duration: float, concurrency: int | None, request_rate: float | None
+) -> dict[str, Any]:
+    done = [r for r in results if r.success]
+    errors: list[str] = []
+    for result in results:
+        if not result.success and result.error not in errors and len(errors) < MAX_ERRORS:
+            errors.append(result.error)
+    input_tokens = sum(r.prompt_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    per_second = 1.0 / duration if duration > 0 else 0.0
+    to_ms = 1000.0
+    return {
+        "mode": "concurrency" if request_rate is None else "request_rate",
+        "concurrency": concurrency,
+        "request_rate": request_rate,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration_s": duration,
+        "request_throughput": len(done) * per_second,
+        "output_throughput": output_tokens * per_second,
+        "total_token_throughput": (input_tokens + output_tokens) * per_second,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "ttft_ms": summarize([r.ttft * to_ms for r in done]),
+        "tpot_ms": summarize([r.tpot * to_ms for r in done if r.tpot is not None]),
+        "itl_ms": summarize([gap * to_ms for r in done for gap in r.itl]),
+        "e2e_ms": summarize([r.e2e * to_ms for r in done]),
+        "errors": errors,
+    }
+
+
+# -- reporting ---------------------------------------------------------------------------------------
+
+
+LATENCY_ROWS = (("TTFT (ms)", "ttft_ms"), ("TPOT (ms)", "tpot_ms"), ("ITL (ms)", "itl_ms"), ("E2E (ms)", "e2e_ms"))
+
+
+def load_label(results: dict[str, Any]) -> str:
+    """How the load was applied, in words: "concurrency 16" or "rate 4 req/s (max 8 in flight)"."""
+    if results["mode"] == "concurrency":
+        return f"concurrency {results['concurrency']}"
+    text = f"rate {results['request_rate']:g} req/s"
+    return text + (f" (max {results['concurrency']} in flight)" if results["concurrency"] else "")
+
+
+def format_results(results: dict[str, Any], model: str) -> str:
+    """A results block: totals and throughputs, then latency mean and percentiles."""
+    width = 50
+    facts = [
+        ("Model", model),
+        ("Load", load_label(results)),
+        ("Successful requests", results["completed"]),
+        ("Failed requests", results["failed"]),
+        ("Benchmark duration (s)", f"{results['duration_s']:.2f}"),
+        ("Total input tokens", results["total_input_tokens"]),
+        ("Total output tokens", results["total_output_tokens"]),
+        ("Request throughput (req/s)", f"{results['request_throughput']:.2f}"),
+        ("Output token throughput (tok/s)", f"{results['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s)", f"{results['total_token_throughput']:.2f}"),
+    ]
+    lines = [" Serving Benchmark Result ".center(width, "=")]
+    lines += [f"{name + ':':<36}{value}" for name, value in facts]
+    lines.append("-" * width)
+    header = ["metric", "mean", "p50", "p90", "p99"]
+    rows = [[name, *(results[key][k] for k in ("mean", "p50", "p90", "p99"))] for name, key in LATENCY_ROWS]
+    lines.append(format_table(header, rows))
+    lines.append("=" * width)
+    lines += [f"error: {error}" for error in results["errors"]]
+    return "\n".join(lines)
+
+
+def to_json(value: Any) -> str:
+    """Strict JSON: an infinite request rate is written as the string "inf", which every parser reads."""
+
+    def strict(item: Any) -> Any:
+        if isinstance(item, float) and not math.isfinite(item):
+            return str(item)
+        if isinstance(item, dict):
+            return {key: strict(inner) for key, inner in item.items()}
+        if isinstance(item, list | tuple):
+            return [strict(inner) for inner in item]
+        return item
+
+    return json.dumps(strict(value), indent=2, allow_nan=False)
+
+
+def load_settings(args: argparse.Namespace) -> tuple[int | None, float | None]:
+    """(concurrency, request_rate) from serve's arguments: a closed loop unless a request rate is given."""
+    if args.request_rate is None:
+        if args.max_concurrency is not None:
+            raise ValueError("--max-concurrency goes with --request-rate; use --concurrency alone")
+        return args.concurrency or DEFAULT_CONCURRENCY, None
+    return args.max_concurrency, args.request_rate
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """`bench serve`: 0 when at least one request completed, 1 otherwise."""
+    concurrency, request_rate = load_settings(args)
+    api_key = resolve_api_key(args)
+    try:
+        model = args.model or resolve_model(args.base_url, api_key)
+    except (httpx.HTTPError, LookupError) as error:
+        print(f"pagerail bench serve: cannot list models at {args.base_url}: {error}", file=sys.stderr)
+        return 1
+    requests = build_workload(args)
+    results = asyncio.run(
+        benchmark_serving(
+            args.base_url,
+            model,
+            requests,
+            concurrency=concurrency,
+            request_rate=request_rate,
+            seed=args.seed,
+            api_key=api_key,
+            ignore_eos=args.ignore_eos,
+            timeout=args.timeout,
+        )
+    )
+    print(to_json(results) if args.json else format_results(results, model))
+    return 0 if results["completed"] else 1

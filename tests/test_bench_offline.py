@@ -1,0 +1,116 @@
+"""`pagerail bench throughput`: workloads, the roofline, target checks, and a tiny run with every baseline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from cluster.bench.offline import check_targets
+from cluster.bench.roofline import measure_roofline, shapes_from_config
+from cluster.bench.workload import BenchRequest, file_workload, random_workload
+from cluster.cli import main
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+def test_random_workload_is_seeded_and_in_range():
+    first = random_workload(20, (5, 9), (2, 4), vocab_size=1000, seed=7)
+    assert first == random_workload(20, (5, 9), (2, 4), vocab_size=1000, seed=7)
+    assert first != random_workload(20, (5, 9), (2, 4), vocab_size=1000, seed=8)
+    assert all(5 <= r.prompt_len <= 9 and 2 <= r.output_len <= 4 for r in first)
+    assert all(100 <= t < 900 for r in first for t in r.prompt_token_ids)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(num_requests=0), "num_requests"),
+        (dict(prompt_len=(0, 4)), "prompt_len"),
+        (dict(output_len=(5, 4)), "output_len"),
+    ],
+)
+def test_random_workload_rejects_bad_ranges(kwargs, field):
+    args = dict(num_requests=2, prompt_len=(1, 4), output_len=(1, 4), vocab_size=500) | kwargs
+    with pytest.raises(ValueError, match=field):
+        random_workload(**args)
+
+
+class _CharTokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+def test_file_workload_reads_json_lines_and_plain_text(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "abc", "output_len": 5}\n\nplain prompt\n{"prompt": "xy"}\n')
+    requests = file_workload(path, _CharTokenizer(), (3, 3))
+    assert [r.prompt_text for r in requests] == ["abc", "plain prompt", "xy"]
+    assert [r.output_len for r in requests] == [5, 3, 3]
+    assert requests[0].prompt_token_ids == [97, 98, 99]
+    path.write_text('{"prompt": "abc", "output_len": 0}\n')
+    with pytest.raises(ValueError, match="output_len"):
+        file_workload(path, _CharTokenizer(), (3, 3))
+
+
+def test_roofline_scales_measured_matmuls_to_the_workload(tiny_dir):
+    shapes = shapes_from_config(tiny_dir)
+    # The tiny Llama: hidden 64, 4 heads and 2 KV heads of 16, MLP 128, 2 layers, vocabulary 250.
+    assert shapes.layer == [(64, 128), (64, 64), (64, 256), (128, 64)]
+    assert shapes.lm_head == (64, 250) and shapes.num_layers == 2
+    assert shapes.flops_per_token == 2 * (2 * (64 * 128 + 64 * 64 + 64 * 256 + 128 * 64) + 64 * 250)
+    requests = [BenchRequest([1] * 10, 4), BenchRequest([1] * 6, 2)]
+    result = measure_roofline(shapes, requests, rows=32, dtype=torch.float32, device=torch.device("cpu"))
+    assert result["seconds"] > 0 and result["layer_matmul_gflops"] > 0
+    assert result["output_tokens_per_s"] * result["seconds"] == pytest.approx(6)
+    assert result["total_tokens_per_s"] * result["seconds"] == pytest.approx(22)
+
+
+def test_targets_compare_in_the_right_direction():
+    checks = check_targets({"vs_transformers_generate": 6.5, "outside_forward_share": 0.07, "share_of_roofline": 0.5})
+    assert checks["vs_transformers_generate"]["met"]
+    assert not checks["outside_forward_share"]["met"]  # must stay below 5%
+    assert not checks["share_of_roofline"]["met"]
+    assert check_targets({"outside_forward_share": 0.01})["outside_forward_share"]["met"]
+
+
+def test_throughput_with_every_baseline_prints_consistent_json(tiny_dir, capsys):
+    argv = ["bench", "throughput", "--model", str(tiny_dir), "--vocab-size", "250", "--num-requests", "6"]
+    argv += ["--prompt-len", "4", "30", "--output-len", "2", "12", "--max-model-len", "128", "--num-kv-blocks", "64"]
+    argv += ["--baseline", "--static-batch-sizes", "2", "4", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    workload = random_workload(6, (4, 30), (2, 12), vocab_size=250, seed=0)
+    assert report["workload"] == {
+        "num_requests": 6,
+        "prompt_tokens": sum(r.prompt_len for r in workload),
+        "output_tokens": sum(r.output_len for r in workload),
+    }
+    ours, others = report["pagerail"], report["baselines"]
+    assert ours["steps"] > 0 and 0 <= ours["outside_forward_share"] < 1
+    assert 0 < ours["peak_slot_utilisation"] <= 1 and 1 <= ours["peak_running"] <= 6
+    assert ours["kv_cache_slots"] == 64 * 16 and ours["contiguous_seqs_at_max_model_len"] == 64 * 16 // 128
+    assert [run["batch_size"] for run in others["transformers_generate"]["runs"]] == [2, 4]
+    best = max(r["output_tokens_per_s"] for r in others["transformers_generate"]["runs"])
+    figures = report["figures"]
+    assert figures["vs_transformers_generate"] == pytest.approx(ours["output_tokens_per_s"] / best)
+    continuous = others["transformers_continuous"]["output_tokens_per_s"]
+    assert figures["vs_transformers_continuous"] == pytest.approx(ours["output_tokens_per_s"] / continuous)
+    roof = others["roofline"]["output_tokens_per_s"]
+    assert figures["share_of_roofline"] == pytest.approx(ours["output_tokens_per_s"] / roof)
+    assert set(report["targets"]) == set(figures)
+    assert all(set(check) == {"value", "target", "met"} for check in report["targets"].values())
+
+
+def test_throughput_prints_a_table(tiny_dir, capsys):
+    argv = ["bench", "throughput", "--model", str(tiny_dir), "--vocab-size", "250", "--num-requests", "3"]
+    argv += ["--prompt-len", "4", "8", "--output-len", "2", "3", "--max-model-len", "64", "--baseline", "roofline"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "pagerail" in out and "compute roofline" in out and "transformers" not in out
+    assert "outside the forward pass" in out
