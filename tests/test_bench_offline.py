@@ -82,7 +82,7 @@ def test_targets_compare_in_the_right_direction():
 def test_throughput_with_every_baseline_prints_consistent_json(tiny_dir, capsys):
     argv = ["bench", "throughput", "--model", str(tiny_dir), "--vocab-size", "250", "--num-requests", "6"]
     argv += ["--prompt-len", "4", "30", "--output-len", "2", "12", "--max-model-len", "128", "--num-kv-blocks", "64"]
-    argv += ["--baseline", "--static-batch-sizes", "2", "4", "--json"]
+    argv += ["--baseline", "--static-batch-sizes", "2", "4", "--memory-bandwidth-gbs", "20", "--json"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     workload = random_workload(6, (4, 30), (2, 12), vocab_size=250, seed=0)
@@ -104,11 +104,19 @@ def test_throughput_with_every_baseline_prints_consistent_json(tiny_dir, capsys)
     roof = others["roofline"]["output_tokens_per_s"]
     assert figures["share_of_roofline"] == pytest.approx(ours["output_tokens_per_s"] / roof)
     assert set(report["targets"]) == set(figures)
+    step = ours["decode_step"]
+    assert 1 <= step["sequences"] <= 6 and step["context_tokens"] > step["sequences"]
+    # Tiny Llama in fp32: 2 layers × 2 KV heads × 16 dims × K and V per context token, plus every matmul weight.
+    weights = 2 * (64 * 128 + 64 * 64 + 64 * 256 + 128 * 64) + 64 * 250
+    kv_per_token = 2 * 2 * 2 * 16
+    expected = (weights + kv_per_token * step["context_tokens"]) * 4 / 20e9
+    assert step["memory_bound_seconds"] == pytest.approx(expected)
     assert all(set(check) == {"value", "target", "met"} for check in report["targets"].values())
 
 
-def test_throughput_prints_a_table(tiny_dir, capsys):
-    argv = ["bench", "throughput", "--model", str(tiny_dir), "--vocab-size", "250", "--num-requests", "3"]
+def test_throughput_prints_a_table_for_dummy_weights(tiny_dir, capsys):
+    argv = ["bench", "throughput", "--model", str(tiny_dir), "--load-format", "dummy", "--vocab-size", "250"]
+    argv += ["--num-requests", "3"]
     argv += ["--prompt-len", "4", "8", "--output-len", "2", "3", "--max-model-len", "64", "--baseline", "roofline"]
     assert main(argv) == 0
     out = capsys.readouterr().out

@@ -31,6 +31,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--model", default=None, help="local dir, .gguf file or hub id (default: embedded SmolLM2)")
     engine.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     engine.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    engine.add_argument(
+        "--load-format", default="auto", choices=("auto", "dummy"), help="dummy: random weights of the model's shape"
+    )
     engine.add_argument("--tensor-parallel-size", type=int, default=1)
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--kv-cache-memory-bytes", type=int, default=None)
@@ -59,6 +62,12 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
         default=(8, 64),
         help="static batch sizes for transformers generate; the fastest one is the baseline",
     )
+    parser.add_argument(
+        "--memory-bandwidth-gbs",
+        type=float,
+        default=None,
+        help="device memory bandwidth (GB/s) for the decode step's bandwidth bound, e.g. 4800 for an H200",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -69,6 +78,7 @@ def build_llm(args: argparse.Namespace):
         args.model,
         device=args.device,
         dtype=args.dtype,
+        load_format=args.load_format,
         tensor_parallel_size=args.tensor_parallel_size,
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -100,12 +110,18 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
     engine = llm.engine
     engine.scheduler.stats.__init__()  # the warm-up request must not count toward peaks
     forward_seconds = 0.0
+    decode_steps: list[tuple[float, int, int]] = []  # (seconds, sequences, context tokens) of pure decode steps
     execute = engine.executor.execute
 
     def timed_execute(batch):
         nonlocal forward_seconds
+        started = time.perf_counter()
         result = execute(batch)
         forward_seconds += result.forward_seconds
+        decodes = batch.cached_requests
+        if decodes and not batch.new_requests and all(d.num_scheduled_tokens == 1 for d in decodes):
+            context = sum(state.num_computed_tokens + 1 for state in engine.scheduler.running)
+            decode_steps.append((time.perf_counter() - started, len(decodes), context))
         return result
 
     engine.executor.execute = timed_execute
@@ -140,7 +156,35 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
         # longest request of this workload (the most favourable reservation a static server could make).
         "contiguous_seqs_at_max_model_len": kv_slots // engine.max_model_len,
         "contiguous_seqs_at_longest_request": kv_slots // longest,
+        "decode_step": _typical_decode_step(decode_steps),
     }
+
+
+def _typical_decode_step(steps: list[tuple[float, int, int]]) -> dict[str, float] | None:
+    """The pure decode step at the median batch size, with its duration and context length."""
+    if not steps:
+        return None
+    by_size = sorted(steps, key=lambda s: s[1])
+    median_size = by_size[len(by_size) // 2][1]
+    same = sorted((s for s in steps if s[1] == median_size), key=lambda s: s[0])
+    seconds, sequences, context = same[len(same) // 2]
+    return {"seconds": seconds, "sequences": sequences, "context_tokens": context}
+
+
+def memory_bound_seconds(model_dir, dtype: torch.dtype, step: dict[str, float], bandwidth_gbs: float) -> float:
+    """Least time a decode step can take when every weight and every live KV byte is read once."""
+    from transformers import AutoConfig
+
+    from cluster.bench.roofline import shapes_from_config
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    element = torch.finfo(dtype).bits // 8
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    weights = shapes_from_config(model_dir).num_weights * element
+    kv = 2 * config.num_hidden_layers * kv_heads * head_dim * element * step["context_tokens"]
+    return (weights + kv) / (bandwidth_gbs * 1e9)
 
 
 def _rates(requests: list[BenchRequest], seconds: float, produced: int) -> dict[str, float]:
@@ -255,6 +299,15 @@ def format_report(report: dict) -> str:
             f"reservation would hold {ours['contiguous_seqs_at_longest_request']} (longest request) or "
             f"{ours['contiguous_seqs_at_max_model_len']} (max_model_len {ours['max_model_len']})",
         ]
+        step = ours.get("decode_step")
+        if step:
+            line = (
+                f"decode step with {step['sequences']} sequences and {step['context_tokens']} context tokens: "
+                f"{1000 * step['seconds']:.2f} ms"
+            )
+            if "memory_bound_seconds" in step:
+                line += f" (memory-bandwidth bound {1000 * step['memory_bound_seconds']:.2f} ms)"
+            lines.append(line)
     if report["targets"]:
         lines += ["", "targets:"]
         for name, check in report["targets"].items():
@@ -274,6 +327,9 @@ def run_throughput(args: argparse.Namespace) -> int:
     which = BASELINES if args.baseline == [] else tuple(args.baseline or ())
     others = run_baselines(llm, requests, which, args) if which else {}
     figures = compare(ours, others)
+    if args.memory_bandwidth_gbs and ours.get("decode_step"):
+        step = ours["decode_step"]
+        step["memory_bound_seconds"] = memory_bound_seconds(llm.model_dir, dtype, step, args.memory_bandwidth_gbs)
     report = {
         "model": llm.config.model_name,
         "device": device.type,

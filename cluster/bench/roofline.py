@@ -27,10 +27,14 @@ class MatmulShapes:
     lm_head: tuple[int, int]
 
     @property
+    def num_weights(self) -> int:
+        """Matmul weights of every layer and the LM head (embeddings and norms are not matmuls)."""
+        return sum(k * n for k, n in self.layer) * self.num_layers + self.lm_head[0] * self.lm_head[1]
+
+    @property
     def flops_per_token(self) -> int:
         """Multiply-adds ×2 for one token through every layer and the LM head."""
-        per_layer = sum(k * n for k, n in self.layer)
-        return 2 * (per_layer * self.num_layers + self.lm_head[0] * self.lm_head[1])
+        return 2 * self.num_weights
 
 
 def shapes_from_config(model_dir: str | Path) -> MatmulShapes:

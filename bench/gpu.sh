@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One H200: pagerail with Llama-3.1-8B-shaped random weights in bf16, two standard workloads.
+#
+# Reports output tokens/s and the typical decode step next to its HBM-bandwidth bound (every weight and
+# live KV byte read once at 4.8 TB/s), plus the in-run matmul roofline. Results land in $OUT as JSON.
+# Usage: bench/gpu.sh            (PYTHON=... to pick the interpreter, OUT=... for the results folder)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
+OUT=${OUT:-bench-results/gpu}
+HBM_GBS=${HBM_GBS:-4800}
+MODEL_DIR="$OUT/llama-3.1-8b-shape"
+mkdir -p "$MODEL_DIR"
+
+# The architecture of Llama 3.1 8B (no weights: the engine fills them with --load-format dummy).
+"$PYTHON" - "$MODEL_DIR" <<'PY'
+import sys
+from transformers import LlamaConfig
+
+rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=8192)
+LlamaConfig(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False, rope_parameters=rope,
+).save_pretrained(sys.argv[1])
+PY
+
+common=(
+  --model "$MODEL_DIR" --load-format dummy --device cuda --dtype bfloat16 --vocab-size 128256
+  --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens 8192
+  --baseline roofline --memory-bandwidth-gbs "$HBM_GBS"
+)
+run() {
+  local name=$1; shift
+  echo "== $name"
+  "$PYTHON" -m cluster.cli bench throughput "${common[@]}" "$@" --json > "$OUT/$name.json"
+  "$PYTHON" - "$OUT/$name.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+ours, step = r["pagerail"], r["pagerail"]["decode_step"]
+print(f"output {ours['output_tokens_per_s']:.0f} tok/s, total {ours['total_tokens_per_s']:.0f} tok/s, "
+      f"{ours['seconds']:.1f} s; roofline share {r['figures']['share_of_roofline']:.2f}")
+print(f"decode step, {step['sequences']} sequences / {step['context_tokens']} context tokens: "
+      f"{1000 * step['seconds']:.2f} ms vs HBM bound {1000 * step['memory_bound_seconds']:.2f} ms")
+PY
+}
+run 1000x128x128 --num-requests 1000 --prompt-len 128 128 --output-len 128 128
+run 500x1000x1000 --num-requests 500 --prompt-len 1000 1000 --output-len 1000 1000
