@@ -10,6 +10,7 @@ import torch
 
 from proto import step_pb2
 from worker.config import WorkerConfig
+from worker.host_memory import keep_freed_memory
 from worker.kv_cache import allocate_kv_caches, bytes_per_block, memory_budget
 from worker.model_loader import load_model, resolve_model_dir
 from worker.model_runner import ModelRunner
@@ -55,6 +56,7 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             limit_threads(config.num_threads)
+            keep_freed_memory()
         model_dir = Path(config.model_dir)
         if not model_dir.is_dir():
             # Another node resolved the model; fetch or convert it on this one the same way.

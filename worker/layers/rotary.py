@@ -80,10 +80,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D/2] broadcasts over heads
-        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D/2] for one step's positions; computed once per step and shared by every layer."""
+        return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
+
+    def apply(
+        self, q: torch.Tensor, k: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = (t.to(q.dtype) for t in tables)  # [T, 1, D/2] broadcasts over heads
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.apply(q, k, self.tables(positions))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape

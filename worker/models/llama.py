@@ -72,14 +72,14 @@ class LlamaAttention(nn.Module):
             self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank, self.head_dim, self.head_dim**-0.5
         )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, meta: AttentionMetadata):
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.has_qk_norm:
             tokens = q.shape[0]
             q = self.q_norm(q.reshape(tokens, -1, self.head_dim)).view(tokens, self.q_size)
             k = self.k_norm(k.reshape(tokens, -1, self.head_dim)).view(tokens, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb.apply(q, k, rope)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -111,8 +111,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, tp, dtype)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, meta: AttentionMetadata):
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -123,16 +123,17 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         # One cos/sin cache shared by every layer: it can be large for long-context models.
-        rotary = RotaryEmbedding(_head_dim(config), config.max_position_embeddings, rope_parameters(config))
+        self.rotary = RotaryEmbedding(_head_dim(config), config.max_position_embeddings, rope_parameters(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, tp, dtype) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, self.rotary, tp, dtype) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions)
         for layer in self.layers:
-            hidden = layer(positions, hidden, meta)
+            hidden = layer(rope, hidden, meta)
         return self.norm(hidden)
 
 
