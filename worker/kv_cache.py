@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from worker.host_memory import zeros_on_huge_pages
+
 DEFAULT_CPU_KV_BYTES = 2 << 30
 
 
@@ -35,4 +37,6 @@ def allocate_kv_caches(
 ) -> list[torch.Tensor]:
     """One [2, kv_heads, num_blocks * block_size, head_dim] tensor per layer; slot = block * block_size + offset."""
     shape = (2, num_kv_heads, num_blocks * block_size, head_dim)
+    if device.type == "cpu":
+        return [zeros_on_huge_pages(shape, dtype) for _ in range(num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
