@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.bench.workload import BenchRequest
+from cluster.bench.workload import BenchRequest, throughput
 
 _PAD = 0
 
@@ -18,19 +18,6 @@ def load_hf_model(model_dir: str | Path, dtype: torch.dtype, device: torch.devic
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation=attn)
     return model.to(device).eval()
-
-
-def _result(requests: list[BenchRequest], seconds: float, produced: int) -> dict:
-    output = sum(r.output_len for r in requests)
-    if produced != output:
-        raise RuntimeError(f"baseline produced {produced} output tokens, the workload asks for {output}")
-    prompt = sum(r.prompt_len for r in requests)
-    return {
-        "seconds": seconds,
-        "output_tokens_per_s": output / seconds,
-        "total_tokens_per_s": (prompt + output) / seconds,
-        "request_throughput": len(requests) / seconds,
-    }
 
 
 @torch.inference_mode()
@@ -63,7 +50,8 @@ def run_static_batching(model, requests: list[BenchRequest], batch_size: int) ->
         produced += sum(r.output_len for r in batch)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return {"batch_size": batch_size, **_result(requests, time.perf_counter() - started, produced)}
+    seconds = time.perf_counter() - started
+    return {"batch_size": batch_size, **throughput(requests, seconds, produced, "transformers generate")}
 
 
 @torch.inference_mode()
@@ -109,4 +97,4 @@ def run_continuous_batching(
                 pending.discard(result.request_id)
                 produced += len(result.generated_tokens)
         seconds = time.perf_counter() - started
-    return _result(requests, seconds, produced)
+    return throughput(requests, seconds, produced, "transformers continuous batching")

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from cluster.bench.stats import format_table
-from cluster.bench.workload import BenchRequest, add_request_arguments, describe
+from cluster.bench.workload import BenchRequest, add_request_arguments, describe, throughput
 
 BASELINES = ("static", "continuous", "roofline")
 
@@ -105,7 +105,7 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
         outputs = llm.generate([r.prompt_token_ids for r in requests], [params(r) for r in requests])
         seconds = time.perf_counter() - started
         produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-        return {**_rates(requests, seconds, produced), "steps": None}
+        return {**throughput(requests, seconds, produced, "pagerail"), "steps": None}
 
     engine = llm.engine
     engine.scheduler.stats.__init__()  # the warm-up request must not count toward peaks
@@ -141,7 +141,7 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
     kv_slots = block_table.num_blocks * block_table.block_size
     longest = max(r.prompt_len + r.output_len for r in requests)
     return {
-        **_rates(requests, seconds, produced),
+        **throughput(requests, seconds, produced, "pagerail"),
         "steps": stats.num_steps,
         "forward_seconds": forward_seconds,
         # Scheduling, step message building, sampling and bookkeeping: everything the forward pass is not.
@@ -185,19 +185,6 @@ def memory_bound_seconds(model_dir, dtype: torch.dtype, step: dict[str, float], 
     weights = shapes_from_config(model_dir).num_weights * element
     kv = 2 * config.num_hidden_layers * kv_heads * head_dim * element * step["context_tokens"]
     return (weights + kv) / (bandwidth_gbs * 1e9)
-
-
-def _rates(requests: list[BenchRequest], seconds: float, produced: int) -> dict[str, float]:
-    output = sum(r.output_len for r in requests)
-    if produced != output:
-        raise RuntimeError(f"pagerail produced {produced} output tokens, the workload asks for {output}")
-    prompt = sum(r.prompt_len for r in requests)
-    return {
-        "seconds": seconds,
-        "output_tokens_per_s": output / seconds,
-        "total_tokens_per_s": (prompt + output) / seconds,
-        "request_throughput": len(requests) / seconds,
-    }
 
 
 def _model_dtype(llm) -> tuple[torch.device, torch.dtype]:

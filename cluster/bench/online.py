@@ -380,16 +380,24 @@ def load_settings(args: argparse.Namespace) -> tuple[int | None, float | None]:
     return args.max_concurrency, args.request_rate
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """`bench serve`: 0 when at least one request completed, 1 otherwise."""
-    concurrency, request_rate = load_settings(args)
+def prepare(args: argparse.Namespace, command: str) -> tuple[str, str | None, list[BenchRequest]] | None:
+    """(model, api key, requests) for a run against the server; None (after saying why) when it is unreachable."""
     api_key = resolve_api_key(args)
     try:
         model = args.model or resolve_model(args.base_url, api_key)
     except (httpx.HTTPError, LookupError) as error:
-        print(f"pagerail bench serve: cannot list models at {args.base_url}: {error}", file=sys.stderr)
+        print(f"pagerail bench {command}: cannot list models at {args.base_url}: {error}", file=sys.stderr)
+        return None
+    return model, api_key, build_workload(args)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """`bench serve`: 0 when at least one request completed, 1 otherwise."""
+    concurrency, request_rate = load_settings(args)
+    prepared = prepare(args, "serve")
+    if prepared is None:
         return 1
-    requests = build_workload(args)
+    model, api_key, requests = prepared
     results = asyncio.run(
         benchmark_serving(
             args.base_url,

@@ -10,18 +10,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from cluster.bench.online import (
     add_workload_arguments,
     benchmark_serving,
     load_label,
-    resolve_api_key,
-    resolve_model,
+    prepare,
     to_json,
 )
 from cluster.bench.stats import format_table
-from cluster.bench.workload import BenchRequest, build_workload
+from cluster.bench.workload import BenchRequest
 
 DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 16, 32)
 
@@ -215,13 +212,10 @@ def format_sweep(loads: list[float], results: list[dict[str, Any]], mode: str) -
 def run_sweep(args: argparse.Namespace) -> int:
     """`bench sweep`: 0 when every level completed at least one request, 1 otherwise."""
     mode, loads = sweep_levels(args)
-    api_key = resolve_api_key(args)
-    try:
-        model = args.model or resolve_model(args.base_url, api_key)
-    except (httpx.HTTPError, LookupError) as error:
-        print(f"pagerail bench sweep: cannot list models at {args.base_url}: {error}", file=sys.stderr)
+    prepared = prepare(args, "sweep")
+    if prepared is None:
         return 1
-    requests = build_workload(args)
+    model, api_key, requests = prepared
     results = asyncio.run(_sweep(args, model, api_key, requests, mode, loads))
 
     out = Path(args.output_dir)

@@ -82,6 +82,20 @@ def file_workload(path: str | Path, tokenizer: Any, output_len: tuple[int, int],
     return requests
 
 
+def throughput(requests: list[BenchRequest], seconds: float, produced: int, who: str) -> dict[str, float]:
+    """Token and request rates of one run, after checking it produced exactly the workload's output tokens."""
+    output = sum(r.output_len for r in requests)
+    if produced != output:
+        raise RuntimeError(f"{who} produced {produced} output tokens, the workload asks for {output}")
+    prompt = sum(r.prompt_len for r in requests)
+    return {
+        "seconds": seconds,
+        "output_tokens_per_s": output / seconds,
+        "total_tokens_per_s": (prompt + output) / seconds,
+        "request_throughput": len(requests) / seconds,
+    }
+
+
 def describe(requests: list[BenchRequest]) -> dict[str, int]:
     """Totals that every report states next to its figures."""
     return {
