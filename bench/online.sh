@@ -8,7 +8,8 @@ PAGERAIL=${PAGERAIL:-.venv/bin/pagerail}
 OUT=${OUT:-bench-results/online}
 PORT=${PORT:-8765}
 NUM_REQUESTS=${NUM_REQUESTS:-64}
-SWEEP=${SWEEP:-1 2 4 8 16 32}
+SWEEP=${SWEEP-1 2 4 8 16 32}  # empty: no sweep
+RAMP_UP=${RAMP_UP:-0}  # seconds over which the 16 users join (0: all at once)
 mkdir -p "$OUT"
 workload=(--num-requests "$NUM_REQUESTS" --prompt-len 32 512 --output-len 16 256 --seed 0)
 
@@ -31,9 +32,9 @@ for mode in on off; do
   [ "$mode" = off ] && flag=--no-enable-chunked-prefill
   start_server "$flag"
   echo "== chunked prefill $mode: 16 concurrent users"
-  "$PAGERAIL" bench serve --base-url "http://127.0.0.1:$PORT" "${workload[@]}" --concurrency 16 --json \
-    > "$OUT/serve-chunked-$mode.json"
-  if [ "$mode" = on ]; then
+  "$PAGERAIL" bench serve --base-url "http://127.0.0.1:$PORT" "${workload[@]}" --concurrency 16 --ramp-up "$RAMP_UP" \
+    --json > "$OUT/serve-chunked-$mode.json"
+  if [ "$mode" = on ] && [ -n "$SWEEP" ]; then
     echo "== sweep: concurrency $SWEEP"
     # shellcheck disable=SC2086
     "$PAGERAIL" bench sweep --base-url "http://127.0.0.1:$PORT" --num-requests 32 --prompt-len 32 512 \
@@ -56,4 +57,4 @@ print("| chunked prefill | completed | output tok/s | TTFT p50 ms | TTFT p90 ms 
 print("|---|---|---|---|---|---|---|---|---|---|")
 print("\n".join(rows))
 PY
-cat "$OUT/sweep.txt"
+[ -z "$SWEEP" ] || cat "$OUT/sweep.txt"

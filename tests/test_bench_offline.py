@@ -122,3 +122,15 @@ def test_throughput_prints_a_table_for_dummy_weights(tiny_dir, capsys):
     out = capsys.readouterr().out
     assert "pagerail" in out and "compute roofline" in out and "transformers" not in out
     assert "outside the forward pass" in out
+
+
+@pytest.mark.slow
+def test_throughput_table_on_the_embedded_model(capsys):
+    """No --model: the embedded SmolLM2, its own tokenizer sizing the random prompts."""
+    argv = ["bench", "throughput", "--num-requests", "3", "--prompt-len", "8", "24", "--output-len", "2", "5"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    workload = random_workload(3, (8, 24), (2, 5), vocab_size=49152, seed=0)
+    assert f"{sum(r.output_len for r in workload)} output tokens" in out
+    assert "on cpu (float32), 3 requests" in out
+    assert out.count("pagerail") >= 1 and "outside the forward pass" in out

@@ -117,6 +117,17 @@ def test_concurrency_run_completes_every_request_with_exact_lengths(server, work
     assert results["output_throughput"] == pytest.approx(expected)
 
 
+def test_ramp_up_spreads_the_users_first_requests(server, workload):
+    base_url, engine = server
+    wait_idle(engine)
+    results = bench(base_url, workload, concurrency=4, ramp_up=0.6)
+    assert results["completed"] == len(workload)
+    # The last of 4 users starts 3/4 of the ramp-up in, so the run cannot be shorter than that.
+    assert results["duration_s"] >= 0.45
+    with pytest.raises(ValueError, match="ramp-up"):
+        bench(base_url, workload, ramp_up=-1.0)
+
+
 def test_poisson_arrivals_report_request_rate_mode(server, workload):
     base_url, _ = server
     results = bench(base_url, workload, concurrency=None, request_rate=40.0, seed=7)
@@ -237,6 +248,9 @@ def test_run_sweep_writes_csv_and_plot(server, tokenizer, tmp_path, capsys):
     assert report["model"] == "fake"
     assert [level["concurrency"] for level in report["levels"]] == [1, 2]
     assert all(level["completed"] == 6 for level in report["levels"])
+    # Each level draws fresh prompts (seed + level), so no level is served from the previous one's prefix cache.
+    first, second = (level["total_input_tokens"] for level in report["levels"])
+    assert first != second
 
     with open(report["csv"], newline="") as handle:
         rows = list(csv.reader(handle))

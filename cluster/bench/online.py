@@ -72,6 +72,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument(
         "--concurrency", type=int, default=None, help=f"requests kept in flight (default {DEFAULT_CONCURRENCY})"
     )
+    parser.add_argument(
+        "--ramp-up",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="with --concurrency: users start evenly over this many seconds instead of all at once",
+    )
     load.add_argument(
         "--request-rate", type=float, default=None, help="Poisson arrivals in requests/s; 'inf' sends all at once"
     )
@@ -211,8 +218,11 @@ async def benchmark_serving(
     api_key: str | None,
     ignore_eos: bool = True,
     timeout: float,
+    ramp_up: float = 0.0,
 ) -> dict[str, Any]:
     """Streams every request to {base_url}/v1/completions and returns the results dict.
+
+    In the closed loop, `ramp_up` seconds spread the users' first requests evenly instead of all at once.
 
     With `request_rate`, requests arrive as a Poisson process (seeded exponential gaps; inf sends all at once)
     and `concurrency`, when given, caps how many are in flight. Without it, `concurrency` requests are kept in
@@ -222,6 +232,8 @@ async def benchmark_serving(
         raise ValueError("the workload holds no requests")
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if not ramp_up >= 0:
+        raise ValueError(f"ramp-up must be >= 0 seconds, got {ramp_up}")
     if request_rate is None and concurrency is None:
         raise ValueError("give a concurrency or a request rate")
     if request_rate is not None and not request_rate > 0:
@@ -243,7 +255,7 @@ async def benchmark_serving(
 
         start = time.perf_counter()
         if request_rate is None:
-            await _run_closed_loop(run_one, len(requests), concurrency)
+            await _run_closed_loop(run_one, len(requests), concurrency, ramp_up)
         else:
             await _run_poisson(run_one, len(requests), request_rate, concurrency, seed)
         duration = time.perf_counter() - start
@@ -251,15 +263,21 @@ async def benchmark_serving(
     return _aggregate([r for r in results if r is not None], duration, concurrency, request_rate)
 
 
-async def _run_closed_loop(run_one, count: int, concurrency: int) -> None:
-    """`concurrency` workers each take the next request as soon as their previous one finishes."""
-    pending = iter(range(count))
+async def _run_closed_loop(run_one, count: int, concurrency: int, ramp_up: float = 0.0) -> None:
+    """`concurrency` workers each take the next request as soon as their previous one finishes.
 
-    async def worker() -> None:
+    Worker i starts i * ramp_up / concurrency seconds in, as users joining a service one after another would.
+    """
+    pending = iter(range(count))
+    workers = min(concurrency, count)
+
+    async def worker(number: int) -> None:
+        if ramp_up:
+            await asyncio.sleep(number * ramp_up / workers)
         for index in pending:  # the iterator is shared, so each index is taken by exactly one worker
             await run_one(index)
 
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, count))))
+    await asyncio.gather(*(worker(number) for number in range(workers)))
 
 
 async def _run_poisson(run_one, count: int, rate: float, limit: int | None, seed: int) -> None:
@@ -409,6 +427,7 @@ def run_serve(args: argparse.Namespace) -> int:
             api_key=api_key,
             ignore_eos=args.ignore_eos,
             timeout=args.timeout,
+            ramp_up=args.ramp_up,
         )
     )
     print(to_json(results) if args.json else format_results(results, model))

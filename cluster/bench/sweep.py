@@ -18,7 +18,7 @@ from cluster.bench.online import (
     to_json,
 )
 from cluster.bench.stats import format_table
-from cluster.bench.workload import BenchRequest
+from cluster.bench.workload import BenchRequest, build_workload
 
 DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 16, 32)
 
@@ -82,8 +82,12 @@ async def _sweep(
     args: argparse.Namespace, model: str, api_key: str | None, requests: list[BenchRequest], mode: str, levels: list
 ) -> list[dict[str, Any]]:
     results = []
-    for level in levels:
+    for number, level in enumerate(levels):
         concurrency, rate = (level, None) if mode == "concurrency" else (args.max_concurrency, level)
+        if number and not args.dataset:
+            # Fresh random prompts per level: the server's prefix cache would otherwise serve every prompt
+            # after the first level from cache and flatter its time to first token.
+            requests = build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + number}))
         result = await benchmark_serving(
             args.base_url,
             model,
