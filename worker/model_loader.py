@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from worker.default_model import cache_root, convert_gguf, default_model_dir
+from worker.layers.cpu_matmul import attach_onednn_weights
 from worker.models.registry import model_class
 from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
@@ -123,6 +124,8 @@ def load_model(
         _fill_dummy(model, cls, config, device, seed)
     else:
         model.load_weights(iter_safetensors(model_dir))
+    if device.type == "cpu":
+        attach_onednn_weights(model)
     return model.eval()
 
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.cpu_matmul import linear
 from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
 
@@ -71,11 +72,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     For tied embeddings the model assigns the embedding's parameter to `weight`, so both share one tensor.
     """
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # A oneDNN copy of the weight for small CPU batches, made after loading (see cpu_matmul).
+        self.onednn_weight: torch.Tensor | None = None
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead computes logits through compute_logits(hidden), not forward")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, embedding_dim] → logits [N, num_embeddings] in float32, identical on every rank."""
-        local = F.linear(hidden, self.weight)
+        local = linear(hidden, self.weight, self.onednn_weight)
         logits = self.tp.all_gather(local, dim=-1)
         return logits[..., : self.num_embeddings].float()

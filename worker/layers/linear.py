@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.cpu_matmul import linear
 from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
 
@@ -38,6 +38,8 @@ class _ParallelLinear(nn.Module):
             self.bias = _new_param((out_features,), dtype, self.weight_loader)
         else:
             self.register_parameter("bias", None)
+        # A oneDNN copy of the weight for small CPU batches, made after loading (see cpu_matmul).
+        self.onednn_weight: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: object = None) -> None:
         raise NotImplementedError
@@ -69,7 +71,8 @@ class ColumnParallelLinear(_ParallelLinear):
         param.data.copy_(piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        out = linear(x, self.weight, self.onednn_weight)
+        return out if self.bias is None else out + self.bias
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -100,7 +103,7 @@ class RowParallelLinear(_ParallelLinear):
         param.data.copy_(piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(linear(x, self.weight, self.onednn_weight))
         if self.bias is not None:
             out = out + self.bias
         return out
