@@ -173,18 +173,12 @@ def _typical_decode_step(steps: list[tuple[float, int, int]]) -> dict[str, float
 
 def memory_bound_seconds(model_dir, dtype: torch.dtype, step: dict[str, float], bandwidth_gbs: float) -> float:
     """Least time a decode step can take when every weight and every live KV byte is read once."""
-    from transformers import AutoConfig
-
     from cluster.bench.roofline import shapes_from_config
 
-    config = AutoConfig.from_pretrained(str(model_dir))
+    shapes = shapes_from_config(model_dir)
     element = torch.finfo(dtype).bits // 8
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    weights = shapes_from_config(model_dir).num_weights * element
-    kv = 2 * config.num_hidden_layers * kv_heads * head_dim * element * step["context_tokens"]
-    return (weights + kv) / (bandwidth_gbs * 1e9)
+    kv = shapes.num_layers * shapes.kv_width * step["context_tokens"]
+    return (shapes.num_weights + kv) * element / (bandwidth_gbs * 1e9)
 
 
 def _model_dtype(llm) -> tuple[torch.device, torch.dtype]:

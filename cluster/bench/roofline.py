@@ -25,6 +25,7 @@ class MatmulShapes:
     layer: list[tuple[int, int]]
     num_layers: int
     lm_head: tuple[int, int]
+    kv_width: int = 0  # K and V elements one token stores per layer: 2 * kv_heads * head_dim
 
     @property
     def num_weights(self) -> int:
@@ -53,7 +54,12 @@ def shapes_from_config(model_dir: str | Path) -> MatmulShapes:
         (hidden, 2 * inter),
         (inter, hidden),
     ]
-    return MatmulShapes(layer=layer, num_layers=config.num_hidden_layers, lm_head=(hidden, config.vocab_size))
+    return MatmulShapes(
+        layer=layer,
+        num_layers=config.num_hidden_layers,
+        lm_head=(hidden, config.vocab_size),
+        kv_width=2 * kv_heads * head_dim,
+    )
 
 
 def _time(fn, device: torch.device, repeats: int) -> float:
