@@ -107,8 +107,10 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
         produced = sum(len(o.outputs[0].token_ids) for o in outputs)
         return {**throughput(requests, seconds, produced, "pagerail"), "steps": None}
 
+    from cluster.scheduler import SchedulerStats
+
     engine = llm.engine
-    engine.scheduler.stats.__init__()  # the warm-up request must not count toward peaks
+    engine.scheduler.stats = SchedulerStats()  # the warm-up request must not count toward peaks
     forward_seconds = 0.0
     decode_steps: list[tuple[float, int, int]] = []  # (seconds, sequences, context tokens) of pure decode steps
     execute = engine.executor.execute
