@@ -35,6 +35,7 @@ def delta_of(request: Request, start: int = 0) -> RequestDelta:
         top_logprobs=list(request.top_logprobs[start:]),
         num_cached_tokens=request.num_cached_tokens,
         error=request.error,
+        error_code=request.error_code,
     )
 
 
@@ -84,8 +85,9 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                # The caller went away (disconnect, cancel): free the request's blocks.
-                self.abort(request_id)
+                # The caller went away (disconnect, cancel): free the request's blocks. Only this caller's own
+                # request: a refused duplicate id must not abort the request that holds it.
+                self._submit(("abort", request_id, subscriber))
 
     async def generate(
         self, request_id: str, token_ids: Sequence[int], params: SamplingParams, final: bool = True
@@ -108,7 +110,7 @@ class AsyncEngine:
         self._submit(("append", request_id, list(token_ids), final))
 
     def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id))
+        self._submit(("abort", request_id, None))
 
     def pause(self, mode: str = "all") -> None:
         """Hold new requests ("new") or every request ("all") until resume()."""
@@ -175,6 +177,9 @@ class AsyncEngine:
             kind = command[0]
             if kind == "add":
                 _, request_id, token_ids, params, final, subscriber, trace_context = command
+                if request_id in self._subscribers:
+                    self._deliver(subscriber, ValueError(f"request_id {request_id!r} is already in use"))
+                    continue
                 try:
                     request = self.engine.add_request(
                         request_id, token_ids, params, final=final, trace_context=trace_context
@@ -186,7 +191,7 @@ class AsyncEngine:
             elif kind == "append":
                 _, request_id, token_ids, final = command
                 try:
-                    self.engine.add_request(request_id, token_ids, SamplingParams(), final=final)
+                    self.engine.append_input(request_id, token_ids, final)
                 except ValueError as error:
                     subscriber = self._subscribers.pop(request_id, None)
                     if subscriber is not None:
@@ -195,7 +200,10 @@ class AsyncEngine:
             elif kind == "pause":
                 self.engine.pause(command[1])
             elif kind == "abort":
-                request = self.engine.abort(command[1])
+                _, request_id, owner = command
+                if owner is not None and self._subscribers.get(request_id) is not owner:
+                    continue  # that caller's request already ended, or was never admitted
+                request = self.engine.abort(request_id)
                 if request is not None:
                     self._publish(request)
 

@@ -44,6 +44,9 @@ class BlockTable:
       - free:      ref count 0, in the free queue, no hash;
       - evictable: ref count 0, in the free queue, still has a hash and can be found by find_cached_prefix
                    until allocation pops it from the queue front and drops its hash.
+
+    A block gets its hash (becomes findable) only through commit_computed, which the engine calls after the
+    step that wrote the block's KV succeeded: a block whose KV was never written can never be served.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
@@ -171,10 +174,17 @@ class BlockTable:
         for block_id in new_ids:
             self._ref_counts[block_id] = 1
         req.block_ids.extend(new_ids)
-
-        if self._enable_prefix_caching:
-            self._hash_full_blocks(req, token_ids, min(num_tokens, len(token_ids)))
         return new_ids
+
+    def commit_computed(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+        """The KV of the request's first num_computed_tokens tokens is now written: make its full blocks findable.
+
+        Call only after the step that wrote them succeeded; until then a block is private to its request.
+        """
+        req = self._requests.get(request_id)
+        if req is None or not self._enable_prefix_caching:
+            return
+        self._hash_full_blocks(req, token_ids, min(num_computed_tokens, len(token_ids)))
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks; cached ones stay findable by hash until their block is reused."""

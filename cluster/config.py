@@ -56,6 +56,14 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # New requests are refused (QueueFullError) while this many wait; None: no limit.
     max_waiting_requests: int | None = None
+    # A streaming-input session that sends no chunk for this long is closed with an error.
+    session_idle_timeout_s: float = 300.0
+    # Open streaming-input sessions at once; more are refused (QueueFullError). None: max_num_seqs.
+    max_sessions: int | None = None
+
+    @property
+    def session_limit(self) -> int:
+        return self.max_sessions if self.max_sessions is not None else self.max_num_seqs
 
     def __post_init__(self) -> None:
         _require(
@@ -66,6 +74,12 @@ class SchedulerConfig:
             self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
         )
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(
+            self.session_idle_timeout_s > 0, f"session_idle_timeout_s must be > 0, got {self.session_idle_timeout_s}"
+        )
+        _require(
+            self.max_sessions is None or self.max_sessions >= 1, f"max_sessions must be >= 1, got {self.max_sessions}"
+        )
         _require(
             self.max_model_len is None or self.max_model_len >= 1,
             f"max_model_len must be >= 1, got {self.max_model_len}",

@@ -22,6 +22,9 @@ from proto import step_pb2
 
 logger = logging.getLogger(__name__)
 
+# The shortest context worth serving: a cache that cannot hold this many tokens for one sequence is refused.
+MIN_USEFUL_CONTEXT = 16
+
 SampledTokens = dict[int, tuple[int, float | None, dict[int, float] | None]]
 
 
@@ -55,7 +58,8 @@ class EngineCore:
     ) -> None:
         self.config = config
         self.executor = executor
-        self.max_model_len = max_model_len
+        self.max_model_len = effective_max_model_len(config, max_model_len, executor.num_blocks)
+        max_model_len = self.max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_table = BlockTable(
@@ -82,14 +86,12 @@ class EngineCore:
         final: bool = True,
         trace_context: dict[str, str] | None = None,
     ) -> Request:
-        """Queue a request; an id that names an open streaming-input session appends its next chunk.
+        """Queue a new request (final=False: the first chunk of a streaming-input session).
 
+        `request_id` must be new: ids are made by the server, and a duplicate is refused, never merged.
         `trace_context` is the W3C carrier of the caller's request span, which this request's steps link to.
         """
         self._check_tokens(prompt_token_ids)
-        existing = self.scheduler.requests.get(request_id)
-        if existing is not None and existing.input_open:
-            return self.scheduler.append_input(request_id, list(prompt_token_ids), final)
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         limit = self.config.scheduler.max_waiting_requests
@@ -103,15 +105,18 @@ class EngineCore:
             handle=next(self._handles),
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
-            max_tokens=params.max_tokens
-            if params.max_tokens is not None
-            else self.max_model_len - len(prompt_token_ids),
+            max_tokens=params.max_tokens,
             stop_token_ids=frozenset(stop),
             input_open=not final,
             trace_context=trace_context,
         )
         self.scheduler.add_request(request)
         return request
+
+    def append_input(self, request_id: str, token_ids: Sequence[int], final: bool) -> Request:
+        """The next chunk of an open streaming-input session; a chunk that would not fit leaves it unchanged."""
+        self._check_tokens(token_ids)
+        return self.scheduler.append_input(request_id, list(token_ids), final)
 
     def _check_tokens(self, token_ids: Sequence[int]) -> None:
         for token in token_ids:
@@ -137,8 +142,11 @@ class EngineCore:
         out = self.scheduler.schedule()
         self.schedule_seconds.append(time.perf_counter() - started)
         self.last_step_idle = out.empty
+        expired = out.expired
+        for request in expired:
+            self.metrics.observe_finished(request)
         if out.empty:
-            return []
+            return expired
         span = start_step_span(out, started_ns)
         batch = self.step_builder.build(out)
         dispatched = time.perf_counter()
@@ -147,13 +155,13 @@ class EngineCore:
                 result = self.executor.execute(batch)
         except WorkerGroupError as error:
             end_step_span(span, error)
-            return self._recover(error)
+            return expired + self._recover(error)
         round_trip = time.perf_counter() - dispatched
         self._consecutive_failures = 0
         changed = self.scheduler.update_from_output(out, unpack_result(result))
         self.metrics.observe_step(self, out, result, dispatched - started, round_trip, changed)
         end_step_span(span)
-        return changed
+        return expired + changed
 
     def _recover(self, error: WorkerGroupError) -> list[Request]:
         """Rebuild the worker group and recompute every request; give up after repeated failures.
@@ -191,3 +199,27 @@ class EngineCore:
             self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ABORTED)
         self._consecutive_failures = 0
         return failed
+
+
+def effective_max_model_len(config: EngineConfig, max_model_len: int, num_blocks: int) -> int:
+    """The longest sequence this replica can serve: the model's limit, capped to what one sequence can hold in
+    the KV cache (and, without chunked prefill, to one step's token budget, which bounds a recompute).
+
+    A request without max_tokens runs up to this limit, so it must never exceed what the cache can hold.
+    """
+    capacity = num_blocks * config.cache.block_size
+    limit = min(max_model_len, capacity)
+    if not config.scheduler.enable_chunked_prefill:
+        limit = min(limit, config.scheduler.max_num_batched_tokens)
+    if limit < min(max_model_len, MIN_USEFUL_CONTEXT):
+        raise ValueError(
+            f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {config.cache.block_size}), below the "
+            f"{MIN_USEFUL_CONTEXT}-token minimum context; raise kv_cache_memory_bytes / gpu_memory_utilization"
+        )
+    if limit < max_model_len:
+        logger.warning(
+            "max_model_len lowered from %d to %d: the most one sequence can hold in this KV cache (%d blocks of %d)%s",
+            max_model_len, limit, num_blocks, config.cache.block_size,
+            "" if config.scheduler.enable_chunked_prefill else " or the step budget without chunked prefill",
+        )
+    return limit

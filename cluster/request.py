@@ -34,7 +34,8 @@ class Request:
     handle: int
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    max_tokens: int
+    # None: up to the context limit, re-evaluated as a streaming-input session's prompt grows.
+    max_tokens: int | None
     stop_token_ids: frozenset[int]
     arrival_time: float = field(default_factory=time.monotonic)
     # Open streaming-input session: more prompt chunks may follow.
@@ -47,7 +48,13 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit on the latest admission
-    error: str | None = None  # why the engine gave up on it (retriable), when it did
+    error: str | None = None  # why the engine gave up on it, when it did
+    # What kind of failure `error` is: "worker_failure" (retriable), "session_idle_timeout", "quarantined".
+    error_code: str | None = None
+    # When a streaming-input session last started waiting for its next chunk (time.monotonic()).
+    idle_since: float | None = None
+    # The workers must be sent the full block list and num_computed_tokens with the next step.
+    needs_resync: bool = False
     # W3C carrier (traceparent, tracestate) of the frontend's request span; the step spans link to it.
     trace_context: dict[str, str] | None = None
     # Telemetry: when it was first scheduled, got its first and latest token; what the metrics counted.
@@ -80,6 +87,10 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    @property
+    def awaiting_input(self) -> bool:
+        return self.status is RequestStatus.AWAITING_INPUT
 
     def append_input(self, token_ids: list[int]) -> None:
         self.prompt_token_ids.extend(token_ids)

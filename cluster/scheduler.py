@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.block_table import BlockTable
 from cluster.config import SchedulerConfig
+from cluster.errors import QueueFullError
 from cluster.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -29,6 +32,9 @@ class ScheduledRequest:
     new_block_ids: list[int]
     # Admitted this step from the waiting queue (new, or back after preemption).
     admitted: bool = False
+    # The workers must take the full block list and num_computed_tokens from this step (admitted, or a
+    # session whose last token is recomputed for its logits).
+    resync: bool = False
     # A streaming-input chunk (not the final one): compute the KV, sample nothing.
     skip_sampling: bool = False
 
@@ -38,8 +44,11 @@ class SchedulerOutput:
     """What the scheduler decided for one step."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Running requests and idle sessions whose blocks were taken away this step.
     preempted: list[Request] = field(default_factory=list)
     finished_handles: list[int] = field(default_factory=list)
+    # Sessions closed this step because no input came for session_idle_timeout_s.
+    expired: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
 
     @property
@@ -53,6 +62,7 @@ class SchedulerStats:
 
     num_steps: int = 0
     num_preemptions: int = 0
+    num_idle_sessions_released: int = 0  # idle sessions whose blocks were reclaimed (also in num_preemptions)
     num_prefix_hit_tokens: int = 0
     num_prefix_query_tokens: int = 0
     num_computed_tokens: int = 0
@@ -66,13 +76,23 @@ class SchedulerStats:
 class Scheduler:
     """Decides, every step, which requests run and how many tokens each computes."""
 
-    def __init__(self, config: SchedulerConfig, block_table: BlockTable, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_table: BlockTable,
+        max_model_len: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.block_table = block_table
         self.max_model_len = max_model_len
+        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Streaming-input sessions waiting for their next chunk, longest idle first. They may hold blocks, which
+        # count against max_num_seqs and are the first to be reclaimed when memory or sequence slots run out.
+        self.idle_sessions: dict[str, Request] = {}
         self.pause_mode = PauseMode.NONE
         self.stats = SchedulerStats()
         # Handles the workers must forget, sent with the next step.
@@ -84,21 +104,36 @@ class Scheduler:
         """Queue a new request, refusing one that could never fit."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} already exists")
-        self._check_fits(request)
+        self._check_fits(request, request.num_tokens)
+        if request.input_open:
+            limit = self.config.session_limit
+            if self.num_open_sessions >= limit:
+                raise QueueFullError(f"{limit} streaming-input sessions are already open (max_sessions); retry later")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def append_input(self, request_id: str, token_ids: list[int], final: bool) -> Request:
-        """Next chunk of a streaming-input session; its KV cache stayed allocated in between."""
+        """Next chunk of a streaming-input session. A chunk that would not fit is refused, the session unchanged."""
         request = self.requests.get(request_id)
         if request is None or not request.input_open:
             raise ValueError(f"request_id {request_id!r} is not an open streaming-input session")
+        self._check_fits(request, request.num_tokens + len(token_ids))
         request.append_input(token_ids)
         request.input_open = not final
-        self._check_fits(request)
-        if request.status is RequestStatus.AWAITING_INPUT:
-            request.status = RequestStatus.WAITING
-            self.waiting.append(request)
+        if not request.awaiting_input:
+            return request  # still running or waiting: the new tokens are picked up by the next steps
+        if not token_ids and not final:
+            request.idle_since = self.clock()  # an empty chunk only shows the client is still there
+            return request
+        del self.idle_sessions[request_id]
+        request.idle_since = None
+        if not token_ids and request.num_computed_tokens == request.num_tokens:
+            # The input ended after its last chunk was computed, but positions computed while input was open
+            # kept no logits: recompute the last one to sample the first output token.
+            request.num_computed_tokens -= 1
+            request.needs_resync = True
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
         return request
 
     def abort(self, request_id: str) -> Request | None:
@@ -122,8 +157,20 @@ class Scheduler:
         self.running.clear()
         for request in self.requests.values():
             request.num_computed_tokens = 0
+            request.needs_resync = False
         self.block_table.reset()
         self._finished_handles.clear()
+
+    def expire_idle_sessions(self) -> list[Request]:
+        """Close sessions that waited longer than session_idle_timeout_s for their next chunk."""
+        timeout = self.config.session_idle_timeout_s
+        now = self.clock()
+        expired = [r for r in self.idle_sessions.values() if now - r.idle_since > timeout]
+        for request in expired:
+            request.error = f"the session received no input for {timeout:g} s (session_idle_timeout) and was closed"
+            request.error_code = "session_idle_timeout"
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return expired
 
     def replace_block_table(self, block_table: BlockTable) -> None:
         """A restarted worker group may hold a different number of blocks."""
@@ -136,17 +183,27 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
+    @property
+    def num_open_sessions(self) -> int:
+        return sum(1 for r in self.requests.values() if r.input_open)
+
+    @property
+    def num_idle_sessions_holding_blocks(self) -> int:
+        return sum(1 for r in self.idle_sessions.values() if self.block_table.has_request(r.request_id))
+
     # -- one step ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         """Spend this step's token budget: running requests first, then waiting ones."""
-        out = SchedulerOutput(finished_handles=self._finished_handles)
+        expired = self.expire_idle_sessions() if self.idle_sessions else []
+        out = SchedulerOutput(finished_handles=self._finished_handles, expired=expired)
         self._finished_handles = []
         if self.pause_mode is PauseMode.ALL:
             return out
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
-        if not out.preempted and self.pause_mode is PauseMode.NONE:
+        preempted_running = any(not r.awaiting_input for r in out.preempted)
+        if not preempted_running and self.pause_mode is PauseMode.NONE:
             budget = self._schedule_waiting(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         self._record_stats(out)
@@ -176,7 +233,10 @@ class Scheduler:
             new_blocks = self.block_table.allocate_slots(request.request_id, request.all_token_ids, num_tokens)
             if new_blocks is not None:
                 return new_blocks
-            # Out of blocks: preempt the most recently admitted running request and retry.
+            # Out of blocks: an idle session's blocks go first (recomputed from the prefix cache when its next
+            # chunk comes), then the most recently admitted running request's.
+            if self._release_idle_session(out):
+                continue
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
@@ -184,7 +244,7 @@ class Scheduler:
                 return None
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._has_sequence_slot(out):
             request = self.waiting[0]
             cached: list[int] = []
             # A returning streaming-input session still owns its blocks; everything else starts empty.
@@ -202,6 +262,8 @@ class Scheduler:
             if new_blocks is None:
                 if cached:
                     request.num_computed_tokens = 0
+                if self._release_idle_session(out, keep=request):
+                    continue
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             if admitted:
@@ -212,14 +274,49 @@ class Scheduler:
                 request.num_cached_tokens = request.num_computed_tokens
                 self.stats.num_prefix_hit_tokens += request.num_computed_tokens
             # A new or resumed request gets its whole block list; a session chunk only the new blocks.
-            blocks = self.block_table.block_ids(request.request_id) if admitted else new_blocks
+            resync = admitted or request.needs_resync
+            request.needs_resync = False
+            blocks = self.block_table.block_ids(request.request_id) if resync else new_blocks
             out.scheduled.append(
                 ScheduledRequest(
-                    request, num_new, blocks, admitted=admitted, skip_sampling=self._skips(request, num_new)
+                    request,
+                    num_new,
+                    blocks,
+                    admitted=admitted,
+                    resync=resync,
+                    skip_sampling=self._skips(request, num_new),
                 )
             )
             budget -= num_new
         return budget
+
+    def _has_sequence_slot(self, out: SchedulerOutput) -> bool:
+        """Room for one more sequence under max_num_seqs, idle sessions holding blocks included."""
+        limit = self.config.max_num_seqs
+        if len(self.running) >= limit:
+            return False
+        while len(self.running) + self.num_idle_sessions_holding_blocks >= limit:
+            if not self._release_idle_session(out, keep=self.waiting[0]):
+                return False
+        return True
+
+    def _release_idle_session(self, out: SchedulerOutput, keep: Request | None = None) -> bool:
+        """Take the blocks of the longest-idle session that holds any; False when none does."""
+        for request in self.idle_sessions.values():
+            if request is not keep and self.block_table.has_request(request.request_id):
+                logger.info(
+                    "released the KV blocks of idle session %s; its %d tokens will be recomputed with its next chunk",
+                    request.request_id, request.num_computed_tokens, extra={"request_id": request.request_id},
+                )
+                self.block_table.free(request.request_id)
+                request.num_computed_tokens = 0
+                request.needs_resync = False
+                request.num_preemptions += 1
+                self.stats.num_preemptions += 1
+                self.stats.num_idle_sessions_released += 1
+                out.preempted.append(request)
+                return True
+        return False
 
     def _skips(self, request: Request, num_new: int) -> bool:
         """True when this step does not end at the last known token, or the input is still open."""
@@ -241,11 +338,15 @@ class Scheduler:
             if request.finished:
                 continue
             request.num_computed_tokens += item.num_tokens
+            # The step succeeded: the blocks it filled may now serve other requests from the prefix cache.
+            self.block_table.commit_computed(request.request_id, request.all_token_ids, request.num_computed_tokens)
             token = sampled.get(request.handle)
             if token is None:
                 if request.input_open and request.num_computed_tokens == request.num_tokens:
                     self.running.remove(request)
                     request.status = RequestStatus.AWAITING_INPUT
+                    request.idle_since = self.clock()
+                    self.idle_sessions[request.request_id] = request
                 continue
             token_id, logprob, top = token
             request.append_output(token_id)
@@ -261,7 +362,10 @@ class Scheduler:
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         if token_id in request.stop_token_ids and request.num_output_tokens >= request.sampling_params.min_tokens:
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        max_tokens = request.max_tokens
+        if (max_tokens is not None and request.num_output_tokens >= max_tokens) or (
+            request.num_tokens >= self.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -273,22 +377,31 @@ class Scheduler:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _check_fits(self, request: Request) -> None:
+    def _check_fits(self, request: Request, num_tokens: int) -> None:
+        """Refuse a request (or a session's next chunk) of `num_tokens` tokens that could never be served."""
         limit = self.max_model_len
-        if request.num_tokens + request.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({request.num_tokens} tokens) + max_tokens ({request.max_tokens}) exceeds "
-                f"max_model_len={limit}"
-            )
+        if request.max_tokens is None:
+            # Up to the context: the prompt must leave room for at least one output token.
+            if num_tokens >= limit:
+                raise ValueError(
+                    f"the prompt ({num_tokens} tokens) leaves no room for output within max_model_len={limit}"
+                )
+            total = num_tokens + 1
+        else:
+            total = num_tokens + request.max_tokens
+            if total > limit:
+                raise ValueError(
+                    f"prompt ({num_tokens} tokens) + max_tokens ({request.max_tokens}) exceeds max_model_len={limit}"
+                )
         budget = self.config.max_num_batched_tokens
-        if not self.config.enable_chunked_prefill and request.num_tokens + request.max_tokens > budget:
+        if not self.config.enable_chunked_prefill and total > budget:
             # Without chunking a prompt (or a preempted request's recompute) must fit one step's budget.
             raise ValueError(
-                f"prompt ({request.num_tokens} tokens) + max_tokens ({request.max_tokens}) exceeds "
+                f"prompt ({num_tokens} tokens) + max_tokens ({request.max_tokens}) exceeds "
                 f"max_num_batched_tokens={budget}, which bounds one unchunked prefill"
             )
         block_size = self.block_table.block_size
-        needed = -(-(request.num_tokens + request.max_tokens) // block_size)
+        needed = -(-total // block_size)
         if needed > self.block_table.num_blocks:
             raise ValueError(
                 f"request needs {needed} KV blocks but the whole cache holds {self.block_table.num_blocks}; "
@@ -315,6 +428,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
+        elif request.status is RequestStatus.AWAITING_INPUT:
+            del self.idle_sessions[request.request_id]
         self.block_table.free(request.request_id)
         request.status = status
         request.input_open = False

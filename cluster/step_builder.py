@@ -76,7 +76,7 @@ class StepMessageBuilder:
                 if item.new_block_ids:
                     delta.new_block_ids.extend(item.new_block_ids)
                 delta.num_scheduled_tokens = item.num_tokens
-                if item.admitted:
+                if item.resync:
                     delta.resumed = True
                     delta.num_computed_tokens = request.num_computed_tokens
                 if item.skip_sampling:

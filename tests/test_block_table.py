@@ -8,9 +8,20 @@ from collections import Counter
 import pytest
 
 from cluster import block_table as block_table_module
-from cluster.block_table import BlockTable
+from cluster.block_table import BlockTable as EngineBlockTable
 
 BS = 4  # small block size keeps the token lists in these tests readable
+
+
+class BlockTable(EngineBlockTable):
+    """Each allocation followed by a successful step that computes every allocated known token (the scheduler
+    commits after the step); the tests of uncommitted blocks use EngineBlockTable itself."""
+
+    def allocate_slots(self, request_id, token_ids, num_tokens, cached_block_ids=()):
+        new = super().allocate_slots(request_id, token_ids, num_tokens, cached_block_ids)
+        if new is not None:
+            self.commit_computed(request_id, token_ids, num_tokens)
+        return new
 
 
 def toks(start: int, n: int) -> list[int]:
@@ -357,3 +368,26 @@ def test_random_workload_never_leaks_and_serves_correct_prefixes() -> None:
     assert table.num_free_blocks == table.num_blocks
     assert not table._requests
     assert all(ref == 0 for ref in table._ref_counts)
+
+
+def test_blocks_are_findable_only_after_their_step_is_committed() -> None:
+    table = EngineBlockTable(8, BS)
+    prompt = toks(0, 9)
+    table.allocate_slots("a", prompt, 9)
+    # Allocated, but the step that writes their KV has not succeeded yet: nobody may read them.
+    assert table.find_cached_prefix(prompt) == []
+    table.commit_computed("a", prompt, 4)  # a first chunk of 4 tokens was computed
+    assert table.find_cached_prefix(prompt) == table.block_ids("a")[:1]
+    table.commit_computed("a", prompt, 9)
+    assert table.find_cached_prefix(prompt) == table.block_ids("a")[:2]
+    check_invariants(table)
+
+
+def test_a_failed_step_leaves_nothing_findable() -> None:
+    table = EngineBlockTable(8, BS)
+    prompt = toks(0, 13)
+    table.allocate_slots("a", prompt, 13)
+    table.free("a")  # the step failed and the request was aborted: its blocks were never written
+    assert table.find_cached_prefix(prompt) == []
+    assert not table._cached
+    check_invariants(table)

@@ -25,7 +25,9 @@ class RequestDelta:
     logprobs: list[float] = field(default_factory=list)  # aligned with token_ids when asked for
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_cached_tokens: int = 0
-    error: str | None = None  # why the engine gave up (retriable), when it did
+    error: str | None = None  # why the engine gave up, when it did
+    # "worker_failure" (retriable), "session_idle_timeout" or "quarantined", with `error`.
+    error_code: str | None = None
 
 
 class EngineClient(Protocol):

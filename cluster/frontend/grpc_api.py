@@ -31,7 +31,13 @@ from cluster.frontend.grpc_convert import (
 from cluster.frontend.grpc_guards import ApiKeyInterceptor, EngineHealth
 from cluster.sampling_params import SamplingParams
 from proto import api_pb2, api_pb2_grpc
+from worker.tls import ServerTls
 
+# How each kind of engine failure reaches a gRPC caller; anything else is UNAVAILABLE (retriable).
+_ERROR_CODES = {
+    "session_idle_timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "quarantined": grpc.StatusCode.ABORTED,
+}
 GENERATION_SERVICE = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 MAX_REQUEST_ID_LEN = 256
 
@@ -66,7 +72,8 @@ def default_detokenizer_factory(tokenizer: Any, prompt_token_ids: list[int], par
 class _Stream:
     """One request streaming from this server: where its deltas arrive and how far it got."""
 
-    request_id: str
+    request_id: str  # the caller's label (its own request_id, or one made here), echoed in every response
+    engine_id: str  # the engine's id, always made here: callers can never name another caller's request
     prompt_ids: list[int]  # grows with each chunk of a streaming-input session
     params: SamplingParams
     detokenize: bool
@@ -88,7 +95,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         self.engine = engine
         self.tokenizer = tokenizer
         self.detokenizer_factory = detokenizer_factory or default_detokenizer_factory
-        self._streams: dict[str, _Stream] = {}
+        # Keyed by (connection, the caller's request_id): a request_id is unique on its connection only.
+        self._streams: dict[tuple[str, str], _Stream] = {}
         self._started = time.monotonic()
 
     async def Generate(self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
@@ -118,7 +126,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 yield response
 
     async def Abort(self, request: api_pb2.AbortRequest, context) -> api_pb2.AbortResponse:  # noqa: N802
-        stream = self._streams.get(request.request_id)
+        # Only a request started on this same connection: another caller's request_id finds nothing.
+        stream = self._streams.get((context.peer(), request.request_id))
         if stream is None:
             return api_pb2.AbortResponse(found=False)
         if not stream.engine_done:
@@ -128,7 +137,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             ended = RequestDelta(stream.request_id, [], last.num_prompt_tokens, last.num_output_tokens, True, "abort")
             ended.num_cached_tokens = last.num_cached_tokens
             stream.events.put_nowait(ended)
-            await self.engine.abort(stream.request_id)
+            await self.engine.abort(stream.engine_id)
         return api_pb2.AbortResponse(found=True)
 
     async def GetModelInfo(self, request: api_pb2.ModelInfoRequest, context) -> api_pb2.ModelInfo:  # noqa: N802
@@ -145,7 +154,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             return api_pb2.ServerInfo(version=_version(), uptime_seconds=uptime, stats=stats)
 
     def _new_stream(self, message: api_pb2.GenerateRequest | api_pb2.SessionRequest) -> _Stream:
-        request_id = message.request_id or uuid.uuid4().hex
+        engine_id = uuid.uuid4().hex
+        request_id = message.request_id or engine_id
         if len(request_id) > MAX_REQUEST_ID_LEN:
             raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_LEN} characters, got {len(request_id)}")
         params = sampling_params_from_proto(message.sampling_params)
@@ -156,7 +166,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             raise ValueError("input: the prompt must contain at least one token")
         # Stop strings need the text even when the client does not want it.
         detokenize = self.tokenizer is not None and (not message.skip_detokenize or bool(params.stop))
-        return _Stream(request_id, prompt_ids, params, detokenize, send_text=not message.skip_detokenize)
+        return _Stream(request_id, engine_id, prompt_ids, params, detokenize, send_text=not message.skip_detokenize)
 
     def _input_ids(self, message: api_pb2.GenerateRequest | api_pb2.SessionRequest, *, first: bool) -> list[int]:
         kind = message.WhichOneof("input")
@@ -181,9 +191,12 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         feed: Callable[[_Stream], Awaitable[None]] | None = None,
     ) -> AsyncIterator[api_pb2.GenerateResponse]:
         request_id = stream.request_id
-        if request_id in self._streams:
-            raise RpcError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already streaming")
-        self._streams[request_id] = stream
+        key = (context.peer(), request_id)
+        if key in self._streams:
+            raise RpcError(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already streaming on this connection"
+            )
+        self._streams[key] = stream
         tasks = [asyncio.create_task(self._pump(stream, final=feed is None))]
         try:
             await context.send_initial_metadata((("request-id", request_id),))
@@ -196,9 +209,9 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                     raise event
                 yield self._response(stream, event)
         finally:
-            self._streams.pop(request_id, None)
+            self._streams.pop(key, None)
             if not stream.engine_done:
-                await self.engine.abort(request_id)  # a cancelled client or a stop string: free the KV blocks
+                await self.engine.abort(stream.engine_id)  # a cancelled client or a stop string: free the KV blocks
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -207,13 +220,13 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         """Move the engine's deltas into the stream's queue, so that a cancelled client can abort it first."""
         try:
             generator = self.engine.generate(
-                stream.request_id,
+                stream.engine_id,
                 list(stream.prompt_ids),
                 stream.params,
                 final=final,
                 trace_context=tracing.engine_carrier(stream.span),
             )
-            tracing.record_queued(stream.span, stream.request_id)
+            tracing.record_queued(stream.span, stream.engine_id)
             async for delta in generator:
                 stream.events.put_nowait(delta)
             stream.events.put_nowait(RpcError(grpc.StatusCode.INTERNAL, "the engine ended the stream unfinished"))
@@ -228,16 +241,17 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                     raise ValueError("request_id, sampling_params and skip_detokenize go in the first message only")
                 ids = self._input_ids(message, first=False)
                 stream.prompt_ids.extend(ids)
-                await self.engine.append_input(stream.request_id, ids, message.final)
+                await self.engine.append_input(stream.engine_id, ids, message.final)
                 if message.final:
                     return
-            await self.engine.append_input(stream.request_id, [], True)
+            await self.engine.append_input(stream.engine_id, [], True)
         except Exception as exc:
             stream.events.put_nowait(exc)
 
     def _response(self, stream: _Stream, delta: RequestDelta) -> api_pb2.GenerateResponse:
         if delta.error:
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, f"the engine gave up on this request: {delta.error}")
+            code = _ERROR_CODES.get(delta.error_code, grpc.StatusCode.UNAVAILABLE)
+            raise RpcError(code, f"the engine gave up on this request: {delta.error}")
         stream.last = delta
         tracing.record_delta(stream.span, stream.request_id, delta)
         reason = (delta.finish_reason or "stop") if delta.finished else None
@@ -283,10 +297,12 @@ def build_grpc_server(
     ready: Callable[[], Awaitable[bool]] | None = None,
     health: EngineHealth | None = None,
     detokenizer_factory: DetokenizerFactory | None = None,
+    tls: ServerTls | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """An unstarted grpc.aio server with Generation, Health and reflection, and the port it bound (port=0: any).
 
     Health follows `ready` (default: engine.is_ready); pass your own `health` to flip it with set_serving().
+    With `tls` the port speaks TLS only (and asks for client certificates when tls.client_ca is set).
     Call from inside the event loop that will run the server.
     """
     interceptors = [ApiKeyInterceptor(api_key)] if api_key is not None else []
@@ -296,4 +312,6 @@ def build_grpc_server(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if tls is not None:
+        return server, server.add_secure_port(address, tls.server_credentials())
     return server, server.add_insecure_port(address)

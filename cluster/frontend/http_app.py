@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
@@ -33,6 +34,11 @@ from cluster.frontend.tracing import traced_http
 
 VERSION = "0.1.0"
 _OPEN_PATHS = ("/health", "/ready", "/version", "/metrics")
+# Opened by the admin key alone, never the inference one; without an admin key they do not exist.
+_ADMIN_PATHS = ("/pause", "/resume")
+# What a request that its client abandoned is logged with (nobody reads it): nginx's "client closed request".
+CLIENT_CLOSED_REQUEST = 499
+MAX_CLIENT_REQUEST_ID_LEN = 128
 
 
 @dataclass
@@ -42,7 +48,8 @@ class ServerState:
     engine: EngineClient
     tokenizer: object
     served_model_name: str
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    admin_api_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = 4 << 20
     draining: bool = False
     in_flight: int = 0
@@ -106,8 +113,14 @@ def create_app(state: ServerState, ready: Callable[[], Awaitable[bool]] | None =
         body = await _parse(request, state, CompletionRequest)
         return await _admitted(
             state,
+            request,
             openai_routes.completions(
-                body, state.engine, state.tokenizer, state.served_model_name, request.state.request_id
+                body,
+                state.engine,
+                state.tokenizer,
+                state.served_model_name,
+                request.state.request_id,
+                request.state.client_request_id,
             ),
         )
 
@@ -116,8 +129,14 @@ def create_app(state: ServerState, ready: Callable[[], Awaitable[bool]] | None =
         body = await _parse(request, state, ChatCompletionRequest)
         return await _admitted(
             state,
+            request,
             openai_routes.chat_completions(
-                body, state.engine, state.tokenizer, state.served_model_name, request.state.request_id
+                body,
+                state.engine,
+                state.tokenizer,
+                state.served_model_name,
+                request.state.request_id,
+                request.state.client_request_id,
             ),
         )
 
@@ -170,8 +189,11 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        request_id = headers.get("x-request-id") or openai_routes.new_request_id()
-        scope.setdefault("state", {})["request_id"] = request_id
+        # The engine's id is always made here; the client's X-Request-Id is only a label (logs, spans, the
+        # response header), so no client can name, join or abort another client's request.
+        engine_request_id = openai_routes.new_request_id()
+        request_id = client_request_label(headers.get("x-request-id")) or engine_request_id
+        scope.setdefault("state", {}).update(request_id=engine_request_id, client_request_id=request_id)
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":
@@ -179,26 +201,53 @@ class GuardMiddleware:
                 message["headers"] = list(message["headers"]) + [(b"x-request-id", request_id.encode("latin-1"))]
             await send(message)
 
+        limit, received = self.state.max_body_bytes, 0
+
+        async def receive_within_limit() -> dict:
+            # Content-Length is only a claim, and a chunked body has none: count what actually arrives, and stop
+            # reading at the limit. The route's APIError handler answers the 413.
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise payload_too_large(limit)
+            return message
+
         try:
             _check_key(self.state, scope["path"], headers.get("authorization", ""))
             length = headers.get("content-length", "")
-            if length.isdigit() and int(length) > self.state.max_body_bytes:
-                raise payload_too_large(self.state.max_body_bytes)
+            if length.isdigit() and int(length) > limit:
+                raise payload_too_large(limit)
         except APIError as error:
-            await _error_response(error)(scope, receive, send_with_id)
+            await _error_response(error)(scope, receive_within_limit, send_with_id)
             return
-        await traced_http(self.app, scope, receive, send_with_id, headers)
+        await traced_http(self.app, scope, receive_within_limit, send_with_id, headers)
 
 
 def _request_id(request: Request) -> str:
     return request.scope["state"]["request_id"]
 
 
+def client_request_label(value: str | None) -> str | None:
+    """A client's X-Request-Id made safe to echo and log: printable ASCII, at most MAX_CLIENT_REQUEST_ID_LEN."""
+    if not value:
+        return None
+    cleaned = "".join(c for c in value if 32 < ord(c) < 127)[:MAX_CLIENT_REQUEST_ID_LEN]
+    return cleaned or None
+
+
 def _check_key(state: ServerState, path: str, header: str) -> None:
-    if state.api_key is None or path in _OPEN_PATHS:
+    if path in _ADMIN_PATHS:
+        if state.admin_api_key is None:
+            raise APIError(404, f"No route {path} on this server", code="not_found")
+        expected = state.admin_api_key
+    elif state.api_key is None or path in _OPEN_PATHS:
         return
+    else:
+        expected = state.api_key
     scheme, _, key = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), state.api_key.encode()):
+    if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), expected.encode()):
         raise unauthorized()
 
 
@@ -225,11 +274,11 @@ async def _parse(request: Request, state: ServerState, model):
         raise from_validation_error(error) from None
 
 
-async def _admitted(state: ServerState, handler):
+async def _admitted(state: ServerState, request: Request, handler):
     """Count in-flight requests so a drain knows when the last one has left."""
     state.in_flight += 1
     try:
-        response = await handler
+        response = await _unless_disconnected(request, handler)
     except BaseException:
         state.in_flight -= 1
         raise
@@ -247,6 +296,31 @@ async def _admitted(state: ServerState, handler):
     else:
         state.in_flight -= 1
     return response
+
+
+async def _unless_disconnected(request: Request, handler: Awaitable[Response]) -> Response:
+    """Run a generation route until its response is ready; if the client hangs up first, cancel it, which closes
+    its engine streams and so aborts their requests. (A streamed body is watched by the streaming response.)"""
+    work = asyncio.ensure_future(handler)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        if not work.done() and watch.exception() is not None:
+            await asyncio.wait((work,))  # the receive channel failed, which is no hang-up: let the route finish
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes the connection; the body was read before the route ran."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _error_response(error: APIError) -> JSONResponse:

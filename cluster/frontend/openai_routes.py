@@ -77,20 +77,24 @@ def _completion_logprobs(deltas: list[ChoiceDelta]) -> dict:
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
-async def completions(body: CompletionRequest, engine: EngineClient, tokenizer, served: str, request_id: str):
+async def completions(
+    body: CompletionRequest, engine: EngineClient, tokenizer, served: str, request_id: str, label: str | None = None
+):
+    """`request_id` is the server's own id for the engine; `label` (the client's X-Request-Id) names the response."""
     _check_model(body.model, served)
     prompts = body.prompt_list()
     encoded = [encode_prompt(tokenizer, prompt, engine.vocab_size) for prompt in prompts]
     params = [_sampling(body, engine, len(ids)) for ids in encoded]
     created = int(time.time())
-    completion_id = f"cmpl-{request_id}"
+    completion_id = f"cmpl-{label or request_id}"
+    engine_id = f"cmpl-{request_id}"
     annotate_request(trace.get_current_span(), completion_id, body.model or served, params[0] if params else None)
     usage = Usage()
     streams = []
     for number, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
         try:
             stream = await _first_then_rest(
-                stream_choices(engine, tokenizer, f"{completion_id}-{number}", ids, sp, usage)
+                stream_choices(engine, tokenizer, f"{engine_id}-{number}", ids, sp, usage)
             )
         except ValueError as error:
             raise from_value_error(error) from None
@@ -132,9 +136,14 @@ async def completions(body: CompletionRequest, engine: EngineClient, tokenizer, 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     collected: dict[int, list[ChoiceDelta]] = {}
-    for offset, stream in streams:
-        async for delta in stream:
-            collected.setdefault(offset + delta.index, []).append(delta)
+    try:
+        for offset, stream in streams:
+            async for delta in stream:
+                collected.setdefault(offset + delta.index, []).append(delta)
+    finally:
+        # Cancelled (the client hung up) while reading one prompt: the later prompts' streams are aborted too.
+        for _, stream in streams:
+            await stream.aclose()
     choices = []
     for index in sorted(collected):
         deltas = collected[index]
@@ -177,16 +186,26 @@ def _chat_logprobs(deltas: list[ChoiceDelta]) -> dict:
     return {"content": content}
 
 
-async def chat_completions(body: ChatCompletionRequest, engine: EngineClient, tokenizer, served: str, request_id: str):
+async def chat_completions(
+    body: ChatCompletionRequest,
+    engine: EngineClient,
+    tokenizer,
+    served: str,
+    request_id: str,
+    label: str | None = None,
+):
+    """`request_id` is the server's own id for the engine; `label` (the client's X-Request-Id) names the response."""
     _check_model(body.model, served)
     prompt_ids = render_chat(tokenizer, body.messages)
     params = _sampling(body, engine, len(prompt_ids))
     created = int(time.time())
-    chat_id = f"chatcmpl-{request_id}"
+    chat_id = f"chatcmpl-{label or request_id}"
     annotate_request(trace.get_current_span(), chat_id, body.model or served, params)
     usage = Usage()
     try:
-        stream = await _first_then_rest(stream_choices(engine, tokenizer, chat_id, prompt_ids, params, usage))
+        stream = await _first_then_rest(
+            stream_choices(engine, tokenizer, f"chatcmpl-{request_id}", prompt_ids, params, usage)
+        )
     except ValueError as error:
         raise from_value_error(error) from None
 

@@ -14,6 +14,7 @@ from worker.telemetry import extract_metadata, get_tracer, inject_carrier, traci
 
 CACHED_TOKENS = "pagerail.usage.cached_tokens"
 ENGINE_REQUEST_ID = "pagerail.engine_request_id"
+CLIENT_REQUEST_ID = "pagerail.client_request_id"  # the caller's own X-Request-Id / gRPC request_id: a label
 
 # The routes that run a generation, and the gen_ai operation each one is.
 TRACED_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
@@ -50,6 +51,9 @@ async def traced_http(app, scope: dict, receive: Callable, send: Callable, heade
         "gen_ai.operation.name": operation,
         "gen_ai.system": "pagerail",
     }
+    client_label = scope.get("state", {}).get("client_request_id")
+    if client_label:
+        attributes[CLIENT_REQUEST_ID] = client_label
     with _tracer.start_as_current_span(
         f"POST {scope['path']}", context=propagate.extract(headers), kind=SpanKind.SERVER, attributes=attributes
     ) as span:

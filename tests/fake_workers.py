@@ -1,0 +1,89 @@
+"""A fake worker group that keeps a model of every KV slot, so tests can see what a step reads and writes.
+
+Each slot holds a fingerprint of the token sequence up to and including its position. A step that attends over
+a slot whose fingerprint is not the one its own tokens imply would, on real ranks, read another sequence's KV
+or garbage: the fake records it in `corrupt_reads`. Failures can be injected half-way through a step, after some
+of its slots were written, as a crashing rank would leave them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from cluster.executor import WorkerGroupError
+from proto import step_pb2
+from worker.request_state import RequestStates
+
+
+def fingerprint(token_ids: list[int], position: int) -> int:
+    """What the KV at `position` depends on: every token up to and including it."""
+    return hash(tuple(token_ids[: position + 1]))
+
+
+def next_token(token_ids: list[int], vocab_size: int) -> int:
+    """A deterministic 'sample' that depends on the whole sequence, so a wrong context changes the output."""
+    return (sum(t * (i + 1) for i, t in enumerate(token_ids)) * 31 + len(token_ids)) % vocab_size
+
+
+class FakeKVWorkers:
+    """Implements the engine's executor interface over the real worker-side request state (RequestStates)."""
+
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int, step_delay_s: float = 0.0) -> None:
+        self.step_delay_s = step_delay_s  # a forward pass's duration, so that concurrent callers overlap
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.kv: dict[int, int] = {}  # slot -> fingerprint
+        self.states = RequestStates(device="cpu")
+        self.steps = 0
+        self.restarts = 0
+        self.corrupt_reads: list[tuple[int, int]] = []  # (handle, position)
+        # The next step fails after writing half of its slots: "worker" (WorkerGroupError) or "crash" (other).
+        self.fail_next: str | None = None
+        # Fail every step that runs one of these handles (a request that crashes the workers).
+        self.poison_handles: set[int] = set()
+
+    def _slot(self, block_ids: list[int], position: int) -> int:
+        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
+        self.steps += 1
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        scheduled = self.states.apply(batch)
+        failure, self.fail_next = self.fail_next, None
+        if any(state.handle in self.poison_handles for state in scheduled):
+            failure = "worker"
+        writes = [(state, pos) for state in scheduled for pos in range(
+            state.num_computed_tokens, state.num_computed_tokens + state.num_scheduled_tokens
+        )]
+        if failure is not None:
+            for state, pos in writes[: len(writes) // 2]:
+                self.kv[self._slot(state.block_ids, pos)] = fingerprint(state.token_ids, pos) ^ 0xBAD
+            if failure == "worker":
+                raise WorkerGroupError("a rank died during the step")
+            raise RuntimeError("the forward pass failed")
+        result = step_pb2.StepResult(step_id=batch.step_id)
+        for state in scheduled:
+            end = state.num_computed_tokens + state.num_scheduled_tokens
+            for pos in range(state.num_computed_tokens, end):
+                self.kv[self._slot(state.block_ids, pos)] = fingerprint(state.token_ids, pos)
+            # Attention at the last position reads every slot of the context.
+            for pos in range(end):
+                if self.kv.get(self._slot(state.block_ids, pos)) != fingerprint(state.token_ids, pos):
+                    self.corrupt_reads.append((state.handle, pos))
+                    break
+            if not state.skip_sampling:
+                result.handles.append(state.handle)
+                result.token_ids.append(next_token(state.token_ids[:end], self.vocab_size))
+            state.num_computed_tokens = end
+        return result
+
+    def restart(self) -> int:
+        self.restarts += 1
+        self.kv.clear()
+        self.states = RequestStates(device="cpu")
+        return self.num_blocks
+
+    def shutdown(self) -> None:
+        pass
