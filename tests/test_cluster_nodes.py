@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-ray = pytest.importorskip("ray")
+from tests.requirements import require_module
+
+ray = require_module("ray", "needs Ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from cluster import LLM  # noqa: E402

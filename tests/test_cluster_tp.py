@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-ray = pytest.importorskip("ray")
+from tests.requirements import require_module
+
+ray = require_module("ray", "needs Ray")
 
 from cluster import LLM, SamplingParams  # noqa: E402
 from tests.parity import compare, engine_greedy, reference_greedy  # noqa: E402

@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-helm = pytest.importorskip("helm_python", reason="needs helm-python-sdk (Helm's library, bundled)")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
-jsonschema = pytest.importorskip("jsonschema")
+from tests.requirements import require_module
+
+helm = require_module("helm_python", "needs helm-python-sdk (Helm's library, bundled)")
+kubernetes_validate = require_module("kubernetes_validate", "needs kubernetes-validate")
+jsonschema = require_module("jsonschema", "needs jsonschema")
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "pagerail"

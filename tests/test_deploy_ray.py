@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-jsonschema = pytest.importorskip("jsonschema")
-ray_autoscaler = pytest.importorskip("ray.autoscaler")
+from tests.requirements import require_module
+
+jsonschema = require_module("jsonschema", "needs jsonschema")
+ray_autoscaler = require_module("ray.autoscaler", "needs Ray's autoscaler")
 from ray.autoscaler._private.providers import _NODE_PROVIDERS  # noqa: E402
 from ray.autoscaler._private.util import prepare_config, validate_config  # noqa: E402
 

@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tests.requirements import TRITON_REQUIRED, require_module
 
-pytest.importorskip("triton")
+require_module("triton", "needs Triton", required_in_ci=TRITON_REQUIRED)
 
 
 def test_engine_parity_through_triton_kernel():

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 
 import httpx
@@ -16,6 +14,7 @@ from cluster.async_engine import AsyncEngine
 from cluster.frontend.clients import LocalEngineClient
 from cluster.frontend.http_app import ServerState, create_app
 from tests.http_server import BackgroundServer
+from tests.requirements import require_executable
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -99,11 +98,7 @@ def test_preemption_counter_rises_when_memory_runs_out(tmp_path):
 
 
 def test_promtool_accepts_the_live_exposition(served):
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        if os.environ.get("CI"):
-            pytest.fail("promtool is missing in CI (Debian package prometheus)")
-        pytest.skip("promtool not installed (Debian package prometheus)")
+    promtool = require_executable("promtool", "needs promtool (Debian package prometheus)")
     text = httpx.get(served + "/metrics").text
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

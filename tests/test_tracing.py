@@ -20,6 +20,7 @@ from cluster.config import ObservabilityConfig
 from proto import api_pb2, api_pb2_grpc
 from tests.fake_engine import FakeEngineClient
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.requirements import require_module
 from worker import telemetry
 
 CALLER_SPAN_ID = "00f067aa0ba902b7"
@@ -189,7 +190,7 @@ def test_streamed_http_request_span_covers_every_choice(receiver, smollm2_dir):
 
 @pytest.mark.slow
 def test_one_trace_from_http_through_head_to_both_ranks(receiver, tmp_path):
-    ray = pytest.importorskip("ray")
+    ray = require_module("ray", "needs Ray")
     from transformers import AutoTokenizer
 
     from cluster.config import CacheConfig, EngineConfig

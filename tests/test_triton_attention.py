@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.requirements import TRITON_REQUIRED, require_module
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -120,7 +122,7 @@ def _report() -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_errors() -> dict[str, float]:
-    pytest.importorskip("triton")
+    require_module("triton", "needs Triton", required_in_ci=TRITON_REQUIRED)
     # triton fixes interpreted-vs-compiled when a kernel is decorated, so the interpreter runs in its
     # own process; this one, and every other test in it, never sees TRITON_INTERPRET.
     env = {**os.environ, "TRITON_INTERPRET": "1"}

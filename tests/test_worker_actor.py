@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from proto import step_pb2, worker_pb2, worker_pb2_grpc
+from tests.requirements import require_module
 from tests.tiny_models import make_tiny_model
 from worker.actor import WorkerActor
 from worker.config import WorkerConfig
 from worker.grpc_server import auth_metadata
 from worker.worker import Worker
 
-ray = pytest.importorskip("ray")
+ray = require_module("ray", "needs Ray")
 
 TOKEN = "actor-test-token"
 PROMPT = [5, 6, 7, 8, 9]
