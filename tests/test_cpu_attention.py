@@ -1,19 +1,49 @@
-"""The native CPU decode kernel against the torch gather path it replaces, and the switch back to torch."""
+"""The native CPU decode kernel against the torch gather path it replaces, and the switch back to torch.
+
+The kernel is built strictly here: a compile error fails these tests, and so does a missing compiler in CI.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
 import torch
 
+from tests.requirements import require
 from worker.input_batch import GatherWorkspace
 from worker.layers import cpu_paged_attention
 from worker.layers.attention import Attention, AttentionMetadata
-from worker.layers.cpu_paged_attention import native_kernel
+from worker.layers.cpu_paged_attention import (
+    KernelBuildError,
+    NativeKernel,
+    build_native_kernel,
+    find_compiler,
+    native_kernel,
+)
+
+NEEDS_COMPILER = "needs a C compiler (cc or gcc) for the native CPU attention kernel"
 
 
-def _torch_decode(q, cache, block_table, lens, num_kv_heads, block_size):
+@pytest.fixture(scope="module")
+def kernel() -> NativeKernel:
+    """The shipped kernel, compiled and loaded; its build error, if any, fails the test that asks for it."""
+    require(find_compiler(), NEEDS_COMPILER)
+    return build_native_kernel()
+
+
+@pytest.fixture
+def fresh_native_kernel(monkeypatch):
+    """native_kernel() decided anew for one test, with the switch at its default."""
+    monkeypatch.delenv("PAGERAIL_CPU_ATTENTION", raising=False)
+    native_kernel.cache_clear()
+    yield
+    native_kernel.cache_clear()
+
+
+def _attention_decode(q, cache, block_table, lens, num_kv_heads, block_size):
+    """Decode attention as a model layer runs it, through whichever path `Attention` picks."""
     n, num_heads, head_dim = q.shape
     attention = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5)
     attention.kv_cache = cache
@@ -28,10 +58,14 @@ def _torch_decode(q, cache, block_table, lens, num_kv_heads, block_size):
         decode_mask=(torch.arange(max_slots)[None, :] < lens[:, None])[:, None, None, :],
     )
     meta.decode_key_buffer, meta.decode_value_buffer = workspace.buffers(block_table.numel())
+    return attention._decode(q, cache[0], cache[1], meta)
+
+
+def _torch_decode(q, cache, block_table, lens, num_kv_heads, block_size):
     os.environ["PAGERAIL_CPU_ATTENTION"] = "torch"
     native_kernel.cache_clear()
     try:
-        return attention._decode(q, cache[0], cache[1], meta)
+        return _attention_decode(q, cache, block_table, lens, num_kv_heads, block_size)
     finally:
         del os.environ["PAGERAIL_CPU_ATTENTION"]
         native_kernel.cache_clear()
@@ -41,10 +75,15 @@ def _torch_decode(q, cache, block_table, lens, num_kv_heads, block_size):
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 32), (16, 2, 16, 1)],
 )
-def test_native_decode_matches_torch_gather(num_heads, num_kv_heads, head_dim, block_size):
-    kernel = native_kernel()
-    if kernel is None:
-        pytest.skip("no C compiler on this machine")
+def test_native_decode_matches_torch_gather(kernel, num_heads, num_kv_heads, head_dim, block_size):
+    q, cache, table, lens = _decode_inputs(num_heads, num_kv_heads, head_dim, block_size)
+    got = kernel.decode(q, cache[0], cache[1], table, lens, block_size, head_dim**-0.5)
+    want = _torch_decode(q, cache, table, lens, num_kv_heads, block_size)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _decode_inputs(num_heads, num_kv_heads, head_dim, block_size):
+    """Queries, a [2, kv_heads, slots, d] cache, a scattered block table and context lengths for 7 decodes."""
     generator = torch.Generator().manual_seed(num_heads * head_dim)
     n = 7
     lens = torch.tensor([1, 2, block_size, block_size + 1, 3 * block_size - 1, 70, 5], dtype=torch.long)
@@ -56,16 +95,10 @@ def test_native_decode_matches_torch_gather(num_heads, num_kv_heads, head_dim, b
     for row, length in enumerate(lens.tolist()):
         table[row, -(-length // block_size) :] = 0
     q = torch.randn(n, num_heads, head_dim, generator=generator)
-
-    got = kernel.decode(q, cache[0], cache[1], table, lens, block_size, head_dim**-0.5)
-    want = _torch_decode(q, cache, table, lens, num_kv_heads, block_size)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    return q, cache, table, lens
 
 
-def test_kernel_declines_what_it_cannot_run():
-    kernel = native_kernel()
-    if kernel is None:
-        pytest.skip("no C compiler on this machine")
+def test_kernel_declines_what_it_cannot_run(kernel):
     assert kernel.supports(9, 3, 64, torch.float32)
     assert not kernel.supports(9, 3, 64, torch.bfloat16)
     assert not kernel.supports(64, 1, 64, torch.float32)  # a 64-head group exceeds the kernel's scratch
@@ -81,11 +114,69 @@ def test_environment_switch_selects_the_torch_path(monkeypatch):
         native_kernel.cache_clear()
 
 
-def test_missing_compiler_falls_back_to_torch(monkeypatch, tmp_path):
+def test_decode_attention_runs_in_the_native_kernel(kernel, fresh_native_kernel, monkeypatch):
+    """Where the kernel builds, the attention layer really decodes through it instead of falling back to torch."""
+    used = native_kernel()
+    assert used is not None, "the kernel builds, yet decode attention fell back to torch"
+    calls = []
+    decode = used.decode
+
+    def counting_decode(*args, **kwargs):
+        calls.append(args[0].shape)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(used, "decode", counting_decode)
+    q, cache, table, lens = _decode_inputs(9, 3, 64, 16)
+    got = _attention_decode(q, cache, table, lens, 3, 16)
+    assert calls == [q.shape]
+    torch.testing.assert_close(got, _torch_decode(q, cache, table, lens, 3, 16), rtol=1e-5, atol=1e-5)
+
+
+def _warnings(caplog) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+
+
+def test_missing_compiler_falls_back_to_torch_with_a_warning(fresh_native_kernel, monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("PAGERAIL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger=cpu_paged_attention.__name__):
+        assert native_kernel() is None
+    assert "uses the slower torch path: no C compiler on PATH" in _warnings(caplog)
+    with pytest.raises(KernelBuildError, match="no C compiler on PATH"):
+        build_native_kernel(cache_dir=tmp_path)
+
+
+def test_unrunnable_compiler_is_a_build_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    native_kernel.cache_clear()
-    try:
-        assert cpu_paged_attention.native_kernel() is None
-    finally:
-        native_kernel.cache_clear()
+    with pytest.raises(KernelBuildError, match="cannot run the C compiler .*no-such-compiler"):
+        build_native_kernel(cache_dir=tmp_path)
+
+
+def _broken_source(tmp_path):
+    """A copy of the kernel source with a syntax error (a missing semicolon) appended."""
+    source = tmp_path / "paged_attention_cpu.c"
+    source.write_text(cpu_paged_attention._SOURCE.read_text() + "\nint pagerail_broken(void) { return 0 }\n")
+    return source
+
+
+def test_compile_error_is_raised_with_the_compiler_output(tmp_path):
+    require(find_compiler(), NEEDS_COMPILER)
+    source = _broken_source(tmp_path)
+    with pytest.raises(KernelBuildError, match="failed with exit status") as raised:
+        build_native_kernel(source, cache_dir=tmp_path / "kernels")
+    assert f"{source}:" in str(raised.value) and "error" in str(raised.value)  # the compiler's own diagnostic
+    assert not list((tmp_path / "kernels").rglob("*.so"))  # nothing half-built is left for a later load
+
+
+def test_compile_error_when_serving_falls_back_with_the_compiler_output(
+    fresh_native_kernel, monkeypatch, tmp_path, caplog
+):
+    require(find_compiler(), NEEDS_COMPILER)
+    monkeypatch.setattr(cpu_paged_attention, "_SOURCE", _broken_source(tmp_path))
+    monkeypatch.setenv("PAGERAIL_CACHE_DIR", str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger=cpu_paged_attention.__name__):
+        assert native_kernel() is None
+    warnings = _warnings(caplog)
+    assert "uses the slower torch path" in warnings and "failed with exit status" in warnings
+    assert "pagerail_broken" in warnings  # the compiler's diagnostic quotes the offending line

@@ -3,7 +3,8 @@
 The torch fallback gathers every context into a padded copy before SDPA, which moves each K/V byte about
 three times; this kernel reads the blocks where they lie. It is built with `cc -O3 -march=native -fopenmp`
 into the pagerail cache and loaded with ctypes, so it needs no torch headers and builds in about a second.
-Without a compiler (or with PAGERAIL_CPU_ATTENTION=torch) the torch path is used.
+With PAGERAIL_CPU_ATTENTION=torch the torch path is used; without a compiler, or when the build fails, it is used
+too, with a warning that carries the compiler's error (`build_native_kernel` raises it instead).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -79,33 +81,71 @@ class NativeKernel:
         return out
 
 
-def _build(target: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+class KernelBuildError(RuntimeError):
+    """The native kernel could not be compiled or loaded; the message carries the compiler's own output."""
+
+
+def find_compiler() -> str | None:
+    """The C compiler the kernel is built with: $CC, else cc or gcc on PATH; None when there is none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def kernel_library_path(source: Path | None = None, cache_dir: Path | None = None) -> Path:
+    """Where the library built from `source` (default: the shipped kernel) lives, keyed by source, flags and host."""
+    source = source or _SOURCE
+    try:
+        code = source.read_bytes()
+    except OSError as error:
+        raise KernelBuildError(f"cannot read the kernel source: {error}") from error
+    key = hashlib.sha256(code + " ".join(_FLAGS).encode() + platform.machine().encode()).hexdigest()[:16]
+    # The host name is part of the path: -march=native code must not be shared across machines via a volume.
+    directory = cache_dir if cache_dir is not None else cache_root() / "kernels"
+    return directory / f"paged_attention_cpu-{platform.node() or 'host'}-{key}.so"
+
+
+def _build(source: Path, target: Path) -> None:
+    compiler = find_compiler()
     if compiler is None:
-        raise RuntimeError("no C compiler on PATH")
+        raise KernelBuildError("no C compiler on PATH (install cc or gcc, or set CC)")
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename, so ranks compiling at once never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True)
+        command = [compiler, *_FLAGS, str(source), "-o", str(built), "-lm"]
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, errors="replace")
+        except OSError as error:
+            raise KernelBuildError(f"cannot run the C compiler {compiler!r}: {error}") from error
+        if result.returncode != 0:
+            output = (result.stderr or result.stdout).strip()
+            raise KernelBuildError(f"{shlex.join(command)} failed with exit status {result.returncode}:\n{output}")
         os.replace(built, target)
+
+
+def build_native_kernel(source: Path | None = None, cache_dir: Path | None = None) -> NativeKernel:
+    """The kernel compiled from `source` (default: the shipped kernel; built on first use, then cached).
+
+    The strict variant: raises KernelBuildError, with the compiler's output, when there is no compiler or the
+    build or load fails. Decode attention goes through `native_kernel`, which logs that error and falls back.
+    """
+    source = source or _SOURCE
+    target = kernel_library_path(source, cache_dir)
+    if not target.exists():
+        _build(source, target)
+    try:
+        # torch has already loaded libgomp.so.1, so the kernel joins torch's OpenMP thread pool.
+        return NativeKernel(ctypes.CDLL(str(target)))
+    except (OSError, AttributeError) as error:
+        raise KernelBuildError(f"cannot load the native kernel {target}: {error}") from error
 
 
 @functools.cache
 def native_kernel() -> NativeKernel | None:
-    """The compiled kernel, building it on first use; None when disabled or when it cannot be built."""
+    """The kernel CPU decode attention uses; None (the torch path) when switched off or when it cannot be built."""
     if os.environ.get(_ENV_SWITCH, "native").strip().lower() == "torch":
         return None
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + platform.machine().encode()).hexdigest()[:16]
-    # The host name is part of the path: -march=native code must not be shared across machines via a volume.
-    target = cache_root() / "kernels" / f"paged_attention_cpu-{platform.node() or 'host'}-{key}.so"
     try:
-        if not target.exists():
-            _build(target)
-        # torch has already loaded libgomp.so.1, so the kernel joins torch's OpenMP thread pool.
-        return NativeKernel(ctypes.CDLL(str(target)))
-    except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", b"") or b""
-        logger.warning("native CPU attention unavailable, using torch: %s %s", error, detail.decode(errors="replace"))
+        return build_native_kernel()
+    except KernelBuildError as error:
+        logger.warning("native CPU attention unavailable, decode attention uses the slower torch path: %s", error)
         return None
