@@ -11,6 +11,7 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
+from cluster.bench import online
 from cluster.bench.online import add_serve_arguments, benchmark_serving, run_serve
 from cluster.bench.sweep import add_sweep_arguments, run_sweep
 from cluster.bench.workload import random_workload
@@ -121,11 +122,30 @@ def test_ramp_up_spreads_the_users_first_requests(server, workload):
     base_url, engine = server
     wait_idle(engine)
     results = bench(base_url, workload, concurrency=4, ramp_up=0.6)
-    assert results["completed"] == len(workload)
-    # The last of 4 users starts 3/4 of the ramp-up in, so the run cannot be shorter than that.
-    assert results["duration_s"] >= 0.45
+    assert results["completed"] == len(workload) and results["failed"] == 0
     with pytest.raises(ValueError, match="ramp-up"):
         bench(base_url, workload, ramp_up=-1.0)
+
+
+def test_ramp_up_delays_each_users_first_request_by_its_share(monkeypatch):
+    """User i waits i/4 of the ramp-up once, before its first request; every request is still sent once."""
+    events: list[tuple[str, float]] = []
+    real_sleep = asyncio.sleep
+
+    async def recorded_sleep(delay: float, *args, **kwargs):
+        events.append(("sleep", delay))
+        await real_sleep(0)
+
+    async def run_one(index: int) -> None:
+        events.append(("run", index))
+        await real_sleep(0)
+
+    monkeypatch.setattr(online.asyncio, "sleep", recorded_sleep)
+    asyncio.run(online._run_closed_loop(run_one, 10, 4, ramp_up=0.6))
+    delays = [value for kind, value in events if kind == "sleep"]
+    assert delays == pytest.approx([0.0, 0.15, 0.3, 0.45])
+    assert sorted(value for kind, value in events if kind == "run") == list(range(10))
+    assert [kind for kind, _ in events[:4]] == ["sleep"] * 4  # every user waits its share before its first request
 
 
 def test_poisson_arrivals_report_request_rate_mode(server, workload):
