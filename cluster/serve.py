@@ -28,6 +28,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="how the ranks' bundles are placed: STRICT_SPREAD puts one rank per node",
     )
     parser.add_argument("--api-key", default=os.environ.get("PAGERAIL_API_KEY"), help="or PAGERAIL_API_KEY")
+    parser.add_argument(
+        "--admin-api-key",
+        default=os.environ.get("PAGERAIL_ADMIN_API_KEY"),
+        help="opens /pause and /resume, which are off without it (or PAGERAIL_ADMIN_API_KEY)",
+    )
+    parser.add_argument("--grpc-tls-cert", default=None, help="PEM certificate chain: the gRPC port speaks TLS only")
+    parser.add_argument("--grpc-tls-key", default=None, help="PEM private key of --grpc-tls-cert")
+    parser.add_argument(
+        "--grpc-tls-client-ca", default=None, help="PEM CA: gRPC clients must present a certificate it signed"
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -55,7 +65,26 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); default: tracing off",
     )
     parser.add_argument("--trace-sampling-ratio", type=float, default=1.0, help="share of traces kept, in [0, 1]")
+    parser.add_argument(
+        "--trace-respect-client-sampling",
+        action="store_true",
+        help="follow the sampled flag of a client's traceparent (default: the server's ratio decides; the "
+        "client's trace id is continued either way)",
+    )
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
+
+
+def grpc_tls_from_args(args: argparse.Namespace):
+    """The public gRPC port's TLS from the --grpc-tls-* flags (None: plaintext); ValueError for an incomplete set."""
+    from worker.tls import ServerTls
+
+    if args.grpc_tls_cert is None and args.grpc_tls_key is None:
+        if args.grpc_tls_client_ca is not None:
+            raise ValueError("--grpc-tls-client-ca needs --grpc-tls-cert and --grpc-tls-key")
+        return None
+    if args.grpc_tls_cert is None or args.grpc_tls_key is None:
+        raise ValueError("--grpc-tls-cert and --grpc-tls-key go together")
+    return ServerTls.from_files(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_client_ca)
 
 
 def _say(message: str) -> None:
@@ -95,6 +124,7 @@ def serve(args: argparse.Namespace) -> int:
             otlp_traces_endpoint=args.otlp_traces_endpoint, trace_sampling_ratio=args.trace_sampling_ratio
         ),
     )
+    grpc_tls = grpc_tls_from_args(args)  # read here: the frontend may run on a node without these files
     # Actors started by this process inherit the environment, so every process logs the same way.
     os.environ[LOG_FORMAT_ENV] = args.log_format
     configure_logging(args.log_format)
@@ -123,8 +153,11 @@ def serve(args: argparse.Namespace) -> int:
         port=args.port,
         grpc_port=args.grpc_port,
         api_key=args.api_key,
+        admin_api_key=args.admin_api_key or None,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         trace_sampling_ratio=args.trace_sampling_ratio,
+        trace_respect_client_sampling=args.trace_respect_client_sampling,
+        grpc_tls=grpc_tls,
     )
     frontend = (
         ray.remote(FrontendActor)

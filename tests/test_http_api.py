@@ -12,6 +12,8 @@ from tests.http_server import BackgroundServer
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN_KEY = "sk-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,7 @@ def tokenizer(smollm2_dir):
 @pytest.fixture(scope="module")
 def server(tokenizer):
     engine = FakeEngineClient(model_name="fake", max_model_len=256, vocab_size=len(tokenizer))
-    state = ServerState(engine, tokenizer, "fake", api_key=KEY, max_body_bytes=64 << 10)
+    state = ServerState(engine, tokenizer, "fake", api_key=KEY, admin_api_key=ADMIN_KEY, max_body_bytes=64 << 10)
     with BackgroundServer(create_app(state)) as base_url:
         yield base_url, engine, state
 
@@ -56,7 +58,7 @@ BAD_REQUESTS = [
     ("token id out of vocabulary", "/v1/completions", completion(prompt=[10**8]), AUTH, 400, "prompt"),
     ("logprobs above 20", "/v1/completions", completion(logprobs=50), AUTH, 400, "logprobs"),
     ("stop_token_ids of strings", "/v1/completions", completion(stop_token_ids=["a"]), AUTH, 400, "stop_token_ids[0]"),
-    ("bad pause mode", "/pause?mode=sideways", None, AUTH, 400, "mode"),
+    ("bad pause mode", "/pause?mode=sideways", None, ADMIN, 400, "mode"),
 ]
 
 
@@ -102,8 +104,9 @@ def test_open_routes_tokenize_and_admin(server, tokenizer):
     assert tokens == tokenizer.encode("hello world")
     assert httpx.post(base_url + "/detokenize", json={"tokens": tokens}, headers=AUTH).json()["prompt"] == "hello world"
     assert httpx.post(base_url + "/pause?mode=new").status_code == 401
-    assert httpx.post(base_url + "/pause?mode=new", headers=AUTH).status_code == 200 and engine.paused
-    assert httpx.post(base_url + "/resume", headers=AUTH).status_code == 200 and not engine.paused
+    assert httpx.post(base_url + "/pause?mode=new", headers=AUTH).status_code == 401  # no admin key
+    assert httpx.post(base_url + "/pause?mode=new", headers=ADMIN).status_code == 200 and engine.paused
+    assert httpx.post(base_url + "/resume", headers=ADMIN).status_code == 200 and not engine.paused
     engine.ready = False
     assert httpx.get(base_url + "/ready").status_code == 503
     engine.ready = True

@@ -38,12 +38,13 @@ def configure_tracing(
     sampling_ratio: float = 1.0,
     rank: int | None = None,
     exporter=None,
+    respect_remote_sampling: bool = True,
 ) -> bool:
     """Install this process's TracerProvider, exporting to `endpoint` over OTLP (or to `exporter`).
 
     Without an endpoint or exporter nothing is installed: every tracer stays the API's no-op one, so tracing
     off costs a no-op call per span. Only the first call in a process installs anything; returns whether
-    tracing is on.
+    tracing is on. `respect_remote_sampling`: see make_sampler.
     """
     global _provider
     check_sampling_ratio(sampling_ratio)
@@ -55,7 +56,6 @@ def configure_tracing(
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import SpanLimits, TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
     attributes: dict[str, str | int] = {
         "service.name": service_name,
@@ -64,10 +64,9 @@ def configure_tracing(
     }
     if rank is not None:
         attributes[RANK_ATTRIBUTE] = rank
-    # Follow the caller's sampling decision, so a trace is kept or dropped whole across processes.
     provider = TracerProvider(
         resource=Resource.create(attributes),
-        sampler=ParentBased(TraceIdRatioBased(sampling_ratio)),
+        sampler=make_sampler(sampling_ratio, respect_remote_sampling=respect_remote_sampling),
         span_limits=SpanLimits(max_links=int(os.environ.get(LINK_LIMIT_ENV, DEFAULT_LINK_LIMIT))),
     )
     provider.add_span_processor(BatchSpanProcessor(exporter if exporter is not None else otlp_exporter(endpoint)))
@@ -75,6 +74,22 @@ def configure_tracing(
     _provider = provider
     logger.info("tracing on: %s exports to %s", service_name, endpoint or type(exporter).__name__)
     return True
+
+
+def make_sampler(ratio: float, *, respect_remote_sampling: bool = True):
+    """The sampler of a process that keeps `ratio` of the traces it starts.
+
+    With `respect_remote_sampling` (head, workers) a span whose parent came from another process follows that
+    parent's decision, so a trace is kept or dropped whole. Without it (the frontend, whose remote parents are
+    clients) the ratio decides even for a client's trace: a client cannot force tracing on every rank, yet its
+    trace id is still continued. Spans under a parent in the same process always follow it.
+    """
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    root = TraceIdRatioBased(check_sampling_ratio(ratio))
+    if respect_remote_sampling:
+        return ParentBased(root)
+    return ParentBased(root, remote_parent_sampled=root, remote_parent_not_sampled=root)
 
 
 def otlp_exporter(endpoint: str):

@@ -1,4 +1,4 @@
-"""Mutual-trust TLS material for the head-to-worker gRPC link: this side's certificate and the CA of its peers."""
+"""TLS material: mutual trust for the head-to-worker gRPC link, and the public gRPC port's certificate."""
 
 from __future__ import annotations
 
@@ -65,4 +65,43 @@ class TlsConfig:
             root_certificates=self.root_certificates,
             private_key=self.private_key,
             certificate_chain=self.cert_chain,
+        )
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """TLS of a public server (the frontend's gRPC port): its certificate chain and key, as PEM bytes so the
+    settings can travel to the process that serves, and optionally the CA that client certificates must chain to
+    (then every client must present one)."""
+
+    cert_chain: bytes
+    private_key: bytes
+    client_ca: bytes | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("cert_chain", "private_key", "client_ca"):
+            value = getattr(self, name)
+            if value is None and name == "client_ca":
+                continue
+            if not isinstance(value, bytes) or _PEM_MARKER not in value:
+                raise ValueError(f"ServerTls.{name} must be PEM bytes, got {type(value).__name__}")
+
+    def __repr__(self) -> str:
+        client_ca = "None" if self.client_ca is None else f"<{len(self.client_ca)} bytes>"
+        return f"ServerTls(cert_chain=<{len(self.cert_chain)} bytes>, private_key=<hidden>, client_ca={client_ca})"
+
+    @classmethod
+    def from_files(cls, cert: str | Path, key: str | Path, client_ca: str | Path | None = None) -> ServerTls:
+        """Read the certificate chain, its private key and, when given, the clients' CA from PEM files."""
+        return cls(
+            cert_chain=_read_pem(cert, "certificate"),
+            private_key=_read_pem(key, "private key"),
+            client_ca=None if client_ca is None else _read_pem(client_ca, "client CA certificate"),
+        )
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.private_key, self.cert_chain)],
+            root_certificates=self.client_ca,
+            require_client_auth=self.client_ca is not None,
         )

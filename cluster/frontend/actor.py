@@ -9,16 +9,14 @@ import ray
 from transformers import AutoTokenizer
 
 from cluster.frontend.clients import HeadEngineClient
-from cluster.frontend.server import FrontendServer, FrontendSettings
+from cluster.frontend.server import FrontendServer, FrontendSettings, configure_frontend_tracing
 from cluster.launcher import NAMESPACE
 from worker import telemetry
 
 
 class FrontendActor:
     def __init__(self, head_name: str, tokenizer_dir: str, settings: FrontendSettings, model_info: dict) -> None:
-        telemetry.configure_tracing(
-            "frontend", endpoint=settings.otlp_traces_endpoint, sampling_ratio=settings.trace_sampling_ratio
-        )
+        configure_frontend_tracing(settings)
         head = ray.get_actor(head_name, namespace=NAMESPACE)
         engine = HeadEngineClient(
             head, settings.served_model_name, model_info["max_model_len"], model_info["vocab_size"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 
@@ -12,6 +12,8 @@ from cluster.frontend.engine_client import EngineClient
 from cluster.frontend.grpc_api import build_grpc_server
 from cluster.frontend.grpc_guards import EngineHealth
 from cluster.frontend.http_app import ServerState, create_app
+from worker import telemetry
+from worker.tls import ServerTls
 
 
 @dataclass(frozen=True)
@@ -22,11 +24,30 @@ class FrontendSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     grpc_port: int = 50051
-    api_key: str | None = None
+    # Kept out of the repr, so no log line or traceback shows a key.
+    api_key: str | None = field(default=None, repr=False)
+    # Opens /pause and /resume (and only them); None: those routes are off.
+    admin_api_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = 4 << 20
     # OTLP collector for the request spans; None: tracing off.
     otlp_traces_endpoint: str | None = None
     trace_sampling_ratio: float = 1.0
+    # False: the server's ratio decides for client requests too (a client's traceparent is continued, but its
+    # sampled flag does not force tracing on); True: a client's sampling decision is followed.
+    trace_respect_client_sampling: bool = False
+    # TLS on the public gRPC port; None: plaintext.
+    grpc_tls: ServerTls | None = None
+
+
+def configure_frontend_tracing(settings: FrontendSettings, exporter=None) -> bool:
+    """This process's tracing as a frontend; returns whether tracing is on."""
+    return telemetry.configure_tracing(
+        "frontend",
+        endpoint=settings.otlp_traces_endpoint,
+        sampling_ratio=settings.trace_sampling_ratio,
+        exporter=exporter,
+        respect_remote_sampling=settings.trace_respect_client_sampling,
+    )
 
 
 class FrontendServer:
@@ -40,6 +61,7 @@ class FrontendServer:
             tokenizer,
             settings.served_model_name,
             api_key=settings.api_key,
+            admin_api_key=settings.admin_api_key,
             max_body_bytes=settings.max_body_bytes,
         )
         self._http: uvicorn.Server | None = None
@@ -73,6 +95,7 @@ class FrontendServer:
             port=self.settings.grpc_port,
             api_key=self.settings.api_key,
             health=self._health,
+            tls=self.settings.grpc_tls,
         )
         await self._grpc.start()
         return {"http_port": http_port, "grpc_port": grpc_port}
