@@ -129,6 +129,7 @@ class AsyncEngine:
             "num_blocks": engine.block_table.num_blocks,
             "num_free_blocks": engine.block_table.num_free_blocks,
             "num_preemptions": scheduler.stats.num_preemptions,
+            "num_aborted": scheduler.stats.num_aborted,
             "num_computed_tokens": scheduler.stats.num_computed_tokens,
             "num_prefix_hit_tokens": scheduler.stats.num_prefix_hit_tokens,
             "schedule_p50_s": statistics.median(engine.schedule_seconds) if engine.schedule_seconds else 0.0,

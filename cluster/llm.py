@@ -45,6 +45,8 @@ class LLM:
         max_model_len: int | None = None,
         enable_chunked_prefill: bool = True,
         max_waiting_requests: int | None = None,
+        session_idle_timeout_s: float = 300.0,
+        max_sessions: int | None = None,
         tensor_parallel_size: int = 1,
         ray_address: str | None = None,
         placement_strategy: str = "PACK",
@@ -74,6 +76,8 @@ class LLM:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=enable_chunked_prefill,
                 max_waiting_requests=max_waiting_requests,
+                session_idle_timeout_s=session_idle_timeout_s,
+                max_sessions=max_sessions,
             ),
             observability=ObservabilityConfig(
                 otlp_traces_endpoint=otlp_traces_endpoint, trace_sampling_ratio=trace_sampling_ratio

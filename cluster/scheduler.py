@@ -62,6 +62,7 @@ class SchedulerStats:
 
     num_steps: int = 0
     num_preemptions: int = 0
+    num_aborted: int = 0  # requests a caller aborted (disconnects included)
     num_idle_sessions_released: int = 0  # idle sessions whose blocks were reclaimed (also in num_preemptions)
     num_prefix_hit_tokens: int = 0
     num_prefix_query_tokens: int = 0
@@ -141,6 +142,7 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
+        self.stats.num_aborted += 1
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 

@@ -5,6 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests: a CI-sized run by default; `pytest --hypothesis-profile=long` explores for hours.
+settings.register_profile("ci", max_examples=150, stateful_step_count=50, deadline=None)
+settings.register_profile("long", max_examples=200_000, stateful_step_count=200, deadline=None)
+settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")

@@ -38,6 +38,7 @@ class FakeKVWorkers:
         self.steps = 0
         self.restarts = 0
         self.corrupt_reads: list[tuple[int, int]] = []  # (handle, position)
+        self.empty_rows: list[int] = []  # handles scheduled with no token to compute
         # The next step fails after writing half of its slots: "worker" (WorkerGroupError) or "crash" (other).
         self.fail_next: str | None = None
         # Fail every step that runs one of these handles (a request that crashes the workers).
@@ -58,13 +59,19 @@ class FakeKVWorkers:
             state.num_computed_tokens, state.num_computed_tokens + state.num_scheduled_tokens
         )]
         if failure is not None:
+            # A rank that fails part-way has written some of the step's KV; the rest of the slots keep whatever
+            # they held before (another sequence's KV, or nothing).
             for state, pos in writes[: len(writes) // 2]:
-                self.kv[self._slot(state.block_ids, pos)] = fingerprint(state.token_ids, pos) ^ 0xBAD
+                self.kv[self._slot(state.block_ids, pos)] = fingerprint(state.token_ids, pos)
             if failure == "worker":
                 raise WorkerGroupError("a rank died during the step")
             raise RuntimeError("the forward pass failed")
         result = step_pb2.StepResult(step_id=batch.step_id)
         for state in scheduled:
+            if state.num_scheduled_tokens < 1:
+                # The real input batch drops such a row: it computes nothing and samples nothing.
+                self.empty_rows.append(state.handle)
+                continue
             end = state.num_computed_tokens + state.num_scheduled_tokens
             for pos in range(state.num_computed_tokens, end):
                 self.kv[self._slot(state.block_ids, pos)] = fingerprint(state.token_ids, pos)

@@ -117,24 +117,14 @@ def test_n_stop_strings_and_logprobs(client):
     assert len(legacy.choices[0].logprobs.token_logprobs) == 4
 
 
-def test_dropped_streams_are_aborted_and_free_their_blocks(client):
-    _, engine, base_url = client
-    body = {
-        "model": MODEL,
-        "prompt": "Write a long essay about the sea.",
-        "max_tokens": 200,
-        "temperature": 0.7,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    headers = {"Authorization": "Bearer sk-e2e"}
+async def stream_and_drop(base_url: str, headers: dict, kept: dict, dropped: dict, count: int) -> list[int]:
+    """`count` concurrent streams: even ones read `kept` to the end, odd ones hang up after 3 chunks of `dropped`."""
 
     async def one(index: int) -> int:
+        body = {**(dropped if index % 2 else kept), "seed": index}
         async with (
             httpx.AsyncClient(timeout=120) as http,
-            http.stream(
-                "POST", base_url + "/v1/completions", json={**body, "seed": index}, headers=headers
-            ) as response,
+            http.stream("POST", base_url + "/v1/completions", json=body, headers=headers) as response,
         ):
             assert response.status_code == 200
             chunks = 0
@@ -145,18 +135,34 @@ def test_dropped_streams_are_aborted_and_free_their_blocks(client):
                         return chunks  # drop the connection mid-stream
             return chunks
 
-    async def everyone() -> list[int]:
-        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(20))), 600)
+    return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(count))), 600)
 
-    counts = asyncio.run(everyone())
-    assert all(c == 3 for c in counts[1::2]) and all(c >= 100 for c in counts[0::2])
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+def wait_for_engine_idle(engine, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
         stats = asyncio.run(engine.stats())
         if stats["num_unfinished"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]:
-            break
-        time.sleep(0.1)
+            return stats
+        if time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+def test_dropped_streams_are_aborted_and_free_their_blocks(client):
+    _, engine, base_url = client
+    # The dropped streams ask for far more tokens than the kept ones: if they were not aborted they would still
+    # be generating (and holding blocks) long after the kept ones finished.
+    kept = {"model": MODEL, "prompt": "Tell me about the sea.", "max_tokens": 24, "ignore_eos": True, "stream": True}
+    dropped = {**kept, "max_tokens": 4000, "temperature": 0.7}
+    before = asyncio.run(engine.stats())
+    counts = asyncio.run(stream_and_drop(base_url, {"Authorization": "Bearer sk-e2e"}, kept, dropped, 12))
+    assert counts[1::2] == [3] * 6 and all(c >= 24 for c in counts[0::2])
+    stats = wait_for_engine_idle(engine, timeout_s=60)
     assert stats["num_unfinished"] == 0 and stats["num_free_blocks"] == stats["num_blocks"], stats
+    assert stats["num_aborted"] - before["num_aborted"] == 6
+    # Every dropped request stopped long before its 4000 tokens: the engine computed a small part of that.
+    assert stats["num_computed_tokens"] - before["num_computed_tokens"] < 6 * 4000 // 4
 
 
 def test_overload_gets_429_with_retry_after_while_admitted_requests_finish(smollm2_dir):
