@@ -19,3 +19,12 @@ def smollm2_dir() -> Path:
     from worker.model_loader import resolve_model_dir
 
     return resolve_model_dir(None)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak-minutes", type=float, default=1.0, help="how long tests/test_soak.py runs its clients")
+
+
+@pytest.fixture(scope="session")
+def soak_minutes(request: pytest.FixtureRequest) -> float:
+    return request.config.getoption("--soak-minutes")
