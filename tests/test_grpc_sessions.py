@@ -103,3 +103,20 @@ def test_an_idle_session_times_out_with_a_clear_status():
     error, stats = run(scenario())
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "session_idle_timeout" in error.details()
     assert stats["num_unfinished"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_model_info_shows_the_context_capped_to_the_cache():
+    async def scenario():
+        workers = FakeKVWorkers(8, 4, VOCAB)  # 32 tokens of KV cache
+        config = EngineConfig(cache=CacheConfig(block_size=4))
+        engine = AsyncEngine(EngineCore(config, workers, MAX_MODEL_LEN, VOCAB, eos_token_ids=[VOCAB + 1]))
+        server, port = build_grpc_server(LocalEngineClient(engine, "fake"), None, host="127.0.0.1", port=0)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                return await api_pb2_grpc.GenerationStub(channel).GetModelInfo(api_pb2.ModelInfoRequest())
+        finally:
+            await server.stop(None)
+            engine.shutdown()
+
+    assert run(scenario()).max_model_len == 32

@@ -106,3 +106,21 @@ def test_the_engine_loop_serves_many_concurrent_callers_with_the_same_label(serv
         thread.join()
     assert results == [200] * 8
     assert engine.engine.block_table.num_free_blocks == engine.engine.block_table.num_blocks
+
+
+def test_models_route_shows_the_context_capped_to_the_cache(tokenizer):
+    workers = FakeKVWorkers(8, 16, len(tokenizer))  # 128 tokens of KV cache for a model that allows 1024
+    config = EngineConfig(cache=CacheConfig(block_size=16))
+    core = EngineCore(config, workers, max_model_len=1024, vocab_size=len(tokenizer), eos_token_ids=[0])
+    engine = AsyncEngine(core)
+    try:
+        state = ServerState(LocalEngineClient(engine, "fake"), tokenizer, "fake")
+        with BackgroundServer(create_app(state)) as base_url:
+            assert httpx.get(base_url + "/v1/models").json()["data"][0]["max_model_len"] == 128
+            # No max_tokens: up to the capped context, never "needs more blocks than the cache holds".
+            response = httpx.post(base_url + "/v1/completions", json={"model": "fake", "prompt": "hi",
+                                                                      "max_tokens": None, "ignore_eos": True})
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["total_tokens"] == 128
+    finally:
+        engine.shutdown()
