@@ -204,7 +204,7 @@ class Scheduler:
             return out
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
-        preempted_running = any(not r.awaiting_input for r in out.preempted)
+        preempted_running = any(r.status is RequestStatus.PREEMPTED for r in out.preempted)
         if not preempted_running and self.pause_mode is PauseMode.NONE:
             budget = self._schedule_waiting(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
@@ -235,9 +235,9 @@ class Scheduler:
             new_blocks = self.block_table.allocate_slots(request.request_id, request.all_token_ids, num_tokens)
             if new_blocks is not None:
                 return new_blocks
-            # Out of blocks: an idle session's blocks go first (recomputed from the prefix cache when its next
-            # chunk comes), then the most recently admitted running request's.
-            if self._release_idle_session(out):
+            # Out of blocks: parked blocks go first (an idle session's, or a session's whose next chunk waits in
+            # the queue; recomputed from the prefix cache later), then the most recently admitted running request's.
+            if self._release_parked_blocks(out):
                 continue
             victim = self.running.pop()
             self._preempt(victim)
@@ -264,7 +264,7 @@ class Scheduler:
             if new_blocks is None:
                 if cached:
                     request.num_computed_tokens = 0
-                if self._release_idle_session(out, keep=request):
+                if self._release_parked_blocks(out, keep=request):
                     continue
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -298,27 +298,41 @@ class Scheduler:
         if len(self.running) >= limit:
             return False
         while len(self.running) + self.num_idle_sessions_holding_blocks >= limit:
-            if not self._release_idle_session(out, keep=self.waiting[0]):
+            if not self._release_idle_session(out):
                 return False
         return True
 
-    def _release_idle_session(self, out: SchedulerOutput, keep: Request | None = None) -> bool:
+    def _release_idle_session(self, out: SchedulerOutput) -> bool:
         """Take the blocks of the longest-idle session that holds any; False when none does."""
         for request in self.idle_sessions.values():
-            if request is not keep and self.block_table.has_request(request.request_id):
-                logger.info(
-                    "released the KV blocks of idle session %s; its %d tokens will be recomputed with its next chunk",
-                    request.request_id, request.num_computed_tokens, extra={"request_id": request.request_id},
-                )
-                self.block_table.free(request.request_id)
-                request.num_computed_tokens = 0
-                request.needs_resync = False
-                request.num_preemptions += 1
-                self.stats.num_preemptions += 1
-                self.stats.num_idle_sessions_released += 1
-                out.preempted.append(request)
+            if self.block_table.has_request(request.request_id):
+                self._release_blocks(request, out)
                 return True
         return False
+
+    def _release_parked_blocks(self, out: SchedulerOutput, keep: Request | None = None) -> bool:
+        """Take the blocks of a request that holds some without running: an idle session first, else a session
+        whose next chunk is queued (from the back of the queue). False when there is none."""
+        if self._release_idle_session(out):
+            return True
+        for request in reversed(self.waiting):
+            if request is not keep and self.block_table.has_request(request.request_id):
+                self._release_blocks(request, out)
+                return True
+        return False
+
+    def _release_blocks(self, request: Request, out: SchedulerOutput) -> None:
+        logger.info(
+            "released the KV blocks of session %s; its %d tokens will be recomputed when it runs again",
+            request.request_id, request.num_computed_tokens, extra={"request_id": request.request_id},
+        )
+        self.block_table.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.needs_resync = False
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.stats.num_idle_sessions_released += 1
+        out.preempted.append(request)
 
     def _skips(self, request: Request, num_new: int) -> bool:
         """True when this step does not end at the last known token, or the input is still open."""

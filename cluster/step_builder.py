@@ -33,16 +33,24 @@ class StepMessageBuilder:
 
     def __init__(self) -> None:
         self._known_tokens: dict[int, int] = {}
+        # Handles the workers may still hold state for although the head forgot them; sent as finished.
+        self._forget: set[int] = set()
         self._next_step_id = 0
 
     def reset(self) -> None:
-        """Forget every request: the workers restarted with no state."""
+        """Forget every request after a failed step. The workers are usually fresh, but a group that was not
+        restarted (the head gave up on its requests) still holds their state: tell it to drop them next step."""
+        self._forget.update(self._known_tokens)
         self._known_tokens.clear()
 
     def build(self, out: SchedulerOutput) -> step_pb2.StepBatch:
         batch = step_pb2.StepBatch(step_id=self._next_step_id)
         self._next_step_id += 1
         known = self._known_tokens
+        if self._forget:
+            # Before any new request in this batch: a requeued request keeps its handle and is sent anew.
+            batch.finished.extend(sorted(self._forget))
+            self._forget.clear()
         for handle in out.finished_handles:
             if known.pop(handle, None) is not None:
                 batch.finished.append(handle)

@@ -1,0 +1,236 @@
+"""Stateful property test: random interleavings of requests, sessions, aborts, pauses, memory pressure and failed
+steps against the real block table, scheduler and engine loop, with fake workers that model every KV slot.
+
+After every rule the invariants below must hold; at the end every request finishes and nothing leaks.
+`pytest --hypothesis-profile=long` runs far more examples (see tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import hypothesis.strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from cluster.block_table import ROOT_PARENT_HASH, BlockTable
+from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
+from cluster.engine import EngineCore
+from cluster.errors import QueueFullError
+from cluster.request import RequestStatus
+from cluster.sampling_params import SamplingParams
+from cluster.scheduler import PauseMode
+from tests.fake_workers import FakeKVWorkers, fingerprint, next_token
+
+VOCAB = 50
+EOS = 49
+BLOCK_SIZE = 4
+MAX_MODEL_LEN = 64
+# Shared prompt starts, so prefix-cache hits happen often.
+BASES = [[1] * 24, list(range(2, 26)), [3, 4] * 12]
+
+
+class EngineMachine(RuleBasedStateMachine):
+    """One replica's engine loop, driven by a client that does everything a client may do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine: EngineCore | None = None
+        self.next_id = 0
+        self.now = 0.0
+
+    @initialize(
+        num_blocks=st.integers(min_value=10, max_value=40),
+        budget=st.integers(min_value=4, max_value=40),
+        max_num_seqs=st.integers(min_value=1, max_value=6),
+        max_sessions=st.integers(min_value=1, max_value=4),
+    )
+    def start(self, num_blocks: int, budget: int, max_num_seqs: int, max_sessions: int) -> None:
+        self.workers = FakeKVWorkers(num_blocks, BLOCK_SIZE, VOCAB)
+        config = EngineConfig(
+            cache=CacheConfig(block_size=BLOCK_SIZE),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=budget,
+                max_num_seqs=max_num_seqs,
+                max_sessions=max_sessions,
+                session_idle_timeout_s=100.0,
+            ),
+        )
+        self.engine = EngineCore(config, self.workers, MAX_MODEL_LEN, VOCAB, eos_token_ids=[EOS])
+        self.engine.restart_backoff_s = 0.0
+        self.engine.scheduler.clock = lambda: self.now
+        self.all_requests = []
+
+    # -- what clients do --------------------------------------------------------------------------------------
+
+    def _prompt(self, base: int, length: int, tail: list[int]) -> list[int]:
+        return BASES[base][:length] + tail
+
+    @rule(
+        base=st.integers(0, len(BASES) - 1),
+        length=st.integers(1, 24),
+        tail=st.lists(st.integers(0, VOCAB - 2), max_size=6),
+        max_tokens=st.one_of(st.none(), st.integers(1, 8)),
+        session=st.booleans(),
+    )
+    def add(self, base: int, length: int, tail: list[int], max_tokens: int | None, session: bool) -> None:
+        request_id = f"r{self.next_id}"
+        self.next_id += 1
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=self.next_id % 3 != 0)
+        try:
+            request = self.engine.add_request(request_id, self._prompt(base, length, tail), params, final=not session)
+        except (ValueError, QueueFullError):
+            return
+        self.all_requests.append(request)
+
+    def _sessions(self):
+        return [r for r in self.engine.scheduler.requests.values() if r.input_open]
+
+    @precondition(lambda self: self.engine is not None and self._sessions())
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, VOCAB - 2), max_size=10), final=st.booleans())
+    def session_chunk(self, data, tokens: list[int], final: bool) -> None:
+        session = data.draw(st.sampled_from(self._sessions()))
+        before = (session.num_tokens, session.input_open, session.status)
+        try:
+            self.engine.append_input(session.request_id, tokens, final)
+        except ValueError:
+            # Refused: the session is exactly as it was.
+            assert (session.num_tokens, session.input_open, session.status) == before
+
+    @precondition(lambda self: self.engine is not None and self._sessions())
+    @rule(data=st.data())
+    def close_session(self, data) -> None:
+        """The client half-closes its side without a final chunk."""
+        session = data.draw(st.sampled_from(self._sessions()))
+        self.engine.append_input(session.request_id, [], True)
+
+    @precondition(lambda self: self.engine is not None and self.engine.scheduler.requests)
+    @rule(data=st.data())
+    def abort(self, data) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.engine.scheduler.requests)))
+        self.engine.abort(request_id)
+
+    @precondition(lambda self: self.engine is not None)
+    @rule(mode=st.sampled_from([PauseMode.NEW, PauseMode.ALL, PauseMode.NONE, PauseMode.NONE]))
+    def pause(self, mode: PauseMode) -> None:
+        self.engine.pause(mode)
+
+    @precondition(lambda self: self.engine is not None)
+    @rule(seconds=st.sampled_from([1.0, 1.0, 30.0, 120.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.now += seconds
+
+    # -- what the engine loop does ---------------------------------------------------------------------------
+
+    @precondition(lambda self: self.engine is not None)
+    @rule(count=st.integers(1, 6))
+    def step(self, count: int) -> None:
+        for _ in range(count):
+            self.engine.step()
+
+    @precondition(lambda self: self.engine is not None and self.engine.has_unfinished())
+    @rule(kind=st.sampled_from(["worker", "crash"]))
+    def failed_step(self, kind: str) -> None:
+        """The next step that reaches the workers fails part-way through."""
+        self.workers.fail_next = kind
+        for _ in range(3):
+            try:
+                self.engine.step()
+            except RuntimeError:
+                # The serving loop fails every request of a step that crashed in-process.
+                for request_id in list(self.engine.scheduler.requests):
+                    self.engine.abort(request_id)
+            if self.workers.fail_next is None:
+                break
+        self.workers.fail_next = None
+
+    # -- invariants ------------------------------------------------------------------------------------------
+
+    @invariant()
+    def block_table_is_consistent(self) -> None:
+        if self.engine is None:
+            return
+        table: BlockTable = self.engine.block_table
+        held = Counter(b for r in table._requests.values() for b in r.block_ids)
+        for block_id in range(table.num_blocks):
+            assert table._ref_counts[block_id] == held[block_id], "ref count differs from the references held"
+        free = set(table._free_queue)
+        assert not free & set(held), "a block is both free and held"
+        assert len(free) + len(set(held)) == table.num_blocks == table.num_free_blocks + table.num_used_blocks
+        for h, entry in table._cached.items():
+            assert table._block_hashes[entry.block_id] == h
+
+    @invariant()
+    def every_findable_block_holds_its_tokens_kv(self) -> None:
+        """Walk the prefix cache from the root as a lookup would: each block reached was written whole."""
+        if self.engine is None:
+            return
+        table = self.engine.block_table
+        children: dict[int, list] = {}
+        for h, entry in table._cached.items():
+            children.setdefault(entry.parent_hash, []).append((h, entry))
+        frontier = [(ROOT_PARENT_HASH, [])]
+        while frontier:
+            parent, prefix = frontier.pop()
+            for h, entry in children.get(parent, []):
+                tokens = prefix + list(entry.token_ids)
+                for offset in range(BLOCK_SIZE):
+                    position = len(prefix) + offset
+                    slot = entry.block_id * BLOCK_SIZE + offset
+                    assert self.workers.kv.get(slot) == fingerprint(tokens, position), (
+                        f"block {entry.block_id} is findable but its KV at position {position} was never written"
+                    )
+                frontier.append((h, tokens))
+
+    @invariant()
+    def requests_are_where_their_status_says(self) -> None:
+        if self.engine is None:
+            return
+        scheduler = self.engine.scheduler
+        waiting, running, idle = list(scheduler.waiting), scheduler.running, scheduler.idle_sessions
+        places = Counter(r.request_id for r in [*waiting, *running, *idle.values()])
+        assert set(places) == set(scheduler.requests) and all(n == 1 for n in places.values())
+        for request in running:
+            assert request.status is RequestStatus.RUNNING
+        for request in waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        for request in idle.values():
+            assert request.status is RequestStatus.AWAITING_INPUT and request.input_open
+        assert len(running) <= scheduler.config.max_num_seqs
+
+    @invariant()
+    def outputs_follow_from_their_sequences_and_no_step_read_garbage(self) -> None:
+        if self.engine is None:
+            return
+        assert not self.workers.corrupt_reads, f"steps read unwritten KV: {self.workers.corrupt_reads[:3]}"
+        assert not self.workers.empty_rows, "a request was scheduled with no token to compute"
+        for request in self.all_requests:
+            tokens = request.all_token_ids
+            for i, token in enumerate(request.output_token_ids):
+                assert token == next_token(tokens[: request.num_prompt_tokens + i], VOCAB)
+            assert request.num_tokens <= MAX_MODEL_LEN
+
+    def teardown(self) -> None:
+        """Every request finishes once clients end their sessions and the engine runs; nothing leaks."""
+        if self.engine is None:
+            return
+        engine = self.engine
+        engine.pause(PauseMode.NONE)
+        for request in list(engine.scheduler.requests.values()):
+            if request.input_open:
+                engine.append_input(request.request_id, [], True)
+        for _ in range(2000):
+            if not engine.has_unfinished():
+                break
+            engine.step()
+        assert not engine.has_unfinished(), "requests never finished"
+        engine.step()  # tells the workers to forget the last finished requests
+        assert engine.block_table.num_free_blocks == engine.block_table.num_blocks
+        assert not engine.block_table._requests
+        assert not self.workers.states.states, "the workers still hold request state"
+        assert not self.workers.corrupt_reads
+        for request in self.all_requests:
+            assert request.finished
+
+
+# Example counts come from the Hypothesis profile (tests/conftest.py): CI-sized by default, hours with "long".
+TestEngineStateMachine = EngineMachine.TestCase
