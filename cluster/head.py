@@ -7,6 +7,8 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+import ray
+
 from cluster.async_engine import AsyncEngine
 from cluster.config import EngineConfig
 from cluster.engine import EngineCore
@@ -53,6 +55,8 @@ class HeadActor:
             placement_strategy=options.placement_strategy,
             tls=options.tls,
             step_timeout_s=options.step_timeout_s,
+            # Named after this actor, so that after a restart it finds and removes what its previous life left.
+            name=ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None,
         )
         self.group.start()
         limit = config.scheduler.max_model_len or info.max_position_embeddings

@@ -72,6 +72,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "client's trace id is continued either way)",
     )
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
+    parser.add_argument(
+        "--step-timeout", type=float, default=300.0,
+        help="seconds a step may take before its ranks count as hung and are restarted (a failed or dead rank "
+        "is noticed at once)",
+    )
+    parser.add_argument(
+        "--max-worker-restarts", type=int, default=3,
+        help="worker-group restarts in a row, without a successful step between them, before in-flight requests fail",
+    )
 
 
 def grpc_tls_from_args(args: argparse.Namespace):
@@ -140,7 +149,8 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     use_gpu = args.device == "cuda" or (args.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
     options = ClusterOptions(
-        tensor_parallel_size=args.tensor_parallel_size, use_gpu=use_gpu, placement_strategy=args.placement_strategy
+        tensor_parallel_size=args.tensor_parallel_size, use_gpu=use_gpu, placement_strategy=args.placement_strategy,
+        step_timeout_s=args.step_timeout, max_restarts=args.max_worker_restarts,
     )
     head_name = f"pagerail-head-{os.getpid()}"
     _say(f"loading {served_name} on {args.tensor_parallel_size} worker(s)")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.executor import WorkerGroupError
@@ -17,11 +19,17 @@ from worker.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 
+# How long stopping waits for killed ranks to be gone (their GPU memory is freed when the process exits).
+_GONE_TIMEOUT_S = 30.0
+
 
 class WorkerGroup:
     """One placement group, one actor per rank, one gRPC client to them all.
 
     Implements the head's executor interface, so the engine loop cannot tell it from the in-process one.
+    With a `name` (the head actor's), the placement group is "<name>-workers" and rank r is "<name>-rank<r>":
+    a restarted head finds what its previous life left behind (Ray frees a group only when its creator is dead
+    for good, and a restarting head is not) and removes it before reserving again.
     """
 
     def __init__(
@@ -36,6 +44,7 @@ class WorkerGroup:
         tls: TlsConfig | None = None,
         step_timeout_s: float = 300.0,
         ready_timeout_s: float = 600.0,
+        name: str | None = None,
     ) -> None:
         if placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise ValueError(
@@ -50,8 +59,10 @@ class WorkerGroup:
         self._tls = tls
         self._step_timeout = step_timeout_s
         self._ready_timeout = ready_timeout_s
+        self.name = name
         self._placement = None
         self._actors: list = []
+        self._pings: dict[int, ray.ObjectRef] = {}  # one liveness call in flight per rank, while a step runs
         self._executor: RemoteExecutor | None = None
         self.num_blocks = 0
         self.pids: list[int] = []
@@ -61,7 +72,12 @@ class WorkerGroup:
     def start(self) -> int:
         """Reserve the bundles, start every rank, join them into one group; returns the usable block count."""
         bundle = {"GPU": 1, "CPU": self._cpus} if self._use_gpu else {"CPU": self._cpus}
-        self._placement = placement_group([dict(bundle) for _ in range(self.size)], strategy=self._strategy)
+        self._remove_leftovers()
+        self._placement = placement_group(
+            [dict(bundle) for _ in range(self.size)],
+            strategy=self._strategy,
+            name=self._placement_name or "",
+        )
         try:
             ray.get(self._placement.ready(), timeout=self._ready_timeout)
         except ray.exceptions.GetTimeoutError as error:
@@ -78,6 +94,7 @@ class WorkerGroup:
                     self._placement, placement_group_bundle_index=rank
                 ),
                 max_restarts=0,
+                **({"name": self._actor_name(rank)} if self.name else {}),
             ).remote(self.config, rank, self.size, self._token, self._tls)
             for rank in range(self.size)
         ]
@@ -95,7 +112,10 @@ class WorkerGroup:
         self.node_ids = [info["node_id"] for info in infos]
         # Every rank holds a shard of the same blocks: the table is as large as the smallest shard.
         self.num_blocks = min(info["num_blocks"] for info in infos)
-        self._executor = RemoteExecutor(self.addresses, self._token, self._tls, self._step_timeout)
+        self._pings = {}
+        self._executor = RemoteExecutor(
+            self.addresses, self._token, self._tls, self._step_timeout, dead_ranks=self._dead_ranks
+        )
         logger.info("worker group of %d ranks up at %s with %d blocks", self.size, self.addresses, self.num_blocks)
         return self.num_blocks
 
@@ -114,6 +134,7 @@ class WorkerGroup:
         return self._executor.execute(batch)
 
     def restart(self) -> int:
+        """Stop every rank, wait until their processes are gone, start fresh ones; returns the new block count."""
         self.shutdown()
         return self.start()
 
@@ -126,12 +147,119 @@ class WorkerGroup:
             return False
 
     def shutdown(self) -> None:
+        """Kill every rank and free the bundles; returns once the ranks are dead, so their memory is free."""
         if self._executor is not None:
             self._executor.close()
             self._executor = None
-        for actor in self._actors:
+        actors, self._actors = self._actors, []
+        for actor in actors:
             ray.kill(actor, no_restart=True)
-        self._actors = []
         if self._placement is not None:
             remove_placement_group(self._placement)
             self._placement = None
+        here = ray.get_runtime_context().get_node_id()
+        local_pids = [pid for pid, node in zip(self.pids, self.node_ids, strict=True) if node == here]
+        self.pids, self.node_ids, self.addresses = [], [], []
+        _wait_until_gone(actors, local_pids)
+
+    # -- failure handling -----------------------------------------------------------------------
+
+    @property
+    def _placement_name(self) -> str | None:
+        return f"{self.name}-workers" if self.name else None
+
+    def _actor_name(self, rank: int) -> str:
+        return f"{self.name}-rank{rank}"
+
+    def _remove_leftovers(self) -> None:
+        """Kill the ranks and remove the placement group that an earlier life of this (named) group left."""
+        if not self.name:
+            return
+        leftovers = []
+        for rank in range(self.size):
+            try:
+                actor = ray.get_actor(self._actor_name(rank))
+            except ValueError:
+                continue
+            ray.kill(actor, no_restart=True)
+            leftovers.append(actor)
+        for _ in range(16):  # one group per earlier life at most; bounded in case a removal does not take
+            try:
+                stale = get_placement_group(self._placement_name)
+            except ValueError:
+                break
+            logger.warning("removing placement group %s left by a previous head", self._placement_name)
+            remove_placement_group(stale)
+        if leftovers:
+            logger.warning("killed %d worker(s) left by a previous head", len(leftovers))
+            _wait_until_gone(leftovers, [])
+
+    def _dead_ranks(self) -> list[int]:
+        """The ranks Ray reports dead. Never blocks: each rank has one call in flight, read once it completed."""
+        for rank, actor in enumerate(self._actors):
+            if rank not in self._pings:
+                self._pings[rank] = actor.pid.remote()
+        refs = dict(self._pings)
+        if not refs:
+            return []
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=0)
+        dead = []
+        for rank, ref in refs.items():
+            if ref not in ready:
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.ActorDiedError:
+                dead.append(rank)
+                continue
+            except ray.exceptions.RayError:
+                pass  # unreachable for now, not known dead: the step deadline still applies
+            del self._pings[rank]  # answered: ask again next time
+        return dead
+
+
+def _wait_until_gone(actors: list, local_pids: list[int], timeout_s: float = _GONE_TIMEOUT_S) -> None:
+    """Block until Ray reports each killed actor dead and each listed process on this node has exited.
+
+    A new rank sizes its KV cache from the free GPU memory, which a dying rank holds until its process exits.
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = list(actors)
+    while pending and time.monotonic() < deadline:
+        alive = []
+        for actor, ref in [(actor, actor.pid.remote()) for actor in pending]:
+            try:
+                ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+            except ray.exceptions.ActorDiedError:
+                continue
+            except ray.exceptions.RayError:
+                pass  # still answering (the call ran before the kill landed), or not yet known dead
+            alive.append(actor)
+        pending = alive
+        if pending:
+            time.sleep(0.05)
+    pids = list(local_pids)
+    while pids and time.monotonic() < deadline:
+        pids = [pid for pid in pids if _process_running(pid)]
+        if pids:
+            time.sleep(0.05)
+    if pending or pids:
+        logger.warning(
+            "%d killed rank(s) still not gone after %.0fs (processes %s); starting the new ranks anyway",
+            max(len(pending), len(pids)), timeout_s, pids,
+        )
+
+
+def _process_running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie (a zombie has released its memory)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False

@@ -7,6 +7,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 from typing import Any
 
 import grpc
@@ -27,6 +28,8 @@ LOCALHOST = "127.0.0.1"
 DEFAULT_DIST_TIMEOUT_S = 300.0
 # In-flight steps get this long to finish when the head stops a rank.
 _STOP_GRACE_S = 2.0
+# Before sizing its KV cache, a rank on a GPU waits (at most this long) for the free memory to stop rising.
+_MEMORY_SETTLE_TIMEOUT_S = 10.0
 
 
 def _ray_initialized() -> bool:
@@ -70,6 +73,7 @@ class WorkerActor:
         self.worker: Worker | None = None
         self._server: grpc.Server | None = None
         self._joined_group = False
+        self._faults_hit = 0
         telemetry.configure_tracing(
             "worker", endpoint=config.otlp_traces_endpoint, sampling_ratio=config.trace_sampling_ratio, rank=rank
         )
@@ -111,6 +115,8 @@ class WorkerActor:
         config = self._resolved_config()
         try:
             tp = self._join_group(rendezvous, config, timeout_s)
+            if config.device.startswith("cuda"):
+                wait_for_device_memory_to_settle()
             try:
                 self.worker = Worker(config, tp)
             except ValueError as error:
@@ -134,6 +140,32 @@ class WorkerActor:
             "rank": self.rank,
             "node_id": _node_id(),
         }
+
+    # -- fault injection, for tests -------------------------------------------------------------
+
+    def inject_step_fault(self, kind: str, seconds: float = 0.0) -> None:
+        """Fault-injection hook for failure tests, not a serving feature: the next ExecuteStep on this rank first
+        hangs for `seconds` then runs ("hang"), or fails without computing ("fail"). One step only."""
+        if kind not in ("hang", "fail"):
+            raise ValueError(f"kind must be 'hang' or 'fail', got {kind!r}")
+        worker = self.worker
+        if worker is None:
+            raise RuntimeError(f"rank {self.rank} is not started")
+
+        def faulty_step(batch):
+            del worker.execute_step  # back to the real method for the steps after this one
+            self._faults_hit += 1
+            if kind == "fail":
+                raise RuntimeError(f"fault injected on rank {self.rank}")
+            time.sleep(seconds)
+            return worker.execute_step(batch)
+
+        # The gRPC servicer looks the method up on the same Worker for every step.
+        worker.execute_step = faulty_step
+
+    def step_faults_hit(self) -> int:
+        """How many injected faults a step has run into (a test waits on this to act while the step is stuck)."""
+        return self._faults_hit
 
     def stop(self) -> None:
         """Stop serving and leave the process group; safe to call more than once."""
@@ -186,6 +218,24 @@ class WorkerActor:
         )
         self._joined_group = True
         return TensorParallelGroup(self.rank, self.world_size, dist.group.WORLD)
+
+
+def wait_for_device_memory_to_settle(timeout_s: float = _MEMORY_SETTLE_TIMEOUT_S, interval_s: float = 0.25) -> None:
+    """Wait while the free memory of this process's GPU is still rising, for at most `timeout_s`.
+
+    A rank killed just before (this group's previous life, or a leftover of a restarted head) frees its memory only
+    as its process exits, and the KV cache is sized from what is free: sizing it too early would shrink the cache.
+    """
+    free, total = torch.cuda.mem_get_info()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(interval_s)
+        now, _ = torch.cuda.mem_get_info()
+        if now <= free + total // 100:  # steady (within 1% of the device)
+            return
+        logger.info("free GPU memory still rising (%.1f → %.1f GiB); waiting before sizing the KV cache",
+                    free / 2**30, now / 2**30)
+        free = now
 
 
 def _node_id() -> str:
