@@ -13,6 +13,7 @@ from cluster.config import EngineConfig
 from cluster.engine_metrics import EngineMetrics
 from cluster.errors import QueueFullError
 from cluster.executor import Executor, WorkerGroupError
+from cluster.quarantine import Quarantine
 from cluster.request import Request, RequestStatus
 from cluster.sampling_params import SamplingParams
 from cluster.scheduler import PauseMode, Scheduler
@@ -74,6 +75,10 @@ class EngineCore:
         self.restart_backoff_s = 0.5
         self._consecutive_failures = 0
         self.num_restarts = 0
+        self.num_quarantined = 0
+        # Singles out a request that keeps crashing the workers; it sees each step's outcome through the executor.
+        self.quarantine = Quarantine(self.scheduler)
+        self.executor = self.quarantine.watch(executor)
         self.last_step_idle = True
         self.schedule_seconds: deque[float] = deque(maxlen=4096)
 
@@ -166,14 +171,32 @@ class EngineCore:
     def _recover(self, error: WorkerGroupError) -> list[Request]:
         """Rebuild the worker group and recompute every request; give up after repeated failures.
 
-        Clients see a pause: generated tokens are kept and recomputed, none is lost or repeated.
+        Clients see a pause: generated tokens are kept and recomputed, none is lost or repeated. A request that
+        keeps crashing the workers is failed alone and the others carry on (the rule: cluster/quarantine.py).
         """
+        convicted = self.quarantine.step_failed()
         self.scheduler.requeue_all()
         self.step_builder.reset()
+        for request, strikes in convicted:
+            logger.error(
+                "request %s failed alone: the workers crashed in the %d steps in a row it was in (%s)",
+                request.request_id, strikes, error, extra={"request_id": request.request_id},
+            )
+            request.error = (
+                f"the request was failed alone because it crashed the workers repeatedly: every one of the {strikes} "
+                f"steps in a row it ran in failed, while the requests batched with it ran ({error})"
+            )
+            request.error_code = "quarantined"
+            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ABORTED)
+            self.metrics.observe_finished(request)
+            self.num_quarantined += 1
+        if convicted:
+            self._consecutive_failures = 0  # its cause is gone: the restarts in a row count afresh
+        failed = [request for request, _ in convicted]
         while True:
             self._consecutive_failures += 1
             if self._consecutive_failures > self.max_restarts:
-                return self._fail_all(error)
+                return failed + self._fail_all(error)
             delay = self.restart_backoff_s * 2 ** (self._consecutive_failures - 1)
             logger.warning("worker group failed (%s); restart %d in %.1fs", error, self._consecutive_failures, delay)
             time.sleep(delay)
@@ -188,7 +211,8 @@ class EngineCore:
                     num_blocks, self.config.cache.block_size, self.config.cache.enable_prefix_caching
                 )
                 self.scheduler.replace_block_table(self.block_table)
-            return []
+            self.quarantine.arrange()  # suspects of repeated failures rejoin one at a time
+            return failed
 
     def _fail_all(self, error: WorkerGroupError) -> list[Request]:
         """Finish every in-flight request with a retriable error instead of restarting forever."""
@@ -196,8 +220,11 @@ class EngineCore:
         failed = list(self.scheduler.requests.values())
         for request in failed:
             request.error = message
+            request.error_code = "worker_failure"
             self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ABORTED)
+            self.metrics.observe_finished(request)
         self._consecutive_failures = 0
+        self.quarantine.reset()
         return failed
 
 

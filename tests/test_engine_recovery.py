@@ -1,4 +1,5 @@
-"""Engine loop against a fake worker group: restart after a failure, back off, give up with a clear error."""
+"""Engine loop against a fake worker group: restart after a failure, back off, give up with a clear error, and
+fail alone a request that crashes the workers every time it runs."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from cluster.sampling_params import SamplingParams
 from proto import step_pb2
 
 VOCAB = 500
+POISON = 499  # a prompt holding this token crashes the fake workers whenever it is in a step
 
 
 class FakeGroup:
@@ -23,11 +25,18 @@ class FakeGroup:
         self.calls = 0
         self.restarts = 0
         self.tokens: dict[int, list[int]] = {}
+        self.poisoned: set[int] = set()  # handles of requests whose prompt holds POISON
+        self.batches: list[set[int]] = []  # the handles each step ran, failed ones included
 
     def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
         self.calls += 1
+        self.poisoned |= {new.handle for new in batch.new_requests if POISON in new.token_ids}
+        handles = {new.handle for new in batch.new_requests} | {delta.handle for delta in batch.cached_requests}
+        self.batches.append(handles)
         if self.calls in self.failures:
             raise WorkerGroupError("rank 1 is gone")
+        if handles & self.poisoned:
+            raise WorkerGroupError("rank 0 crashed")
         for handle in batch.finished:
             self.tokens.pop(handle, None)
         result = step_pb2.StepResult(step_id=batch.step_id)
@@ -61,13 +70,23 @@ def make_engine(group: FakeGroup) -> EngineCore:
     return EngineCore(config, group, max_model_len=512, vocab_size=VOCAB, eos_token_ids=[VOCAB + 1])
 
 
-def run(engine: EngineCore, num_requests: int = 8) -> dict[str, list[int]]:
-    requests = [
-        engine.add_request(f"r{i}", [(i * 13 + j) % 400 + 1 for j in range(5 + 3 * i)], SamplingParams(max_tokens=20))
-        for i in range(num_requests)
-    ]
+def run(
+    engine: EngineCore, num_requests: int = 8, poison_at: int | None = None, poison_after_steps: int = 0
+) -> dict[str, list[int]]:
+    """Run r0..r{n-1}; with `poison_at`, a poisoned request is added before r{poison_at} (or, with
+    `poison_after_steps`, once that many steps ran: into a batch already generating)."""
+    requests = []
+    for i in range(num_requests):
+        if i == poison_at and not poison_after_steps:
+            requests.append(engine.add_request("poison", [POISON, 7, 8, 9, 10], SamplingParams(max_tokens=20)))
+        prompt = [(i * 13 + j) % 400 + 1 for j in range(5 + 3 * i)]
+        requests.append(engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=20)))
+    steps = 0
     while engine.has_unfinished():
         engine.step()
+        steps += 1
+        if poison_at is not None and steps == poison_after_steps:
+            requests.append(engine.add_request("poison", [POISON, 7, 8, 9, 10], SamplingParams(max_tokens=20)))
     return {r.request_id: (list(r.output_token_ids), r.status.value, r.error) for r in requests}
 
 
@@ -95,3 +114,65 @@ def test_repeated_failures_back_off_then_fail_with_a_retriable_error(no_sleep):
     assert all(status == "abort" and "retry" in error for _, status, error in outcome.values())
     assert no_sleep[: engine.max_restarts] == [engine.restart_backoff_s * 2**i for i in range(engine.max_restarts)]
     assert engine.block_table.num_free_blocks == engine.block_table.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("poison_at", "poison_after_steps"),
+    [(0, 0), (3, 0), (7, 0), (0, 6)],
+    ids=["first", "middle", "last", "joins-a-running-batch"],
+)
+def test_a_request_that_crashes_the_workers_is_failed_alone(no_sleep, poison_at, poison_after_steps):
+    expected = run(make_engine(FakeGroup(256, failures=[])))
+    group = FakeGroup(256, failures=[])
+    engine = make_engine(group)
+    outcome = run(engine, poison_at=poison_at, poison_after_steps=poison_after_steps)
+    tokens, status, error = outcome.pop("poison")
+    # Everyone else finishes as if the poisoned request had never come.
+    assert outcome == expected
+    assert status == "abort" and "crashed the workers repeatedly" in error
+    assert engine.num_quarantined == 1
+    # Found in a few restarts: two failures make suspects, the suspects rejoin one at a time, the culprit fails.
+    assert group.restarts <= 4
+    poisoned = group.poisoned.pop()
+    failed_steps = [handles for handles in group.batches if poisoned in handles]
+    assert len(failed_steps) == group.restarts and len(failed_steps[-1]) >= 1
+    # The sequence cap of the isolation is lifted, nothing leaks.
+    assert not engine.quarantine.isolating
+    assert engine.scheduler.config == engine.config.scheduler
+    assert engine.block_table.num_free_blocks == engine.block_table.num_blocks
+
+
+def test_quarantine_tells_the_client_why(no_sleep):
+    group = FakeGroup(256, failures=[])
+    engine = make_engine(group)
+    innocent = engine.add_request("innocent", [5, 6, 7], SamplingParams(max_tokens=4))
+    poison = engine.add_request("poison", [POISON, 6, 7], SamplingParams(max_tokens=4))
+    changed: list = []
+    while engine.has_unfinished():
+        changed += engine.step()
+    assert poison in changed and poison.error_code == "quarantined" and poison.output_token_ids == []
+    assert innocent.status.value == "length" and innocent.error is None
+
+
+def test_a_lone_request_on_broken_workers_gets_a_retriable_error(no_sleep):
+    """Without a step that succeeds, nothing singles the request out: the workers, not it, may be at fault."""
+    group = FakeGroup(256, failures=[])
+    engine = make_engine(group)
+    poison = engine.add_request("poison", [POISON, 6, 7], SamplingParams(max_tokens=4))
+    while engine.has_unfinished():
+        engine.step()
+    assert poison.error_code == "worker_failure" and "retry" in poison.error
+    assert group.restarts == engine.max_restarts
+
+
+def test_serve_flags_for_step_deadline_and_worker_restarts():
+    import argparse
+
+    from cluster.serve import add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    defaults = parser.parse_args([])
+    assert (defaults.step_timeout, defaults.max_worker_restarts) == (300.0, 3)
+    args = parser.parse_args(["--step-timeout", "45", "--max-worker-restarts", "5"])
+    assert (args.step_timeout, args.max_worker_restarts) == (45.0, 5)
