@@ -46,6 +46,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-waiting-requests", type=int, default=None)
     parser.add_argument(
+        "--session-idle-timeout", type=float, default=300.0,
+        help="seconds a streaming-input session may wait for its next chunk before it is closed",
+    )
+    parser.add_argument(
+        "--max-sessions", type=int, default=None, help="open streaming-input sessions at once (default: max-num-seqs)"
+    )
+    parser.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -127,6 +134,8 @@ def serve(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
             max_waiting_requests=args.max_waiting_requests,
+            session_idle_timeout_s=args.session_idle_timeout,
+            max_sessions=args.max_sessions,
             enable_chunked_prefill=args.enable_chunked_prefill,
         ),
         observability=ObservabilityConfig(
