@@ -3,43 +3,22 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import openai
 import pytest
+
+from tests.serve_process import start_serve, wait_ready
 
 pytestmark = pytest.mark.slow
 
 
 def test_serve_answers_chat_then_drains_on_sigterm():
-    pagerail = Path(sys.executable).parent / "pagerail"
-    command = [str(pagerail), "serve", "--port", "0", "--grpc-port", "0"]
-    # Its own session, as under a process supervisor: SIGTERM reaches the server process only.
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    process = start_serve()
     lines: list[str] = []
     try:
-        deadline = time.monotonic() + 300
-        url = None
-        while url is None and time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            match = re.search(r"ready in .*OpenAI API (http://\S+/v1)", line)
-            url = match.group(1).rstrip(",") if match else None
-        assert url, "".join(lines[-30:])
+        base_url, _ = wait_ready(process, lines)
+        url = base_url + "/v1"
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
         reply = client.chat.completions.create(
             model=client.models.list().data[0].id,

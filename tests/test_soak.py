@@ -11,7 +11,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -21,6 +20,7 @@ import httpx
 import pytest
 
 from proto import api_pb2, api_pb2_grpc
+from tests.serve_process import start_serve, wait_ready
 
 pytestmark = pytest.mark.slow
 
@@ -223,30 +223,15 @@ async def wait_idle(grpc_target: str, timeout_s: float) -> dict[str, float]:
 
 
 def test_soak(soak_minutes, tmp_path):
-    pagerail = Path(sys.executable).parent / "pagerail"
-    command = [
-        str(pagerail), "serve", "--port", "0", "--grpc-port", "0", "--served-model-name", "soak",
+    process = start_serve(
+        "--served-model-name", "soak",
         # A small cache, so preemption and idle-session reclaiming happen under this load.
         "--kv-cache-memory-bytes", str(12 << 20), "--max-num-seqs", "16", "--max-waiting-requests", "64",
         "--session-idle-timeout", "5",
-    ]  # fmt: skip
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     lines: list[str] = []
     try:
-        http_url = grpc_target = None
-        deadline = time.monotonic() + 300
-        while http_url is None and time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            match = re.search(r"ready in .*OpenAI API (http://\S+)/v1, gRPC (\S+),", line)
-            if match:
-                http_url, grpc_target = match.group(1), match.group(2)
-        assert http_url, "".join(lines[-30:])
+        http_url, grpc_target = wait_ready(process, lines)
 
         warmup = Soak(http_url, grpc_target, seed=1)
         asyncio.run(warmup.run(10))

@@ -108,37 +108,20 @@ def create_app(state: ServerState, ready: Callable[[], Awaitable[bool]] | None =
         }
         return {"object": "list", "data": [card]}
 
+    async def generation(request: Request, model, route):
+        """Parse the body as `model` and run `route` over it, counted as in flight until its response ends."""
+        body = await _parse(request, state, model)
+        ids = (request.state.request_id, request.state.client_request_id)
+        route_call = route(body, state.engine, state.tokenizer, state.served_model_name, *ids)
+        return await _admitted(state, request, route_call)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _parse(request, state, CompletionRequest)
-        return await _admitted(
-            state,
-            request,
-            openai_routes.completions(
-                body,
-                state.engine,
-                state.tokenizer,
-                state.served_model_name,
-                request.state.request_id,
-                request.state.client_request_id,
-            ),
-        )
+        return await generation(request, CompletionRequest, openai_routes.completions)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _parse(request, state, ChatCompletionRequest)
-        return await _admitted(
-            state,
-            request,
-            openai_routes.chat_completions(
-                body,
-                state.engine,
-                state.tokenizer,
-                state.served_model_name,
-                request.state.request_id,
-                request.state.client_request_id,
-            ),
-        )
+        return await generation(request, ChatCompletionRequest, openai_routes.chat_completions)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
