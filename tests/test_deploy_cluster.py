@@ -115,10 +115,11 @@ def _ranks_nodes(address: str, env: dict[str, str]) -> tuple[int, list[str]]:
     """(alive Ray nodes, the node of each rank), asked from a separate driver as an operator would."""
     script = textwrap.dedent(
         f"""
+        import re
         import ray
         ray.init(address={address!r}, namespace="pagerail", log_to_driver=False)
         heads = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["name"].startswith("pagerail-head")]
+                 if re.fullmatch(r"pagerail-head-[0-9]+", a["name"])]  # not its ranks, named after it
         print(sum(node["Alive"] for node in ray.nodes()))
         print(*ray.get(ray.get_actor(heads[0]).worker_nodes.remote()))
         """

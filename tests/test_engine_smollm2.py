@@ -92,7 +92,7 @@ def test_streaming_input_session_reuses_earlier_chunks(llm):
         while request.num_computed_tokens < request.num_tokens:
             engine.step()
         assert request.status.value == "awaiting_input" and not request.output_token_ids
-        engine.add_request("session", chunk, params, final=index == len(chunks) - 1)
+        engine.append_input("session", chunk, final=index == len(chunks) - 1)
     while not request.finished:
         engine.step()
     computed = llm.stats.num_computed_tokens - before
