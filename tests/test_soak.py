@@ -226,7 +226,7 @@ def test_soak(soak_minutes, tmp_path):
     process = start_serve(
         "--served-model-name", "soak",
         # A small cache, so preemption and idle-session reclaiming happen under this load.
-        "--kv-cache-memory-bytes", str(12 << 20), "--max-num-seqs", "16", "--max-waiting-requests", "64",
+        "--kv-cache-memory-bytes", str(6 << 20), "--max-num-seqs", "16", "--max-waiting-requests", "64",
         "--session-idle-timeout", "5",
     )  # fmt: skip
     lines: list[str] = []
