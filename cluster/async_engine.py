@@ -14,7 +14,7 @@ from cluster.engine import EngineCore
 from cluster.frontend.engine_client import RequestDelta
 from cluster.request import Request
 from cluster.sampling_params import SamplingParams
-from cluster.scheduler import PauseMode
+from cluster.scheduler_output import PauseMode
 
 logger = logging.getLogger(__name__)
 

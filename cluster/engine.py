@@ -16,7 +16,8 @@ from cluster.executor import Executor, WorkerGroupError
 from cluster.quarantine import Quarantine
 from cluster.request import Request, RequestStatus
 from cluster.sampling_params import SamplingParams
-from cluster.scheduler import PauseMode, Scheduler
+from cluster.scheduler import Scheduler
+from cluster.scheduler_output import PauseMode
 from cluster.step_builder import StepMessageBuilder
 from cluster.step_tracing import dispatch_span, end_step_span, start_step_span
 from proto import step_pb2
@@ -60,13 +61,12 @@ class EngineCore:
         self.config = config
         self.executor = executor
         self.max_model_len = effective_max_model_len(config, max_model_len, executor.num_blocks)
-        max_model_len = self.max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_table = BlockTable(
             executor.num_blocks, config.cache.block_size, enable_prefix_caching=config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_table, max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.block_table, self.max_model_len)
         self.step_builder = StepMessageBuilder()
         self._handles = itertools.count(1)
         self.metrics = EngineMetrics(config.model_name)
@@ -78,7 +78,6 @@ class EngineCore:
         self.num_quarantined = 0
         # Singles out a request that keeps crashing the workers; it sees each step's outcome through the executor.
         self.quarantine = Quarantine(self.scheduler)
-        self.executor = self.quarantine.watch(executor)
         self.last_step_idle = True
         self.schedule_seconds: deque[float] = deque(maxlen=4096)
 
@@ -160,21 +159,22 @@ class EngineCore:
                 result = self.executor.execute(batch)
         except WorkerGroupError as error:
             end_step_span(span, error)
-            return expired + self._recover(error)
+            return expired + self._recover(error, batch)
         round_trip = time.perf_counter() - dispatched
         self._consecutive_failures = 0
+        self.quarantine.step_succeeded(batch)
         changed = self.scheduler.update_from_output(out, unpack_result(result))
         self.metrics.observe_step(self, out, result, dispatched - started, round_trip, changed)
         end_step_span(span)
         return expired + changed
 
-    def _recover(self, error: WorkerGroupError) -> list[Request]:
+    def _recover(self, error: WorkerGroupError, batch: step_pb2.StepBatch) -> list[Request]:
         """Rebuild the worker group and recompute every request; give up after repeated failures.
 
         Clients see a pause: generated tokens are kept and recomputed, none is lost or repeated. A request that
         keeps crashing the workers is failed alone and the others carry on (the rule: cluster/quarantine.py).
         """
-        convicted = self.quarantine.step_failed()
+        convicted = self.quarantine.step_failed(batch)
         self.scheduler.requeue_all()
         self.step_builder.reset()
         for request, strikes in convicted:

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 if TYPE_CHECKING:
     from cluster.engine import EngineCore
     from cluster.request import Request
-    from cluster.scheduler import SchedulerOutput
+    from cluster.scheduler_output import SchedulerOutput
     from proto import step_pb2
 
 # promtool (CI checks the exposition with it) rejects ":" in exported names, so vLLM's names take "pagerail_".

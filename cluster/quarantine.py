@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
-from cluster.config import SchedulerConfig
-from cluster.executor import Executor
 from cluster.request import Request
 from cluster.scheduler import Scheduler
 from proto import step_pb2
@@ -15,7 +11,7 @@ SUSPECT_AFTER = 2
 
 
 class Quarantine:
-    """Sees every step's outcome through the executor it wraps (`watch`); the engine asks it after each failure.
+    """Told every step's outcome by the engine (step_succeeded / step_failed), which asks it after each failure.
 
     A request whose input crashes the ranks (a kernel fault on one shape, say) fails every step it is in, and the
     engine's restart limit would then fail every request in flight with it. The rule that singles it out:
@@ -24,7 +20,7 @@ class Quarantine:
        it. A request's strikes are the failed steps in a row it was in.
     2. Isolation. When a failure leaves requests with SUSPECT_AFTER strikes or more, they are suspects. From the
        restart on they rejoin one at a time, fewest strikes first: everything else is scheduled ahead of them and
-       the scheduler's sequence cap lets in at most one suspect more; each successful step clears the suspect in
+       the scheduler's admission cap lets in at most one suspect more; each successful step clears the suspect in
        it and lets the next one in. When no suspect is left, the cap is lifted.
     3. Conviction. A failed step in which exactly one request has SUSPECT_AFTER strikes or more convicts it, if a
        step succeeded since the failure before: the workers were sound without it. It is finished alone with an
@@ -38,23 +34,14 @@ class Quarantine:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self._strikes: dict[int, int] = {}  # request handle → failed steps in a row it was in
-        self._last_batch: step_pb2.StepBatch | None = None
         self._succeeded_since_failure = False
-        self._base_config: SchedulerConfig | None = None  # the scheduler's own config, while suspects are capped
-
-    def watch(self, executor: Executor) -> WatchedExecutor:
-        """The executor the engine should call: `executor`, reporting each step's outcome here."""
-        return WatchedExecutor(executor, self)
 
     @property
     def isolating(self) -> bool:
         """True while suspects are being let back in one at a time."""
-        return self._base_config is not None
+        return self.scheduler.admission_cap is not None
 
-    # -- reported by the watched executor ---------------------------------------------------------
-
-    def step_started(self, batch: step_pb2.StepBatch) -> None:
-        self._last_batch = batch
+    # -- told by the engine -----------------------------------------------------------------------
 
     def step_succeeded(self, batch: step_pb2.StepBatch) -> None:
         self._succeeded_since_failure = True
@@ -64,18 +51,15 @@ class Quarantine:
             self._strikes.pop(handle, None)
         self.arrange()
 
-    # -- asked by the engine ----------------------------------------------------------------------
-
-    def step_failed(self) -> list[tuple[Request, int]]:
+    def step_failed(self, batch: step_pb2.StepBatch) -> list[tuple[Request, int]]:
         """Count the failed step's strikes; the request to fail alone (with its strikes), if the rule convicts one."""
         live = {request.handle: request for request in self.scheduler.requests.values()}
         self._strikes = {handle: n for handle, n in self._strikes.items() if handle in live}
-        members = [handle for handle in _handles(self._last_batch) if handle in live]
+        members = [handle for handle in _handles(batch) if handle in live]
         for handle in members:
             self._strikes[handle] = self._strikes.get(handle, 0) + 1
         struck = [handle for handle in members if self._strikes[handle] >= SUSPECT_AFTER]
         sound_before, self._succeeded_since_failure = self._succeeded_since_failure, False
-        self._last_batch = None
         if len(struck) == 1 and sound_before:
             return [(live[struck[0]], self._strikes.pop(struck[0]))]
         return []
@@ -87,10 +71,8 @@ class Quarantine:
         live = {request.handle for request in scheduler.requests.values()}
         suspects = {handle for handle, n in self._strikes.items() if n >= SUSPECT_AFTER and handle in live}
         if not suspects:
-            self.reset_cap()
+            scheduler.admission_cap = None
             return
-        if self._base_config is None:
-            self._base_config = scheduler.config
         others = [r for r in scheduler.waiting if r.handle not in suspects]
         held = sorted(
             (r for r in scheduler.waiting if r.handle in suspects), key=lambda r: (self._strikes[r.handle], r.handle)
@@ -99,39 +81,13 @@ class Quarantine:
         scheduler.waiting.extend(others + held)
         suspect_running = any(r.handle in suspects for r in scheduler.running)
         room = len(scheduler.running) + scheduler.num_idle_sessions_holding_blocks + len(others)
-        base = self._base_config
-        cap = max(1, min(base.max_num_seqs, room + (0 if suspect_running else 1)))
-        # The session limit defaults to max_num_seqs: keep it as it was.
-        scheduler.config = dataclasses.replace(base, max_num_seqs=cap, max_sessions=base.session_limit)
-
-    def reset_cap(self) -> None:
-        if self._base_config is not None:
-            self.scheduler.config = self._base_config
-            self._base_config = None
+        scheduler.admission_cap = max(1, room + (0 if suspect_running else 1))
 
     def reset(self) -> None:
         """Forget everything (every request in flight was failed)."""
-        self.reset_cap()
+        self.scheduler.admission_cap = None
         self._strikes.clear()
-        self._last_batch = None
         self._succeeded_since_failure = False
-
-
-class WatchedExecutor:
-    """The engine's executor with the quarantine watching each step; everything else is the executor's own."""
-
-    def __init__(self, executor: Executor, quarantine: Quarantine) -> None:
-        self.inner = executor
-        self._quarantine = quarantine
-
-    def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
-        self._quarantine.step_started(batch)
-        result = self.inner.execute(batch)
-        self._quarantine.step_succeeded(batch)
-        return result
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
 
 
 def _handles(batch: step_pb2.StepBatch | None) -> list[int]:

@@ -2,76 +2,19 @@
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from cluster.admission import check_fits
 from cluster.block_table import BlockTable
 from cluster.config import SchedulerConfig
 from cluster.errors import QueueFullError
 from cluster.request import Request, RequestStatus
+from cluster.scheduler_output import PauseMode, ScheduledRequest, SchedulerOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
-
-
-class PauseMode(enum.Enum):
-    NONE = "none"
-    NEW = "new"  # hold waiting requests, keep running ones going
-    ALL = "all"  # schedule nothing
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: `num_tokens` new tokens starting at `num_computed_tokens`."""
-
-    request: Request
-    num_tokens: int
-    new_block_ids: list[int]
-    # Admitted this step from the waiting queue (new, or back after preemption).
-    admitted: bool = False
-    # The workers must take the full block list and num_computed_tokens from this step (admitted, or a
-    # session whose last token is recomputed for its logits).
-    resync: bool = False
-    # A streaming-input chunk (not the final one): compute the KV, sample nothing.
-    skip_sampling: bool = False
-
-
-@dataclass
-class SchedulerOutput:
-    """What the scheduler decided for one step."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    # Running requests and idle sessions whose blocks were taken away this step.
-    preempted: list[Request] = field(default_factory=list)
-    finished_handles: list[int] = field(default_factory=list)
-    # Sessions closed this step because no input came for session_idle_timeout_s.
-    expired: list[Request] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled and not self.finished_handles and not self.preempted
-
-
-@dataclass
-class SchedulerStats:
-    """Counters the tests and the benchmark read."""
-
-    num_steps: int = 0
-    num_preemptions: int = 0
-    num_aborted: int = 0  # requests a caller aborted (disconnects included)
-    num_idle_sessions_released: int = 0  # idle sessions whose blocks were reclaimed (also in num_preemptions)
-    num_prefix_hit_tokens: int = 0
-    num_prefix_query_tokens: int = 0
-    num_computed_tokens: int = 0
-    num_mixed_steps: int = 0  # steps with a partial prefill chunk next to decodes
-    peak_live_tokens: int = 0
-    peak_used_slots: int = 0
-    peak_utilisation: float = 0.0
-    peak_running: int = 0  # most sequences holding KV blocks at once
 
 
 class Scheduler:
@@ -94,6 +37,9 @@ class Scheduler:
         # Streaming-input sessions waiting for their next chunk, longest idle first. They may hold blocks, which
         # count against max_num_seqs and are the first to be reclaimed when memory or sequence slots run out.
         self.idle_sessions: dict[str, Request] = {}
+        # A lower max_num_seqs for admissions while requests suspected of crashing the workers rejoin one at a
+        # time (set by the engine's quarantine); None: max_num_seqs alone.
+        self.admission_cap: int | None = None
         self.pause_mode = PauseMode.NONE
         self.stats = SchedulerStats()
         # Handles the workers must forget, sent with the next step.
@@ -105,7 +51,7 @@ class Scheduler:
         """Queue a new request, refusing one that could never fit."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} already exists")
-        self._check_fits(request, request.num_tokens)
+        check_fits(request, request.num_tokens, self.max_model_len, self.config, self.block_table)
         if request.input_open:
             limit = self.config.session_limit
             if self.num_open_sessions >= limit:
@@ -118,7 +64,7 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None or not request.input_open:
             raise ValueError(f"request_id {request_id!r} is not an open streaming-input session")
-        self._check_fits(request, request.num_tokens + len(token_ids))
+        check_fits(request, request.num_tokens + len(token_ids), self.max_model_len, self.config, self.block_table)
         request.append_input(token_ids)
         request.input_open = not final
         if not request.awaiting_input:
@@ -295,6 +241,8 @@ class Scheduler:
     def _has_sequence_slot(self, out: SchedulerOutput) -> bool:
         """Room for one more sequence under max_num_seqs, idle sessions holding blocks included."""
         limit = self.config.max_num_seqs
+        if self.admission_cap is not None:
+            limit = min(limit, self.admission_cap)
         if len(self.running) >= limit:
             return False
         while len(self.running) + self.num_idle_sessions_holding_blocks >= limit:
@@ -326,11 +274,7 @@ class Scheduler:
             "released the KV blocks of session %s; its %d tokens will be recomputed when it runs again",
             request.request_id, request.num_computed_tokens, extra={"request_id": request.request_id},
         )
-        self.block_table.free(request.request_id)
-        request.num_computed_tokens = 0
-        request.needs_resync = False
-        request.num_preemptions += 1
-        self.stats.num_preemptions += 1
+        self._take_blocks(request)
         self.stats.num_idle_sessions_released += 1
         out.preempted.append(request)
 
@@ -393,49 +337,23 @@ class Scheduler:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _check_fits(self, request: Request, num_tokens: int) -> None:
-        """Refuse a request (or a session's next chunk) of `num_tokens` tokens that could never be served."""
-        limit = self.max_model_len
-        if request.max_tokens is None:
-            # Up to the context: the prompt must leave room for at least one output token.
-            if num_tokens >= limit:
-                raise ValueError(
-                    f"the prompt ({num_tokens} tokens) leaves no room for output within max_model_len={limit}"
-                )
-            total = num_tokens + 1
-        else:
-            total = num_tokens + request.max_tokens
-            if total > limit:
-                raise ValueError(
-                    f"prompt ({num_tokens} tokens) + max_tokens ({request.max_tokens}) exceeds max_model_len={limit}"
-                )
-        budget = self.config.max_num_batched_tokens
-        if not self.config.enable_chunked_prefill and total > budget:
-            # Without chunking a prompt (or a preempted request's recompute) must fit one step's budget.
-            raise ValueError(
-                f"prompt ({num_tokens} tokens) + max_tokens ({request.max_tokens}) exceeds "
-                f"max_num_batched_tokens={budget}, which bounds one unchunked prefill"
-            )
-        block_size = self.block_table.block_size
-        needed = -(-total // block_size)
-        if needed > self.block_table.num_blocks:
-            raise ValueError(
-                f"request needs {needed} KV blocks but the whole cache holds {self.block_table.num_blocks}; "
-                f"lower max_tokens or the prompt length"
-            )
-
     def _preempt(self, request: Request) -> None:
         logger.info(
             "preempted request %s: the KV cache ran out of blocks (%d free of %d); %d tokens will be recomputed",
             request.request_id, self.block_table.num_free_blocks, self.block_table.num_blocks,
             request.num_computed_tokens, extra={"request_id": request.request_id},
         )
+        self._take_blocks(request)
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+
+    def _take_blocks(self, request: Request) -> None:
+        """Free a request's blocks; it recomputes its tokens (from the prefix cache where it can) when it runs."""
         self.block_table.free(request.request_id)
         request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
+        request.needs_resync = False
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.finished:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cluster.request import Request
-from cluster.scheduler import SchedulerOutput
+from cluster.scheduler_output import SchedulerOutput
 from proto import step_pb2
 
 

@@ -22,7 +22,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext
 
 from cluster.request import Request
-from cluster.scheduler import SchedulerOutput
+from cluster.scheduler_output import SchedulerOutput
 from proto import step_pb2
 from worker.telemetry import extract_carrier, get_tracer, tracing_enabled
 

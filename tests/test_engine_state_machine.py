@@ -18,7 +18,7 @@ from cluster.engine import EngineCore
 from cluster.errors import QueueFullError
 from cluster.request import RequestStatus
 from cluster.sampling_params import SamplingParams
-from cluster.scheduler import PauseMode
+from cluster.scheduler_output import PauseMode
 from tests.fake_workers import FakeKVWorkers, fingerprint, next_token
 
 VOCAB = 50

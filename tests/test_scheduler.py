@@ -8,7 +8,8 @@ from cluster.block_table import BlockTable
 from cluster.config import SchedulerConfig
 from cluster.request import Request, RequestStatus
 from cluster.sampling_params import SamplingParams
-from cluster.scheduler import PauseMode, Scheduler
+from cluster.scheduler import Scheduler
+from cluster.scheduler_output import PauseMode
 
 VOCAB = 1000
 EOS = 999

@@ -62,7 +62,7 @@ def test_tracing_off_installs_nothing_and_spans_are_noops():
         from opentelemetry import trace
         from worker import telemetry
         from cluster.step_tracing import start_step_span
-        from cluster.scheduler import SchedulerOutput
+        from cluster.scheduler_output import SchedulerOutput
 
         assert telemetry.configure_tracing("head", endpoint=None) is False
         assert not telemetry.tracing_enabled()

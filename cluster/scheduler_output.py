@@ -1,0 +1,65 @@
+"""What the scheduler hands the engine each step (the decision), and the counters it keeps across steps."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from cluster.request import Request
+
+
+class PauseMode(enum.Enum):
+    NONE = "none"
+    NEW = "new"  # hold waiting requests, keep running ones going
+    ALL = "all"  # schedule nothing
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: `num_tokens` new tokens starting at `num_computed_tokens`."""
+
+    request: Request
+    num_tokens: int
+    new_block_ids: list[int]
+    # Admitted this step from the waiting queue (new, or back after preemption).
+    admitted: bool = False
+    # The workers must take the full block list and num_computed_tokens from this step (admitted, or a
+    # session whose last token is recomputed for its logits).
+    resync: bool = False
+    # A streaming-input chunk (not the final one): compute the KV, sample nothing.
+    skip_sampling: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    """What the scheduler decided for one step."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Running requests and idle sessions whose blocks were taken away this step.
+    preempted: list[Request] = field(default_factory=list)
+    finished_handles: list[int] = field(default_factory=list)
+    # Sessions closed this step because no input came for session_idle_timeout_s.
+    expired: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled and not self.finished_handles and not self.preempted
+
+
+@dataclass
+class SchedulerStats:
+    """Counters the tests and the benchmark read."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_aborted: int = 0  # requests a caller aborted (disconnects included)
+    num_idle_sessions_released: int = 0  # idle sessions whose blocks were reclaimed (also in num_preemptions)
+    num_prefix_hit_tokens: int = 0
+    num_prefix_query_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_mixed_steps: int = 0  # steps with a partial prefill chunk next to decodes
+    peak_live_tokens: int = 0
+    peak_used_slots: int = 0
+    peak_utilisation: float = 0.0
+    peak_running: int = 0  # most sequences holding KV blocks at once
