@@ -240,7 +240,7 @@ def _wait_until_gone(actors: list, local_pids: list[int], timeout_s: float = _GO
             time.sleep(0.05)
     pids = list(local_pids)
     while pids and time.monotonic() < deadline:
-        pids = [pid for pid in pids if _process_running(pid)]
+        pids = [pid for pid in pids if process_running(pid)]
         if pids:
             time.sleep(0.05)
     if pending or pids:
@@ -250,7 +250,7 @@ def _wait_until_gone(actors: list, local_pids: list[int], timeout_s: float = _GO
         )
 
 
-def _process_running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
     """True while `pid` exists and is not a zombie (a zombie has released its memory)."""
     try:
         os.kill(pid, 0)

@@ -21,7 +21,7 @@ from cluster.executor import worker_config  # noqa: E402
 from cluster.head import ClusterOptions  # noqa: E402
 from cluster.launcher import start_head  # noqa: E402
 from cluster.sampling_params import SamplingParams  # noqa: E402
-from cluster.worker_group import WorkerGroup  # noqa: E402
+from cluster.worker_group import WorkerGroup, process_running  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 from worker import actor as actor_module  # noqa: E402
 
@@ -86,14 +86,11 @@ def wait_for(condition, timeout_s: float, what: str) -> float:
     return time.monotonic() - started
 
 
-def running(pid: int) -> bool:
-    """The process exists and is not a zombie (which has released its memory)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rpartition(")")[2].split()[0] != "Z"
+def _hang_in_next_step(head, rank, seconds: float) -> None:
+    """Make `rank` hang for `seconds` in the next step, let the engine run, and return once the step is stuck."""
+    ray.get(rank.inject_step_fault.remote("hang", seconds))
+    ray.get(head.resume.remote())
+    wait_for(lambda: ray.get(rank.step_faults_hit.remote()) == 1, 30, "the step reached the hanging rank")
 
 
 def restarts(head) -> int:
@@ -115,7 +112,7 @@ def test_restarted_head_removes_the_placement_group_of_its_previous_life(one_gro
         assert groups[old_group["placement_group_id"]]["state"] == "REMOVED"
         alive = [g for g in groups.values() if g["state"] == "CREATED"]
         assert [g["name"] for g in alive] == [f"{name}-workers"]
-        assert not any(running(pid) for pid in old_ranks)
+        assert not any(process_running(pid) for pid in old_ranks)
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         assert len(ray.get(head.generate.remote("after", [5, 6, 7], params)).token_ids) == 4
     finally:
@@ -169,7 +166,7 @@ def _stream_with_incident(head, name: str, prefix: str, incident) -> tuple[float
         fault_at = incident(ranks)
     finally:
         ray.get(head.resume.remote())
-    wait_for(lambda: not any(running(pid) for pid in old_pids), 150, "the faulty ranks were stopped")
+    wait_for(lambda: not any(process_running(pid) for pid in old_pids), 150, "the faulty ranks were stopped")
     noticed = time.monotonic() - fault_at
     wait_for(lambda: restarts(head) > before, 150, "the group was rebuilt")
     return noticed, _collect(firsts, streams)
@@ -195,9 +192,7 @@ def test_a_rank_that_fails_or_dies_during_a_step_is_noticed_at_once(one_group_ra
         def rank1_killed_mid_step(ranks):
             # Rank 0 sits in the step (it sleeps before computing) while rank 1 waits for it; rank 1 is killed then.
             rank1_pid = ray.get(ranks[1].pid.remote())
-            ray.get(ranks[0].inject_step_fault.remote("hang", 60.0))
-            ray.get(head.resume.remote())
-            wait_for(lambda: ray.get(ranks[0].step_faults_hit.remote()) == 1, 30, "the step reached rank 0")
+            _hang_in_next_step(head, ranks[0], 60.0)
             os.kill(rank1_pid, signal.SIGKILL)
             return time.monotonic()
 
@@ -218,9 +213,7 @@ def test_a_hung_rank_fails_the_step_at_the_deadline(one_group_ray, model_dir):
         expected = _generate_all(head, "ref")
 
         def rank1_hangs(ranks):
-            ray.get(ranks[1].inject_step_fault.remote("hang", 300.0))
-            ray.get(head.resume.remote())
-            wait_for(lambda: ray.get(ranks[1].step_faults_hit.remote()) == 1, 30, "the step reached rank 1")
+            _hang_in_next_step(head, ranks[1], 300.0)
             return time.monotonic()
 
         noticed, outputs = _stream_with_incident(head, name, "hang", rank1_hangs)
@@ -238,7 +231,7 @@ class _ProbedGroup(WorkerGroup):
     running_at_start: list[list[int]]
 
     def start(self) -> int:
-        self.running_at_start.append([pid for pid in self.previous_pids if running(pid)])
+        self.running_at_start.append([pid for pid in self.previous_pids if process_running(pid)])
         return super().start()
 
 
@@ -259,7 +252,7 @@ def test_restart_starts_new_ranks_only_once_the_killed_ones_are_gone(one_group_r
         new = list(group.pids)
     finally:
         group.shutdown()
-    assert not any(running(pid) for pid in new)
+    assert not any(process_running(pid) for pid in new)
 
 
 def test_a_new_rank_waits_while_the_free_gpu_memory_still_rises(monkeypatch):
