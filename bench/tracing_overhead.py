@@ -39,12 +39,12 @@ def span_cost_per_step_s(num_requests: int, tracer, repeats: int = 300) -> float
     """Seconds one step spends on its spans: step (linked to every request), schedule, dispatch and a rank's three."""
     from opentelemetry import trace
 
-    from cluster.request import Request
-    from cluster.sampling_params import SamplingParams
-    from cluster.scheduler import ScheduledRequest, SchedulerOutput
-    from cluster.step_tracing import dispatch_span, end_step_span, start_step_span
+    from cluster.core.request import Request
+    from cluster.core.sampling_params import SamplingParams
+    from cluster.core.scheduler import ScheduledRequest, SchedulerOutput
+    from cluster.core.step_tracing import dispatch_span, end_step_span, start_step_span
+    from common import telemetry
     from proto import step_pb2
-    from worker import telemetry
 
     out = SchedulerOutput(num_batched_tokens=num_requests)
     for i in range(num_requests):
@@ -68,7 +68,7 @@ def run_rounds(mode: str, endpoint: str, args: argparse.Namespace, conn) -> None
     from opentelemetry import trace
 
     from cluster import LLM, SamplingParams
-    from worker import telemetry
+    from common import telemetry
 
     if mode == "on":
         telemetry.configure_tracing("head", endpoint=endpoint, sampling_ratio=1.0)

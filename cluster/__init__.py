@@ -5,23 +5,23 @@ from typing import TYPE_CHECKING
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 if TYPE_CHECKING:
-    from cluster.llm import LLM
-    from cluster.outputs import CompletionOutput, RequestOutput
-    from cluster.sampling_params import SamplingParams
+    from cluster.core.outputs import CompletionOutput, RequestOutput
+    from cluster.core.sampling_params import SamplingParams
+    from cluster.entrypoints.llm import LLM
 
 
 def __getattr__(name: str):
     # Imported lazily so the plain-Python scheduler modules load without torch or transformers.
     if name == "LLM":
-        from cluster.llm import LLM
+        from cluster.entrypoints.llm import LLM
 
         return LLM
     if name in ("RequestOutput", "CompletionOutput"):
-        from cluster import outputs
+        from cluster.core import outputs
 
         return getattr(outputs, name)
     if name == "SamplingParams":
-        from cluster.sampling_params import SamplingParams
+        from cluster.core.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'cluster' has no attribute {name!r}")

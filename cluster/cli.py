@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from cluster.bench.cli import add_bench_parser
-from cluster.serve import add_serve_arguments
+from cluster.entrypoints.serve import add_serve_arguments
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -23,7 +23,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cluster.serve import serve
+    from cluster.entrypoints.serve import serve
 
     return serve(args)
 

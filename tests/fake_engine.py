@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from cluster.frontend.engine_client import QueueFullError, RequestDelta
-from cluster.sampling_params import SamplingParams
+from cluster.core.engine_client import QueueFullError, RequestDelta
+from cluster.core.sampling_params import SamplingParams
 
 
 class FakeEngineClient:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from cluster.executor import WorkerGroupError
+from cluster.core.executor import WorkerGroupError
 from proto import step_pb2
 from worker.request_state import RequestStates
 

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from cluster import block_table as block_table_module
-from cluster.block_table import BlockTable as EngineBlockTable
+from cluster.core import block_table as block_table_module
+from cluster.core.block_table import BlockTable as EngineBlockTable
 
 BS = 4  # small block size keeps the token lists in these tests readable
 

@@ -16,12 +16,12 @@ ray = require_module("ray", "needs Ray")
 
 from ray.util import placement_group_table  # noqa: E402
 
-from cluster.config import CacheConfig, EngineConfig  # noqa: E402
-from cluster.executor import worker_config  # noqa: E402
-from cluster.head import ClusterOptions  # noqa: E402
-from cluster.launcher import start_head  # noqa: E402
-from cluster.sampling_params import SamplingParams  # noqa: E402
-from cluster.worker_group import WorkerGroup, process_running  # noqa: E402
+from cluster.core.config import CacheConfig, EngineConfig  # noqa: E402
+from cluster.core.sampling_params import SamplingParams  # noqa: E402
+from cluster.distributed.head import ClusterOptions  # noqa: E402
+from cluster.distributed.launcher import start_head  # noqa: E402
+from cluster.distributed.local_executor import worker_config  # noqa: E402
+from cluster.distributed.worker_group import WorkerGroup, process_running  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 from worker import actor as actor_module  # noqa: E402
 
@@ -66,7 +66,7 @@ def start(model_dir, name: str, **options):
     config = EngineConfig(
         model=str(model_dir), tensor_parallel_size=2, cache=CacheConfig(block_size=4, num_gpu_blocks=512)
     )
-    return start_head(config, ClusterOptions(tensor_parallel_size=2, **options), name)
+    return start_head(config, ClusterOptions(**options), name)
 
 
 def stop(head) -> None:

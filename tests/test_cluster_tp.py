@@ -91,7 +91,7 @@ def test_killed_worker_is_replaced_without_changing_tokens(local_ray, tmp_path):
 
 
 def test_dead_head_gives_a_clear_error_then_restarts(local_ray, tmp_path):
-    from cluster.remote_engine import HeadUnavailableError
+    from cluster.distributed.remote_engine import HeadUnavailableError
 
     model_dir = make_tiny_model("llama", tmp_path / "llama")
     llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=512, tensor_parallel_size=2)

@@ -6,9 +6,9 @@ import json
 import re
 from pathlib import Path
 
-from cluster.engine_metrics import EngineMetrics
+from cluster.core.engine_metrics import EngineMetrics
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "pagerail-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parent.parent / "helm" / "pagerail" / "dashboards" / "pagerail-dashboard.json"
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
 
 

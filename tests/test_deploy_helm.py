@@ -101,13 +101,6 @@ def test_examples_cover_the_documented_setups():
     assert set(EXAMPLES) >= {"tp8-one-node", "two-nodes-tp2", "existing-secret", "kuberay"}
 
 
-def test_grafana_dashboard_copy_is_identical_to_the_original():
-    # Helm reads only files inside the chart, so the dashboard is copied there; the two must never drift.
-    original = ROOT / "deploy" / "grafana" / "pagerail-dashboard.json"
-    copy_in_chart = CHART / "dashboards" / "pagerail-dashboard.json"
-    assert copy_in_chart.read_bytes() == original.read_bytes()
-
-
 def test_values_yaml_and_schema_describe_the_same_keys():
     schema = json.loads((CHART / "values.schema.json").read_text())
     values = yaml.safe_load((CHART / "values.yaml").read_text())
@@ -316,7 +309,7 @@ def test_head_starts_ray_then_execs_serve_with_the_flags_of_values():
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    from cluster.serve import add_serve_arguments
+    from cluster.entrypoints.serve import add_serve_arguments
 
     parser = argparse.ArgumentParser(exit_on_error=False)
     add_serve_arguments(parser)
@@ -410,7 +403,7 @@ def test_api_key_and_ray_token_from_existing_secrets():
     )
     dashboard = find(items, "ConfigMap", f"{FULLNAME}-dashboard")
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
-    shipped = (ROOT / "deploy" / "grafana" / "pagerail-dashboard.json").read_text()
+    shipped = (CHART / "dashboards" / "pagerail-dashboard.json").read_text()
     assert json.loads(dashboard["data"]["pagerail-dashboard.json"]) == json.loads(shipped)
 
 

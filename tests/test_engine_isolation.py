@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
-from cluster.engine import EngineCore
-from cluster.errors import QueueFullError
-from cluster.request import RequestStatus
-from cluster.sampling_params import SamplingParams
+from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from cluster.core.engine import EngineCore
+from cluster.core.errors import QueueFullError
+from cluster.core.request import RequestStatus
+from cluster.core.sampling_params import SamplingParams
 from tests.fake_workers import FakeKVWorkers, next_token
 
 VOCAB = 97

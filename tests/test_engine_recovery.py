@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-import cluster.engine as engine_module
-from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
-from cluster.engine import EngineCore
-from cluster.executor import WorkerGroupError
-from cluster.sampling_params import SamplingParams
+import cluster.core.engine as engine_module
+from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from cluster.core.engine import EngineCore
+from cluster.core.executor import WorkerGroupError
+from cluster.core.sampling_params import SamplingParams
 from proto import step_pb2
 
 VOCAB = 500
@@ -168,7 +168,7 @@ def test_a_lone_request_on_broken_workers_gets_a_retriable_error(no_sleep):
 def test_serve_flags_for_step_deadline_and_worker_restarts():
     import argparse
 
-    from cluster.serve import add_serve_arguments
+    from cluster.entrypoints.serve import add_serve_arguments
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

@@ -12,13 +12,13 @@ from collections import Counter
 import hypothesis.strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cluster.block_table import ROOT_PARENT_HASH, BlockTable
-from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
-from cluster.engine import EngineCore
-from cluster.errors import QueueFullError
-from cluster.request import RequestStatus
-from cluster.sampling_params import SamplingParams
-from cluster.scheduler_output import PauseMode
+from cluster.core.block_table import ROOT_PARENT_HASH, BlockTable
+from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from cluster.core.engine import EngineCore
+from cluster.core.errors import QueueFullError
+from cluster.core.request import RequestStatus
+from cluster.core.sampling_params import SamplingParams
+from cluster.core.scheduler_output import PauseMode
 from tests.fake_workers import FakeKVWorkers, fingerprint, next_token
 
 VOCAB = 50

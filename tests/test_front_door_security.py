@@ -21,12 +21,12 @@ import pytest
 from cluster.frontend.grpc_api import build_grpc_server
 from cluster.frontend.http_app import ServerState, create_app
 from cluster.frontend.server import FrontendServer, FrontendSettings
+from common import telemetry
+from common.tls import ServerTls
 from proto import api_pb2, api_pb2_grpc
 from tests.fake_engine import FakeEngineClient
 from tests.http_server import BackgroundServer
 from tests.test_worker_server import make_certificates
-from worker import telemetry
-from worker.tls import ServerTls
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-inference"
@@ -197,7 +197,7 @@ _TRACE_SCRIPT = textwrap.dedent(
     from cluster.frontend.http_app import ServerState, create_app
     from cluster.frontend.server import FrontendSettings, configure_frontend_tracing
     from tests.fake_engine import FakeEngineClient
-    from worker import telemetry
+    from common import telemetry
 
     ratio, respect, tokenizer_dir, traceparent = float(sys.argv[1]), sys.argv[2] == "1", sys.argv[3], sys.argv[4]
     exporter = InMemorySpanExporter()
@@ -394,7 +394,7 @@ def test_frontend_server_wires_the_admin_key_and_grpc_tls(certificates):
 
 
 def test_serve_flags_for_the_front_door(monkeypatch, certificates):
-    from cluster.serve import add_serve_arguments
+    from cluster.entrypoints.serve import add_serve_arguments
 
     monkeypatch.setenv("PAGERAIL_ADMIN_API_KEY", "from-env")
     parser = argparse.ArgumentParser()

@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 from cluster import LLM
-from cluster.async_engine import AsyncEngine
-from cluster.frontend.clients import LocalEngineClient
+from cluster.core.async_engine import AsyncEngine
+from cluster.core.local_client import LocalEngineClient
 from cluster.frontend.grpc_api import build_grpc_server
 from proto import api_pb2, api_pb2_grpc
 

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import LLM, SamplingParams
-from cluster.async_engine import AsyncEngine
-from cluster.frontend.clients import LocalEngineClient
+from cluster.core.async_engine import AsyncEngine
+from cluster.core.local_client import LocalEngineClient
 from cluster.frontend.http_app import ServerState, create_app
 from tests.http_server import BackgroundServer
 from tests.requirements import require_executable

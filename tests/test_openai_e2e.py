@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from cluster import LLM, SamplingParams
-from cluster.async_engine import AsyncEngine
 from cluster.bench.workload import random_workload
-from cluster.frontend.clients import LocalEngineClient
+from cluster.core.async_engine import AsyncEngine
+from cluster.core.local_client import LocalEngineClient
 from cluster.frontend.http_app import ServerState, create_app
 from tests.http_server import BackgroundServer
 

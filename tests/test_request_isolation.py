@@ -10,12 +10,12 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from cluster.async_engine import AsyncEngine
-from cluster.config import CacheConfig, EngineConfig, SchedulerConfig
-from cluster.engine import EngineCore
-from cluster.frontend.clients import LocalEngineClient
+from cluster.core.async_engine import AsyncEngine
+from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from cluster.core.engine import EngineCore
+from cluster.core.local_client import LocalEngineClient
+from cluster.core.sampling_params import SamplingParams
 from cluster.frontend.http_app import ServerState, create_app
-from cluster.sampling_params import SamplingParams
 from tests.fake_workers import FakeKVWorkers
 from tests.http_server import BackgroundServer
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.block_table import BlockTable
-from cluster.config import SchedulerConfig
-from cluster.request import Request, RequestStatus
-from cluster.sampling_params import SamplingParams
-from cluster.scheduler import Scheduler
-from cluster.scheduler_output import PauseMode
+from cluster.core.block_table import BlockTable
+from cluster.core.config import SchedulerConfig
+from cluster.core.request import Request, RequestStatus
+from cluster.core.sampling_params import SamplingParams
+from cluster.core.scheduler import Scheduler
+from cluster.core.scheduler_output import PauseMode
 
 VOCAB = 1000
 EOS = 999

@@ -16,12 +16,12 @@ from opentelemetry import trace
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from cluster.config import ObservabilityConfig
+from cluster.core.config import ObservabilityConfig
+from common import telemetry
 from proto import api_pb2, api_pb2_grpc
 from tests.fake_engine import FakeEngineClient
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.requirements import require_module
-from worker import telemetry
 
 CALLER_SPAN_ID = "00f067aa0ba902b7"
 
@@ -60,9 +60,9 @@ def test_tracing_off_installs_nothing_and_spans_are_noops():
         """
         import sys
         from opentelemetry import trace
-        from worker import telemetry
-        from cluster.step_tracing import start_step_span
-        from cluster.scheduler_output import SchedulerOutput
+        from common import telemetry
+        from cluster.core.step_tracing import start_step_span
+        from cluster.core.scheduler_output import SchedulerOutput
 
         assert telemetry.configure_tracing("head", endpoint=None) is False
         assert not telemetry.tracing_enabled()
@@ -193,11 +193,11 @@ def test_one_trace_from_http_through_head_to_both_ranks(receiver, tmp_path):
     ray = require_module("ray", "needs Ray")
     from transformers import AutoTokenizer
 
-    from cluster.config import CacheConfig, EngineConfig
-    from cluster.frontend.clients import HeadEngineClient
+    from cluster.core.config import CacheConfig, EngineConfig
+    from cluster.distributed.head import ClusterOptions
+    from cluster.distributed.head_client import HeadEngineClient
+    from cluster.distributed.launcher import start_head
     from cluster.frontend.http_app import ServerState, create_app
-    from cluster.head import ClusterOptions
-    from cluster.launcher import start_head
     from tests.http_server import BackgroundServer
     from tests.tiny_models import make_tiny_model
     from worker.model_loader import resolve_model_dir
@@ -215,7 +215,7 @@ def test_one_trace_from_http_through_head_to_both_ranks(receiver, tmp_path):
             cache=CacheConfig(block_size=4, num_gpu_blocks=64),
             observability=ObservabilityConfig(otlp_traces_endpoint=receiver.endpoint),
         )
-        head = start_head(config, ClusterOptions(tensor_parallel_size=2), f"trace-head-{uuid.uuid4().hex[:8]}")
+        head = start_head(config, ClusterOptions(), f"trace-head-{uuid.uuid4().hex[:8]}")
         info = ray.get(head.model_info.remote())
         engine = HeadEngineClient(head, "tiny", info["max_model_len"], info["vocab_size"])
         with BackgroundServer(create_app(ServerState(engine, tokenizer, "tiny"))) as base_url:

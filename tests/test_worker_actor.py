@@ -6,12 +6,12 @@ import grpc
 import pytest
 import torch
 
+from common.auth import auth_metadata
 from proto import step_pb2, worker_pb2, worker_pb2_grpc
 from tests.requirements import require_module
 from tests.tiny_models import make_tiny_model
 from worker.actor import WorkerActor
 from worker.config import WorkerConfig
-from worker.grpc_server import auth_metadata
 from worker.worker import Worker
 
 ray = require_module("ray", "needs Ray")

@@ -9,11 +9,12 @@ import grpc
 import pytest
 import torch
 
+from common.auth import auth_metadata, check_token
+from common.tls import TlsConfig
 from proto import step_pb2, worker_pb2, worker_pb2_grpc
 from tests.tiny_models import make_tiny_model
 from worker.config import WorkerConfig
-from worker.grpc_server import auth_metadata, check_token, start_worker_server
-from worker.tls import TlsConfig
+from worker.grpc_server import start_worker_server
 from worker.worker import Worker
 
 TOKEN = "s3cret-token-for-tests"

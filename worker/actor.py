@@ -14,11 +14,12 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from worker import telemetry
+from common import telemetry
+from common.auth import check_token
+from common.tls import TlsConfig
 from worker.config import WorkerConfig
-from worker.grpc_server import check_token, start_worker_server
+from worker.grpc_server import start_worker_server
 from worker.parallel_state import TensorParallelGroup
-from worker.tls import TlsConfig
 from worker.worker import Worker
 
 logger = logging.getLogger(__name__)

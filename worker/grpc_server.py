@@ -14,36 +14,20 @@ from typing import Any
 import grpc
 from opentelemetry.trace import SpanKind
 
+from common.auth import AUTH_METADATA_KEY, SCHEME, check_token
+from common.telemetry import RANK_ATTRIBUTE, extract_metadata, get_tracer, tracing_enabled
+from common.tls import TlsConfig
 from proto import step_pb2, worker_pb2, worker_pb2_grpc
 from worker.kv_cache import bytes_per_block
-from worker.telemetry import RANK_ATTRIBUTE, extract_metadata, get_tracer, tracing_enabled
-from worker.tls import TlsConfig
 from worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 _tracer = get_tracer("pagerail.worker")
 
-AUTH_METADATA_KEY = "authorization"
-_SCHEME = "bearer"
 # A step carrying a few thousand new prompts (token ids plus block ids) runs to tens of MiB.
 MAX_MESSAGE_BYTES = 256 << 20
 # Steps are serialised anyway; the spare threads answer Describe and refuse bad calls meanwhile.
 _NUM_THREADS = 4
-
-
-def check_token(token: str) -> str:
-    """Return `token` if it can travel as a bearer token in gRPC metadata, else raise ValueError."""
-    if not isinstance(token, str) or not token:
-        raise ValueError("the worker token must be a non-empty string")
-    # gRPC metadata values must be printable ASCII; a space would also break the "Bearer <token>" split.
-    if not all("!" <= char <= "~" for char in token):
-        raise ValueError("the worker token must be printable ASCII without spaces")
-    return token
-
-
-def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
-    """The call metadata that authenticates a client to a worker holding the same token."""
-    return ((AUTH_METADATA_KEY, f"Bearer {check_token(token)}"),)
 
 
 def _refusal(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
@@ -73,7 +57,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         if len(values) != 1 or not isinstance(values[0], str):
             return False
         scheme, _, presented = values[0].partition(" ")
-        if scheme.lower() != _SCHEME:
+        if scheme.lower() != SCHEME:
             return False
         # Constant-time comparison so the response time does not leak how much of the token matched.
         return hmac.compare_digest(presented.strip().encode(), self._expected)

@@ -6,13 +6,13 @@ import time
 
 import torch
 
+from common.telemetry import get_tracer, traced
 from proto import step_pb2
 from worker.input_batch import GatherWorkspace, build_flat_batch
 from worker.layers.cpu_paged_attention import native_kernel
 from worker.parallel_state import TensorParallelGroup
 from worker.request_state import RequestState, RequestStates
 from worker.sampler import Sampler, SamplingRow
-from worker.telemetry import get_tracer, traced
 
 _tracer = get_tracer("pagerail.worker")
 _NO_TOKENS: list[int] = []

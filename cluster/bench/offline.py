@@ -107,7 +107,7 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
         produced = sum(len(o.outputs[0].token_ids) for o in outputs)
         return {**throughput(requests, seconds, produced, "pagerail"), "steps": None}
 
-    from cluster.scheduler_output import SchedulerStats
+    from cluster.core.scheduler_output import SchedulerStats
 
     engine = llm.engine
     engine.scheduler.stats = SchedulerStats()  # the warm-up request must not count toward peaks

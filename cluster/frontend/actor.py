@@ -8,10 +8,10 @@ import asyncio
 import ray
 from transformers import AutoTokenizer
 
-from cluster.frontend.clients import HeadEngineClient
+from cluster.distributed.head_client import HeadEngineClient
+from cluster.distributed.launcher import NAMESPACE
 from cluster.frontend.server import FrontendServer, FrontendSettings, configure_frontend_tracing
-from cluster.launcher import NAMESPACE
-from worker import telemetry
+from common import telemetry
 
 
 class FrontendActor:

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
 
+from cluster.core.engine_client import EngineClient
+from cluster.core.sampling_params import SamplingParams
 from cluster.frontend import tracing
 from cluster.frontend.detokenizer import IncrementalDetokenizer
-from cluster.frontend.engine_client import EngineClient
-from cluster.sampling_params import SamplingParams
 
 
 @dataclass

@@ -17,9 +17,10 @@ from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
+from cluster.core.engine_client import EngineClient, RequestDelta
+from cluster.core.sampling_params import SamplingParams
 from cluster.frontend import tracing
 from cluster.frontend.detokenizer import IncrementalDetokenizer
-from cluster.frontend.engine_client import EngineClient, RequestDelta
 from cluster.frontend.grpc_convert import (
     RpcError,
     numeric_stats,
@@ -29,9 +30,8 @@ from cluster.frontend.grpc_convert import (
     usage,
 )
 from cluster.frontend.grpc_guards import ApiKeyInterceptor, EngineHealth
-from cluster.sampling_params import SamplingParams
+from common.tls import ServerTls
 from proto import api_pb2, api_pb2_grpc
-from worker.tls import ServerTls
 
 # How each kind of engine failure reaches a gRPC caller; anything else is UNAVAILABLE (retriable).
 _ERROR_CODES = {

@@ -10,8 +10,8 @@ from typing import Any
 
 import grpc
 
-from cluster.frontend.engine_client import QueueFullError, RequestDelta
-from cluster.sampling_params import SamplingParams
+from cluster.core.engine_client import QueueFullError, RequestDelta
+from cluster.core.sampling_params import SamplingParams
 from proto import api_pb2
 
 logger = logging.getLogger(__name__)

@@ -14,10 +14,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
-from cluster.errors import QueueFullError
+from cluster.core.engine_client import EngineClient
+from cluster.core.errors import QueueFullError
 from cluster.frontend import openai_routes
 from cluster.frontend.chat import encode_prompt, render_chat
-from cluster.frontend.engine_client import EngineClient
 from cluster.frontend.errors import (
     APIError,
     bad_request,

@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
 
+from cluster.core.engine_client import EngineClient
+from cluster.core.sampling_params import SamplingParams
 from cluster.frontend.chat import encode_prompt, render_chat
-from cluster.frontend.engine_client import EngineClient
 from cluster.frontend.errors import from_value_error, not_found_model
 from cluster.frontend.generation import ChoiceDelta, Usage, stream_choices
 from cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.frontend.tracing import annotate_request
-from cluster.sampling_params import SamplingParams
 
 
 def _check_model(requested: str | None, served: str) -> None:

@@ -8,8 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from cluster.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from cluster.frontend.errors import from_value_error
-from cluster.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # Every stop string is searched for after each token, so their number and length bound the per-token cost.
 MAX_STOP_STRINGS = 16

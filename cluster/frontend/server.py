@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
-from cluster.frontend.engine_client import EngineClient
+from cluster.core.engine_client import EngineClient
 from cluster.frontend.grpc_api import build_grpc_server
 from cluster.frontend.grpc_guards import EngineHealth
 from cluster.frontend.http_app import ServerState, create_app
-from worker import telemetry
-from worker.tls import ServerTls
+from common import telemetry
+from common.tls import ServerTls
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ import grpc
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, StatusCode
 
-from cluster.frontend.engine_client import RequestDelta
-from cluster.sampling_params import SamplingParams
-from worker.telemetry import extract_metadata, get_tracer, inject_carrier, tracing_enabled
+from cluster.core.engine_client import RequestDelta
+from cluster.core.sampling_params import SamplingParams
+from common.telemetry import extract_metadata, get_tracer, inject_carrier, tracing_enabled
 
 CACHED_TOKENS = "pagerail.usage.cached_tokens"
 ENGINE_REQUEST_ID = "pagerail.engine_request_id"

@@ -21,10 +21,10 @@ from contextlib import AbstractContextManager, nullcontext
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanContext
 
-from cluster.request import Request
-from cluster.scheduler_output import SchedulerOutput
+from cluster.core.request import Request
+from cluster.core.scheduler_output import SchedulerOutput
+from common.telemetry import extract_carrier, get_tracer, tracing_enabled
 from proto import step_pb2
-from worker.telemetry import extract_carrier, get_tracer, tracing_enabled
 
 REQUEST_IDS = "pagerail.request_ids"
 

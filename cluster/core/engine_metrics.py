@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from cluster.engine import EngineCore
-    from cluster.request import Request
-    from cluster.scheduler_output import SchedulerOutput
+    from cluster.core.engine import EngineCore
+    from cluster.core.request import Request
+    from cluster.core.scheduler_output import SchedulerOutput
     from proto import step_pb2
 
 # promtool (CI checks the exposition with it) rejects ":" in exported names, so vLLM's names take "pagerail_".

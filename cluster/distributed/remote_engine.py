@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import ray
 
-from cluster.config import EngineConfig
-from cluster.frontend.engine_client import RequestDelta
-from cluster.head import ClusterOptions
-from cluster.launcher import connect, start_head
-from cluster.sampling_params import SamplingParams
+from cluster.core.config import EngineConfig
+from cluster.core.engine_client import RequestDelta
+from cluster.core.sampling_params import SamplingParams
+from cluster.distributed.head import ClusterOptions
+from cluster.distributed.launcher import connect, start_head
 
 
 class HeadUnavailableError(RuntimeError):

@@ -1,33 +1,16 @@
-"""How the head drives its workers: one small interface, here the in-process transport."""
+"""The in-process transport (tensor-parallel size 1 in the caller's process) and the worker settings every
+transport derives from the engine's configuration."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
 
-from cluster.config import EngineConfig
+from cluster.core.config import EngineConfig
+from cluster.core.executor import WorkerGroupError
 from proto import step_pb2
 from worker.config import WorkerConfig
 from worker.model_loader import resolve_model_dir
 from worker.worker import Worker
-
-
-class WorkerGroupError(RuntimeError):
-    """A rank failed, died or missed its deadline: the whole group must be rebuilt."""
-
-
-class Executor(Protocol):
-    """Sends one StepBatch to every rank and returns rank 0's StepResult."""
-
-    num_blocks: int
-
-    def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult: ...
-
-    def restart(self) -> int:
-        """Replace every rank with a fresh one (new processes, empty cache); returns the new block count."""
-        ...
-
-    def shutdown(self) -> None: ...
 
 
 def locate_model(config: EngineConfig) -> Path:

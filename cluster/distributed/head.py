@@ -9,24 +9,23 @@ from dataclasses import dataclass
 
 import ray
 
-from cluster.async_engine import AsyncEngine
-from cluster.config import EngineConfig
-from cluster.engine import EngineCore
-from cluster.executor import locate_model, worker_config
-from cluster.frontend.engine_client import RequestDelta
-from cluster.model_info import read_model_info
-from cluster.sampling_params import SamplingParams
-from cluster.worker_group import WorkerGroup
-from worker import telemetry
-from worker.logs import configure_logging
-from worker.tls import TlsConfig
+from cluster.core.async_engine import AsyncEngine
+from cluster.core.config import EngineConfig
+from cluster.core.engine import EngineCore
+from cluster.core.engine_client import RequestDelta
+from cluster.core.model_info import read_model_info
+from cluster.core.sampling_params import SamplingParams
+from cluster.distributed.local_executor import locate_model, worker_config
+from cluster.distributed.worker_group import WorkerGroup
+from common import telemetry
+from common.logs import configure_logging
+from common.tls import TlsConfig
 
 
 @dataclass(frozen=True)
 class ClusterOptions:
     """How the replica's workers are placed and protected."""
 
-    tensor_parallel_size: int = 1
     placement_strategy: str = "PACK"  # SPREAD / STRICT_SPREAD put ranks on different nodes
     use_gpu: bool = False
     cpus_per_worker: float = 1
@@ -48,7 +47,7 @@ class HeadActor:
         info = read_model_info(model_dir)
         self.group = WorkerGroup(
             worker_config(config, model_dir),
-            options.tensor_parallel_size,
+            config.tensor_parallel_size,
             token,
             use_gpu=options.use_gpu,
             cpus_per_worker=options.cpus_per_worker,

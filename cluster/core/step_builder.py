@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cluster.request import Request
-from cluster.scheduler_output import SchedulerOutput
+from cluster.core.request import Request
+from cluster.core.scheduler_output import SchedulerOutput
 from proto import step_pb2
 
 

@@ -6,8 +6,8 @@ import secrets
 
 import ray
 
-from cluster.config import EngineConfig
-from cluster.head import ClusterOptions, HeadActor
+from cluster.core.config import EngineConfig
+from cluster.distributed.head import ClusterOptions, HeadActor
 
 NAMESPACE = "pagerail"
 DEFAULT_HEAD_NAME = "pagerail-head"

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cluster.executor import WorkerGroupError
+from cluster.core.executor import WorkerGroupError
+from common.auth import auth_metadata
+from common.telemetry import inject_metadata
+from common.tls import TlsConfig
 from proto import step_pb2
-from worker.grpc_server import auth_metadata
-from worker.telemetry import inject_metadata
-from worker.tls import TlsConfig
 
 _EXECUTE_STEP = "/pagerail.worker.WorkerService/ExecuteStep"
 _MAX_MESSAGE = 256 << 20

@@ -10,14 +10,14 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from cluster.config import CacheConfig, EngineConfig, ObservabilityConfig, SchedulerConfig
-from cluster.engine import EngineCore
-from cluster.executor import InProcessExecutor, locate_model, worker_config
-from cluster.model_info import read_model_info
-from cluster.outputs import CompletionOutput, RequestOutput
-from cluster.request import Request, RequestStatus
-from cluster.sampling_params import SamplingParams
-from worker import telemetry
+from cluster.core.config import CacheConfig, EngineConfig, ObservabilityConfig, SchedulerConfig
+from cluster.core.engine import EngineCore
+from cluster.core.model_info import read_model_info
+from cluster.core.outputs import CompletionOutput, RequestOutput
+from cluster.core.request import Request, RequestStatus
+from cluster.core.sampling_params import SamplingParams
+from cluster.distributed.local_executor import InProcessExecutor, locate_model, worker_config
+from common import telemetry
 
 Prompt = str | Sequence[int]
 
@@ -95,10 +95,10 @@ class LLM:
         self.engine = None
         if tensor_parallel_size > 1 or ray_address is not None:
             # Tensor parallel (or an existing cluster): a head actor on Ray drives worker actors over gRPC.
-            from cluster.head import ClusterOptions
-            from cluster.remote_engine import RemoteEngine
+            from cluster.distributed.head import ClusterOptions
+            from cluster.distributed.remote_engine import RemoteEngine
 
-            options = ClusterOptions(tensor_parallel_size=tensor_parallel_size, placement_strategy=placement_strategy)
+            options = ClusterOptions(placement_strategy=placement_strategy)
             name = head_name or f"pagerail-head-{uuid.uuid4().hex[:8]}"
             self._remote = RemoteEngine(self.config, options, ray_address, name, device)
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from cluster.request import Request
+from cluster.core.request import Request
 
 
 class PauseMode(enum.Enum):

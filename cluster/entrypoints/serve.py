@@ -9,8 +9,8 @@ import sys
 import threading
 import time
 
-from cluster.config import CacheConfig, EngineConfig, ObservabilityConfig, SchedulerConfig
-from worker.logs import LOG_FORMAT_ENV, configure_logging
+from cluster.core.config import CacheConfig, EngineConfig, ObservabilityConfig, SchedulerConfig
+from common.logs import LOG_FORMAT_ENV, configure_logging
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,7 +92,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def grpc_tls_from_args(args: argparse.Namespace):
     """The public gRPC port's TLS from the --grpc-tls-* flags (None: plaintext); ValueError for an incomplete set."""
-    from worker.tls import ServerTls
+    from common.tls import ServerTls
 
     if args.grpc_tls_cert is None and args.grpc_tls_key is None:
         if args.grpc_tls_client_ca is not None:
@@ -110,12 +110,12 @@ def _say(message: str) -> None:
 def serve(args: argparse.Namespace) -> int:
     import ray
 
-    from cluster.executor import locate_model
+    from cluster.core.sampling_params import SamplingParams
+    from cluster.distributed.head import ClusterOptions
+    from cluster.distributed.launcher import connect, start_head
+    from cluster.distributed.local_executor import locate_model
     from cluster.frontend.actor import FrontendActor
     from cluster.frontend.server import FrontendSettings
-    from cluster.head import ClusterOptions
-    from cluster.launcher import connect, start_head
-    from cluster.sampling_params import SamplingParams
 
     config = EngineConfig(
         model=args.model,
@@ -158,7 +158,7 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     use_gpu = args.device == "cuda" or (args.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
     options = ClusterOptions(
-        tensor_parallel_size=args.tensor_parallel_size, use_gpu=use_gpu, placement_strategy=args.placement_strategy,
+        use_gpu=use_gpu, placement_strategy=args.placement_strategy,
         step_timeout_s=args.step_timeout, max_restarts=args.max_worker_restarts,
     )
     head_name = f"pagerail-head-{os.getpid()}"

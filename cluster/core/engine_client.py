@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from cluster.errors import QueueFullError
-from cluster.sampling_params import SamplingParams
+from cluster.core.errors import QueueFullError
+from cluster.core.sampling_params import SamplingParams
 
 __all__ = ["EngineClient", "QueueFullError", "RequestDelta"]
 

@@ -10,11 +10,11 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from cluster.engine import EngineCore
-from cluster.frontend.engine_client import RequestDelta
-from cluster.request import Request
-from cluster.sampling_params import SamplingParams
-from cluster.scheduler_output import PauseMode
+from cluster.core.engine import EngineCore
+from cluster.core.engine_client import RequestDelta
+from cluster.core.request import Request
+from cluster.core.sampling_params import SamplingParams
+from cluster.core.scheduler_output import PauseMode
 
 logger = logging.getLogger(__name__)
 

@@ -8,18 +8,18 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from cluster.block_table import BlockTable
-from cluster.config import EngineConfig
-from cluster.engine_metrics import EngineMetrics
-from cluster.errors import QueueFullError
-from cluster.executor import Executor, WorkerGroupError
-from cluster.quarantine import Quarantine
-from cluster.request import Request, RequestStatus
-from cluster.sampling_params import SamplingParams
-from cluster.scheduler import Scheduler
-from cluster.scheduler_output import PauseMode
-from cluster.step_builder import StepMessageBuilder
-from cluster.step_tracing import dispatch_span, end_step_span, start_step_span
+from cluster.core.block_table import BlockTable
+from cluster.core.config import EngineConfig
+from cluster.core.engine_metrics import EngineMetrics
+from cluster.core.errors import QueueFullError
+from cluster.core.executor import Executor, WorkerGroupError
+from cluster.core.quarantine import Quarantine
+from cluster.core.request import Request, RequestStatus
+from cluster.core.sampling_params import SamplingParams
+from cluster.core.scheduler import Scheduler
+from cluster.core.scheduler_output import PauseMode
+from cluster.core.step_builder import StepMessageBuilder
+from cluster.core.step_tracing import dispatch_span, end_step_span, start_step_span
 from proto import step_pb2
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class EngineCore:
         """Rebuild the worker group and recompute every request; give up after repeated failures.
 
         Clients see a pause: generated tokens are kept and recomputed, none is lost or repeated. A request that
-        keeps crashing the workers is failed alone and the others carry on (the rule: cluster/quarantine.py).
+        keeps crashing the workers is failed alone and the others carry on (the rule: cluster/core/quarantine.py).
         """
         convicted = self.quarantine.step_failed(batch)
         self.scheduler.requeue_all()

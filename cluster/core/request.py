@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from cluster.sampling_params import SamplingParams
+from cluster.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

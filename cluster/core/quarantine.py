@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cluster.request import Request
-from cluster.scheduler import Scheduler
+from cluster.core.request import Request
+from cluster.core.scheduler import Scheduler
 from proto import step_pb2
 
 # Failed steps in a row a request must have been in before it is suspected: one failure is usually a lost rank.

@@ -10,12 +10,12 @@ import ray
 from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.executor import WorkerGroupError
-from cluster.remote_executor import RemoteExecutor
+from cluster.core.executor import WorkerGroupError
+from cluster.distributed.remote_executor import RemoteExecutor
+from common.tls import TlsConfig
 from proto import step_pb2
 from worker.actor import WorkerActor
 from worker.config import WorkerConfig
-from worker.tls import TlsConfig
 
 logger = logging.getLogger(__name__)
 

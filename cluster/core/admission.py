@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from cluster.block_table import BlockTable
-from cluster.config import SchedulerConfig
-from cluster.request import Request
+from cluster.core.block_table import BlockTable
+from cluster.core.config import SchedulerConfig
+from cluster.core.request import Request
 
 
 def check_fits(

@@ -7,12 +7,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from cluster.admission import check_fits
-from cluster.block_table import BlockTable
-from cluster.config import SchedulerConfig
-from cluster.errors import QueueFullError
-from cluster.request import Request, RequestStatus
-from cluster.scheduler_output import PauseMode, ScheduledRequest, SchedulerOutput, SchedulerStats
+from cluster.core.admission import check_fits
+from cluster.core.block_table import BlockTable
+from cluster.core.config import SchedulerConfig
+from cluster.core.errors import QueueFullError
+from cluster.core.request import Request, RequestStatus
+from cluster.core.scheduler_output import PauseMode, ScheduledRequest, SchedulerOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,51 @@
+"""The engine client of the embedded single-process mode: the engine loop runs in this process."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from cluster.core.async_engine import AsyncEngine
+from cluster.core.engine_client import RequestDelta
+from cluster.core.sampling_params import SamplingParams
+
+
+class LocalEngineClient:
+    """The engine loop runs in this process (the embedded single-process mode and tests)."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self._engine = engine
+        self.model_name = model_name
+        self.max_model_len = engine.engine.max_model_len
+        self.vocab_size = engine.engine.vocab_size
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        final: bool = True,
+        trace_context: dict[str, str] | None = None,
+    ) -> AsyncIterator[RequestDelta]:
+        return self._engine.stream(request_id, prompt_token_ids, params, final, trace_context)
+
+    async def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None:
+        self._engine.append_input(request_id, token_ids, final)
+
+    async def abort(self, request_id: str) -> None:
+        self._engine.abort(request_id)
+
+    async def is_ready(self) -> bool:
+        return True
+
+    async def pause(self, mode: str) -> None:
+        self._engine.pause(mode)
+
+    async def resume(self) -> None:
+        self._engine.resume()
+
+    async def stats(self) -> dict:
+        return self._engine.stats()
+
+    async def metrics(self) -> str:
+        return self._engine.metrics_text()

@@ -1,0 +1,1 @@
+"""The user-facing API: the offline `LLM` and `pagerail serve`."""

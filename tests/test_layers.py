@@ -1,0 +1,113 @@
+"""Every import in cluster/, worker/, common/ and proto/ goes one way: from a higher layer to a lower one."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Lowest first; a module may import its own layer and the ones before it. The longest matching prefix wins.
+LAYERS = [
+    ("proto", 0),
+    ("common", 1),
+    ("worker", 2),
+    ("cluster.core", 2),
+    ("cluster.distributed", 3),
+    ("cluster.frontend", 4),
+    ("cluster.entrypoints", 5),
+    ("cluster.bench", 6),
+    ("cluster.cli", 6),
+    ("cluster", 6),  # the package facade re-exports the public API
+]
+# The only places the head side reaches into the worker package: where it starts worker processes, and the
+# benchmarks, which also time the model alone.
+STARTS_WORKERS = {"cluster.distributed.worker_group", "cluster.distributed.local_executor", "cluster.bench"}
+# The engine core is plain Python: scheduling decisions never wait on a framework.
+CORE_FORBIDDEN = ("torch", "ray", "grpc", "transformers", "fastapi")
+
+
+def layer_of(module: str) -> tuple[str, int] | None:
+    matches = [(name, rank) for name, rank in LAYERS if module == name or module.startswith(name + ".")]
+    return max(matches, key=lambda m: len(m[0])) if matches else None
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> list[tuple[str, int]]:
+    """Every imported module with its line, including imports inside functions and TYPE_CHECKING blocks."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.module, node.lineno))
+            # `from cluster import outputs` imports the module cluster.outputs
+            found.extend((f"{node.module}.{alias.name}", node.lineno) for alias in node.names)
+    return found
+
+
+def violations_in(path: Path, root: Path = ROOT) -> list[str]:
+    here = module_name(path, root)
+    own = layer_of(here)
+    if own is None:
+        return []
+    problems = []
+    for imported, line in imports_of(path):
+        where = f"{path.relative_to(root)}:{line} imports {imported}"
+        target = layer_of(imported)
+        if own[0] == "cluster.core" and imported.split(".")[0] in CORE_FORBIDDEN:
+            problems.append(f"{where}: the engine core imports no framework")
+        if target is None or target[0] == own[0]:
+            continue
+        if here.startswith("worker") and imported.startswith("cluster"):
+            problems.append(f"{where}: worker/ never imports cluster/")
+        elif here.startswith("cluster") and imported.startswith("worker") and not any(
+            here == allowed or here.startswith(allowed + ".") for allowed in STARTS_WORKERS
+        ):
+            problems.append(f"{where}: only {sorted(STARTS_WORKERS)} may import worker/")
+        elif target[1] > own[1] and not (imported == "cluster" and here.startswith("cluster.")):
+            problems.append(f"{where}: {own[0]} is below {target[0]}")
+    return problems
+
+
+def python_files() -> list[Path]:
+    files = []
+    for package in ("cluster", "worker", "common", "proto"):
+        files.extend(p for p in (ROOT / package).rglob("*.py") if not p.name.endswith(("_pb2.py", "_pb2_grpc.py")))
+    return sorted(files)
+
+
+def test_no_import_goes_from_a_lower_layer_to_a_higher_one():
+    problems = [problem for path in python_files() for problem in violations_in(path)]
+    assert not problems, "layer violations:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        ("cluster.core.engine", "from cluster.frontend.engine_client import RequestDelta\n", "is below"),
+        ("cluster.core.engine", "import torch\n", "no framework"),
+        ("worker.sampler", "from cluster.core.request import Request\n", "never imports cluster"),
+        ("cluster.distributed.head", "from worker.actor import WorkerActor\n", "may import worker"),
+        ("cluster.frontend.server", "def f():\n    from cluster.entrypoints.serve import main\n", "is below"),
+    ],
+)
+def test_the_checker_catches_each_kind_of_violation(tmp_path, module, source, expected):
+    path = tmp_path.joinpath(*module.split(".")).with_suffix(".py")
+    path.parent.mkdir(parents=True)
+    path.write_text(source)
+    assert any(expected in problem for problem in violations_in(path, tmp_path))
+
+
+def test_what_both_sides_share_sits_below_both():
+    for shared in ("common.telemetry", "common.tls", "common.logs", "common.auth"):
+        assert (ROOT / Path(*shared.split("."))).with_suffix(".py").exists()
+        assert layer_of(shared)[1] < layer_of("worker.worker")[1]
