@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from cluster.core.executor import WorkerGroupError
+from cluster.core.executor import PendingStep, WorkerGroupError, run_now
 from proto import step_pb2
 from worker.request_state import RequestStates
 
@@ -81,10 +81,16 @@ class FakeKVWorkers:
                     self.corrupt_reads.append((state.handle, pos))
                     break
             if not state.skip_sampling:
+                token = next_token(state.token_ids[:end], self.vocab_size)
                 result.handles.append(state.handle)
-                result.token_ids.append(next_token(state.token_ids[:end], self.vocab_size))
+                result.token_ids.append(token)
+                state.token_ids.append(token)  # as the real ranks do: the head never sends it back
             state.num_computed_tokens = end
         return result
+
+    def submit(self, batch: step_pb2.StepBatch) -> PendingStep:
+        """Runs the step at once, in submission order; its outcome (a WorkerGroupError too) waits for result()."""
+        return run_now(self.execute, batch)
 
     def restart(self) -> int:
         self.restarts += 1

@@ -8,7 +8,7 @@ import pytest
 import cluster.core.engine as engine_module
 from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.core.engine import EngineCore
-from cluster.core.executor import WorkerGroupError
+from cluster.core.executor import PendingStep, WorkerGroupError, run_now
 from cluster.core.sampling_params import SamplingParams
 from proto import step_pb2
 
@@ -52,7 +52,14 @@ class FakeGroup:
         if not skip:
             tokens = self.tokens[handle]
             result.handles.append(handle)
-            result.token_ids.append((sum(tokens) * 31 + len(tokens)) % VOCAB)
+            token = (sum(tokens) * 31 + len(tokens)) % VOCAB
+            result.token_ids.append(token)
+            tokens.append(token)  # ranks keep what they sample; the head never sends it back
+
+    def submit(self, batch: step_pb2.StepBatch) -> PendingStep:
+        # The step runs when the engine asks for its answer (always in submission order): a step the engine
+        # abandons after an earlier one failed never reaches these ranks, so `batches` holds what the engine saw.
+        return _Deferred(lambda: run_now(self.execute, batch).result())
 
     def restart(self) -> int:
         self.restarts += 1
@@ -61,6 +68,11 @@ class FakeGroup:
 
     def shutdown(self) -> None:
         pass
+
+
+class _Deferred:
+    def __init__(self, run) -> None:
+        self.result = run
 
 
 def make_engine(group: FakeGroup) -> EngineCore:

@@ -59,6 +59,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.tp = tp
+        # Collectives run where the process group's backend lives: NCCL on the GPU, gloo on the CPU.
+        self.tp_device = device
         self.states = RequestStates(device)
         self.sampler = Sampler()
         self.workspace = None
@@ -85,15 +87,29 @@ class ModelRunner:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
             result.forward_seconds = time.perf_counter() - forward_started
-            if logits is not None and self.tp.rank == 0:
-                with traced(_tracer, "sample"):
-                    self._sample(logits, flat.sample_states, result)
+            if logits is not None:
+                token_ids = None
+                if self.tp.rank == 0:
+                    with traced(_tracer, "sample"):
+                        token_ids = self._sample(logits, flat.sample_states, result)
+                self._keep_sampled(flat.sample_states, token_ids)
             for state in flat.ordered:
                 state.num_computed_tokens += state.num_scheduled_tokens
         result.compute_seconds = time.perf_counter() - started
         return result
 
-    def _sample(self, logits: torch.Tensor, states: list[RequestState], result: step_pb2.StepResult) -> None:
+    def _keep_sampled(self, states: list[RequestState], token_ids: list[int] | None) -> None:
+        """Every rank appends the step's sampled tokens to its requests: the next step's inputs, which the head
+        therefore never sends back (and may schedule before it has seen them). Rank 0 tells the others."""
+        if self.tp.size > 1:
+            shared = torch.empty(len(states), dtype=torch.long)
+            if token_ids is not None:
+                shared.copy_(torch.tensor(token_ids, dtype=torch.long))
+            token_ids = self.tp.broadcast(shared.to(self.tp_device)).tolist()
+        for state, token_id in zip(states, token_ids, strict=True):
+            state.token_ids.append(token_id)
+
+    def _sample(self, logits: torch.Tensor, states: list[RequestState], result: step_pb2.StepResult) -> list[int]:
         rows = [sampling_row(state) for state in states]
         sampled = self.sampler(logits, rows)
         result.handles.extend(state.handle for state in states)
@@ -102,3 +118,4 @@ class ModelRunner:
             result.logprobs.extend(lp if lp is not None else 0.0 for lp in sampled.logprobs)
             for ids, lps in zip(sampled.top_ids, sampled.top_logprobs, strict=True):
                 result.top_logprobs.add(token_ids=ids, logprobs=lps)
+        return sampled.token_ids

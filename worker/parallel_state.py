@@ -31,6 +31,12 @@ class TensorParallelGroup:
         dist.all_gather(parts, x.contiguous(), group=self.process_group)
         return torch.cat(parts, dim=dim)
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite every rank's `x` with rank `src`'s, in place; a no-op at size 1."""
+        if self.size > 1:
+            dist.broadcast(x, src=src, group=self.process_group)
+        return x
+
     def shard(self, total: int, what: str) -> int:
         """Size of this rank's share of `total` items, refusing sizes the group cannot split evenly."""
         if total % self.size:

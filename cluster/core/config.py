@@ -60,6 +60,9 @@ class SchedulerConfig:
     session_idle_timeout_s: float = 300.0
     # Open streaming-input sessions at once; more are refused (QueueFullError). None: max_num_seqs.
     max_sessions: int | None = None
+    # Schedule and submit step N+1 while step N runs on the ranks (tokens still being sampled are placeholders).
+    # Off: each step waits for the previous one's tokens; outputs are identical either way.
+    async_scheduling: bool = True
 
     @property
     def session_limit(self) -> int:

@@ -7,17 +7,18 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from cluster.core.block_table import BlockTable
 from cluster.core.config import EngineConfig
 from cluster.core.engine_metrics import EngineMetrics
 from cluster.core.errors import QueueFullError
-from cluster.core.executor import Executor, WorkerGroupError
+from cluster.core.executor import Executor, PendingStep, WorkerGroupError
 from cluster.core.quarantine import Quarantine
 from cluster.core.request import Request, RequestStatus
 from cluster.core.sampling_params import SamplingParams
 from cluster.core.scheduler import Scheduler
-from cluster.core.scheduler_output import PauseMode
+from cluster.core.scheduler_output import PauseMode, SchedulerOutput
 from cluster.core.step_builder import StepMessageBuilder
 from cluster.core.step_tracing import dispatch_span, end_step_span, start_step_span
 from proto import step_pb2
@@ -45,6 +46,18 @@ def unpack_result(result: step_pb2.StepResult) -> SampledTokens:
         else:
             sampled[handle] = (result.token_ids[i], None, None)
     return sampled
+
+
+@dataclass
+class _InflightStep:
+    """A step handed to the ranks, with what is needed to apply its answer."""
+
+    out: SchedulerOutput
+    batch: step_pb2.StepBatch
+    pending: PendingStep
+    span: object
+    started: float
+    dispatched: float
 
 
 class EngineCore:
@@ -80,6 +93,10 @@ class EngineCore:
         self.quarantine = Quarantine(self.scheduler)
         self.last_step_idle = True
         self.schedule_seconds: deque[float] = deque(maxlen=4096)
+        # Steps submitted and not yet applied, oldest first. Two: one runs on the ranks while the next waits
+        # there, built from placeholders for the tokens still being sampled. One: strictly serial steps.
+        self.max_inflight_steps = 2 if config.scheduler.async_scheduling else 1
+        self._inflight: deque[_InflightStep] = deque()
 
     def add_request(
         self,
@@ -137,36 +154,74 @@ class EngineCore:
         self.scheduler.pause(mode)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or bool(self._inflight)
 
     def step(self) -> list[Request]:
-        """schedule → run → postprocess; returns requests that got a token or finished."""
+        """schedule → run → postprocess; returns requests that got a token or finished.
+
+        With overlap on, the next step is scheduled and submitted before the previous one's tokens are back,
+        so the ranks never wait on the head: one call submits step N+1, then applies step N.
+        """
+        changed: list[Request] = []
+        computing = False
+        if len(self._inflight) < self.max_inflight_steps:
+            computing, expired = self._schedule_and_submit()
+            changed.extend(expired)
+        if computing:
+            if len(self._inflight) >= self.max_inflight_steps:
+                changed.extend(self._apply_oldest())
+        else:
+            # Nothing new to compute: there is nothing to overlap, so wait for every step in flight.
+            while self._inflight:
+                changed.extend(self._apply_oldest())
+        self.last_step_idle = not computing and not changed
+        return changed
+
+    def _schedule_and_submit(self) -> tuple[bool, list[Request]]:
+        """Schedule and submit a step; True when it computes something (not only forgets finished requests)."""
         started = time.perf_counter()
         started_ns = time.time_ns()
         out = self.scheduler.schedule()
         self.schedule_seconds.append(time.perf_counter() - started)
-        self.last_step_idle = out.empty
         expired = out.expired
         for request in expired:
             self.metrics.observe_finished(request)
         if out.empty:
-            return expired
+            return False, expired
         span = start_step_span(out, started_ns)
         batch = self.step_builder.build(out)
         dispatched = time.perf_counter()
+        with dispatch_span(span, batch):
+            pending = self.executor.submit(batch)
+        self._inflight.append(_InflightStep(out, batch, pending, span, started, dispatched))
+        return bool(out.scheduled), expired
+
+    def _apply_oldest(self) -> list[Request]:
+        step = self._inflight.popleft()
         try:
-            with dispatch_span(span, batch):
-                result = self.executor.execute(batch)
+            result = step.pending.result()
         except WorkerGroupError as error:
-            end_step_span(span, error)
-            return expired + self._recover(error, batch)
-        round_trip = time.perf_counter() - dispatched
+            end_step_span(step.span, error)
+            return self._recover(error, step.batch)
+        except Exception:
+            # The worker broke in a way a restart cannot mend (the in-process rank): later steps are abandoned.
+            self._abandon_inflight()
+            raise
+        waited = time.perf_counter() - step.dispatched
         self._consecutive_failures = 0
-        self.quarantine.step_succeeded(batch)
-        changed = self.scheduler.update_from_output(out, unpack_result(result))
-        self.metrics.observe_step(self, out, result, dispatched - started, round_trip, changed)
-        end_step_span(span)
-        return expired + changed
+        self.quarantine.step_succeeded(step.batch)
+        changed = self.scheduler.update_from_output(step.out, unpack_result(result))
+        self.metrics.observe_step(self, step.out, result, step.dispatched - step.started, waited, changed)
+        end_step_span(step.span)
+        return changed
+
+    def _abandon_inflight(self) -> None:
+        """Forget the steps in flight: their answers are never applied, and the ranks are told to forget too."""
+        for step in self._inflight:
+            end_step_span(step.span, WorkerGroupError("abandoned after an earlier step failed"))
+        self._inflight.clear()
+        self.scheduler.requeue_all()
+        self.step_builder.reset()
 
     def _recover(self, error: WorkerGroupError, batch: step_pb2.StepBatch) -> list[Request]:
         """Rebuild the worker group and recompute every request; give up after repeated failures.
@@ -175,8 +230,7 @@ class EngineCore:
         keeps crashing the workers is failed alone and the others carry on (the rule: cluster/core/quarantine.py).
         """
         convicted = self.quarantine.step_failed(batch)
-        self.scheduler.requeue_all()
-        self.step_builder.reset()
+        self._abandon_inflight()  # every request is recomputed: later steps' answers must not count
         for request, strikes in convicted:
             logger.error(
                 "request %s failed alone: the workers crashed in the %d steps in a row it was in (%s)",

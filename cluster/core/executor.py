@@ -11,15 +11,47 @@ class WorkerGroupError(RuntimeError):
     """A rank failed, died or missed its deadline: the whole group must be rebuilt."""
 
 
+class PendingStep(Protocol):
+    """A step handed to the ranks; `result()` waits for rank 0's StepResult or raises WorkerGroupError."""
+
+    def result(self) -> step_pb2.StepResult: ...
+
+
 class Executor(Protocol):
-    """Sends one StepBatch to every rank and returns rank 0's StepResult."""
+    """Sends StepBatches to every rank. Steps run on the ranks in the order they were submitted, so the engine
+    may submit step N+1 before step N's result is back (the ranks keep the tokens they sampled themselves)."""
 
     num_blocks: int
 
-    def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult: ...
+    def submit(self, batch: step_pb2.StepBatch) -> PendingStep:
+        """Hand the step to the ranks and return at once (a transport may wait until an earlier step is done)."""
+        ...
 
     def restart(self) -> int:
-        """Replace every rank with a fresh one (new processes, empty cache); returns the new block count."""
+        """Replace every rank with a fresh one (new processes, empty cache); returns the new block count.
+
+        Steps still pending are abandoned: their results are never asked for."""
         ...
 
     def shutdown(self) -> None: ...
+
+
+class CompletedStep:
+    """A step that already ran: for transports that execute while submitting."""
+
+    def __init__(self, result: step_pb2.StepResult | None = None, error: WorkerGroupError | None = None) -> None:
+        self._result = result
+        self._error = error
+
+    def result(self) -> step_pb2.StepResult:
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def run_now(execute, batch: step_pb2.StepBatch) -> CompletedStep:
+    """Run `execute(batch)` at once and wrap its outcome, a WorkerGroupError included."""
+    try:
+        return CompletedStep(execute(batch))
+    except WorkerGroupError as error:
+        return CompletedStep(error=error)

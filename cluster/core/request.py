@@ -45,6 +45,13 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Scheduled in steps the ranks have not answered yet: tokens being computed, and tokens being sampled.
+    # The scheduler plans the next step as if they were done (its placeholders); the answer confirms them.
+    num_inflight_tokens: int = 0
+    num_pending_samples: int = 0
+    # Bumped whenever the request loses its KV (preempted, or the workers restarted): an answer to a step
+    # scheduled before then no longer advances it.
+    epoch: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit on the latest admission
@@ -71,6 +78,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def next_position(self) -> int:
+        """Where the next scheduled step starts: after the computed tokens and those of steps in flight."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def num_tokens_expected(self) -> int:
+        """The tokens the request will have once every step in flight answered."""
+        return len(self.all_token_ids) + self.num_pending_samples
 
     @property
     def num_prompt_tokens(self) -> int:

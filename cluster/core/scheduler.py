@@ -105,6 +105,9 @@ class Scheduler:
         self.running.clear()
         for request in self.requests.values():
             request.num_computed_tokens = 0
+            request.num_inflight_tokens = 0
+            request.num_pending_samples = 0  # the steps in flight are abandoned, their tokens never come
+            request.epoch += 1
             request.needs_resync = False
         self.block_table.reset()
         self._finished_handles.clear()
@@ -161,22 +164,39 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(request.num_tokens_expected - request.next_position, budget)
+            if num_new <= 0 or self._ends_in_flight(request):
                 index += 1
                 continue
             new_blocks = self._allocate_or_preempt(request, num_new, out)
             if new_blocks is None:
                 break  # the request itself was preempted: it was the last running one
-            out.scheduled.append(
-                ScheduledRequest(request, num_new, new_blocks, skip_sampling=self._skips(request, num_new))
-            )
+            self._add(out, ScheduledRequest(request, num_new, new_blocks, skip_sampling=self._skips(request, num_new)))
             budget -= num_new
             index += 1
         return budget
 
+    def _ends_in_flight(self, request: Request) -> bool:
+        """True when a token still being sampled is the request's last by length: nothing more to schedule."""
+        if not request.num_pending_samples:
+            return False
+        max_tokens = request.max_tokens
+        num_outputs = request.num_output_tokens + request.num_pending_samples
+        return (max_tokens is not None and num_outputs >= max_tokens) or (
+            request.num_tokens_expected >= self.max_model_len
+        )
+
+    def _add(self, out: SchedulerOutput, item: ScheduledRequest) -> None:
+        """Put a request in this step; until the ranks answer, its tokens count as in flight."""
+        request = item.request
+        item.epoch = request.epoch
+        request.num_inflight_tokens += item.num_tokens
+        if not item.skip_sampling:
+            request.num_pending_samples += 1
+        out.scheduled.append(item)
+
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> list[int] | None:
-        num_tokens = request.num_computed_tokens + num_new
+        num_tokens = request.next_position + num_new
         while True:
             new_blocks = self.block_table.allocate_slots(request.request_id, request.all_token_ids, num_tokens)
             if new_blocks is not None:
@@ -194,6 +214,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and self._has_sequence_slot(out):
             request = self.waiting[0]
+            if request.num_inflight_tokens or request.num_pending_samples:
+                break  # preempted while a step of it was in flight: it resumes once that step answered
             cached: list[int] = []
             # A returning streaming-input session still owns its blocks; everything else starts empty.
             admitted = not self.block_table.has_request(request.request_id)
@@ -225,7 +247,8 @@ class Scheduler:
             resync = admitted or request.needs_resync
             request.needs_resync = False
             blocks = self.block_table.block_ids(request.request_id) if resync else new_blocks
-            out.scheduled.append(
+            self._add(
+                out,
                 ScheduledRequest(
                     request,
                     num_new,
@@ -233,7 +256,7 @@ class Scheduler:
                     admitted=admitted,
                     resync=resync,
                     skip_sampling=self._skips(request, num_new),
-                )
+                ),
             )
             budget -= num_new
         return budget
@@ -280,7 +303,7 @@ class Scheduler:
 
     def _skips(self, request: Request, num_new: int) -> bool:
         """True when this step does not end at the last known token, or the input is still open."""
-        reaches_end = request.num_computed_tokens + num_new == request.num_tokens
+        reaches_end = request.next_position + num_new == request.num_tokens_expected
         return not reaches_end or request.input_open
 
     # -- after the step ------------------------------------------------------------------------
@@ -297,12 +320,23 @@ class Scheduler:
             request = item.request
             if request.finished:
                 continue
-            request.num_computed_tokens += item.num_tokens
-            # The step succeeded: the blocks it filled may now serve other requests from the prefix cache.
-            self.block_table.commit_computed(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            if not item.skip_sampling:
+                request.num_pending_samples -= 1
+            if item.epoch == request.epoch:
+                request.num_inflight_tokens -= item.num_tokens
+                request.num_computed_tokens += item.num_tokens
+                # The step succeeded: the blocks it filled may now serve other requests from the prefix cache.
+                self.block_table.commit_computed(
+                    request.request_id, request.all_token_ids, request.num_computed_tokens
+                )
+            # else: preempted after this step was scheduled; its sampled token still counts, its KV is gone.
             token = sampled.get(request.handle)
             if token is None:
-                if request.input_open and request.num_computed_tokens == request.num_tokens:
+                if (
+                    request.input_open
+                    and request.num_computed_tokens == request.num_tokens
+                    and not request.num_inflight_tokens
+                ):
                     self.running.remove(request)
                     request.status = RequestStatus.AWAITING_INPUT
                     request.idle_since = self.clock()
@@ -351,6 +385,8 @@ class Scheduler:
         """Free a request's blocks; it recomputes its tokens (from the prefix cache where it can) when it runs."""
         self.block_table.free(request.request_id)
         request.num_computed_tokens = 0
+        request.num_inflight_tokens = 0
+        request.epoch += 1
         request.needs_resync = False
         request.num_preemptions += 1
         self.stats.num_preemptions += 1

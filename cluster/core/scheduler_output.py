@@ -28,6 +28,8 @@ class ScheduledRequest:
     resync: bool = False
     # A streaming-input chunk (not the final one): compute the KV, sample nothing.
     skip_sampling: bool = False
+    # The request's epoch when scheduled; an answer for an older epoch confirms no KV (see Request.epoch).
+    epoch: int = 0
 
 
 @dataclass

@@ -29,7 +29,12 @@ def sampling_to_proto(request: Request) -> step_pb2.SamplingParams:
 
 
 class StepMessageBuilder:
-    """Remembers how many tokens each worker-side request already has, so each step sends only deltas."""
+    """Remembers how many tokens each worker-side request already has, so each step sends only deltas.
+
+    The ranks append every token they sample to their own copy of the request, so a known request is sent only
+    what the head has and the ranks do not (an input chunk); its sampled tokens never travel back. That is what
+    lets step N+1 be built and sent before step N's tokens reach the head.
+    """
 
     def __init__(self) -> None:
         self._known_tokens: dict[int, int] = {}
@@ -89,5 +94,6 @@ class StepMessageBuilder:
                     delta.num_computed_tokens = request.num_computed_tokens
                 if item.skip_sampling:
                     delta.skip_sampling = True
-            known[request.handle] = request.num_tokens
+            # The ranks will hold this step's sampled token once it ran.
+            known[request.handle] = max(num_known or 0, request.num_tokens) + (0 if item.skip_sampling else 1)
         return batch

@@ -3,10 +3,12 @@ transport derives from the engine's configuration."""
 
 from __future__ import annotations
 
+import contextvars
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from cluster.core.config import EngineConfig
-from cluster.core.executor import WorkerGroupError
+from cluster.core.executor import PendingStep, WorkerGroupError
 from proto import step_pb2
 from worker.config import WorkerConfig
 from worker.model_loader import resolve_model_dir
@@ -37,18 +39,36 @@ def worker_config(config: EngineConfig, model_dir: Path) -> WorkerConfig:
     )
 
 
+class _ThreadStep:
+    """A step running on the executor's thread."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def result(self) -> step_pb2.StepResult:
+        return self._future.result()
+
+
 class InProcessExecutor:
-    """Tensor-parallel size 1 in the caller's process: the step message is handed over without copying."""
+    """Tensor-parallel size 1 in the caller's process: the step message is handed over without copying.
+
+    Steps run on one thread of their own, in submission order, so the engine schedules the next step while the
+    forward pass runs (torch releases the GIL inside its kernels).
+    """
 
     def __init__(self, config: WorkerConfig) -> None:
         self.worker = Worker(config)
         self.num_blocks = self.worker.num_blocks
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagerail-rank0")
 
-    def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
-        return self.worker.execute_step(batch)
+    def submit(self, batch: step_pb2.StepBatch) -> PendingStep:
+        # The caller's context travels along, so the rank's spans stay children of the step's dispatch span.
+        context = contextvars.copy_context()
+        return _ThreadStep(self._thread.submit(context.run, self.worker.execute_step, batch))
 
     def restart(self) -> int:
         raise WorkerGroupError("the in-process worker cannot be restarted")
 
     def shutdown(self) -> None:
+        self._thread.shutdown(wait=True)
         self.worker = None

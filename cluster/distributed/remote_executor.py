@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cluster.core.executor import WorkerGroupError
+from cluster.core.executor import PendingStep, WorkerGroupError, run_now
 from common.auth import auth_metadata
 from common.telemetry import inject_metadata
 from common.tls import TlsConfig
@@ -106,6 +106,10 @@ class RemoteExecutor:
         self._dead_ranks = dead_ranks
         self._liveness_interval = liveness_interval_s
         self.stats = DispatchStats()
+
+    def submit(self, batch: step_pb2.StepBatch) -> PendingStep:
+        """Run the step on every rank before returning (steps are not yet pipelined over the wire)."""
+        return run_now(self.execute, batch)
 
     def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
         """Send the step to every rank at once; rank 0's result, or WorkerGroupError as soon as any rank fails.

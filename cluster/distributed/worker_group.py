@@ -10,7 +10,7 @@ import ray
 from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.core.executor import WorkerGroupError
+from cluster.core.executor import CompletedStep, PendingStep, WorkerGroupError
 from cluster.distributed.remote_executor import RemoteExecutor
 from common.tls import TlsConfig
 from proto import step_pb2
@@ -128,10 +128,10 @@ class WorkerGroup:
     def dispatch_stats(self):
         return self._executor.stats if self._executor is not None else None
 
-    def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
+    def submit(self, batch: step_pb2.StepBatch) -> PendingStep:
         if self._executor is None:
-            raise WorkerGroupError("the worker group is not running")
-        return self._executor.execute(batch)
+            return CompletedStep(error=WorkerGroupError("the worker group is not running"))
+        return self._executor.submit(batch)
 
     def restart(self) -> int:
         """Stop every rank, wait until their processes are gone, start fresh ones; returns the new block count."""
