@@ -47,6 +47,7 @@ class LLM:
         max_waiting_requests: int | None = None,
         session_idle_timeout_s: float = 300.0,
         max_sessions: int | None = None,
+        async_scheduling: bool = True,
         tensor_parallel_size: int = 1,
         ray_address: str | None = None,
         placement_strategy: str = "PACK",
@@ -78,6 +79,7 @@ class LLM:
                 max_waiting_requests=max_waiting_requests,
                 session_idle_timeout_s=session_idle_timeout_s,
                 max_sessions=max_sessions,
+                async_scheduling=async_scheduling,
             ),
             observability=ObservabilityConfig(
                 otlp_traces_endpoint=otlp_traces_endpoint, trace_sampling_ratio=trace_sampling_ratio
