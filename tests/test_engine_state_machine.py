@@ -43,8 +43,9 @@ class EngineMachine(RuleBasedStateMachine):
         budget=st.integers(min_value=4, max_value=40),
         max_num_seqs=st.integers(min_value=1, max_value=6),
         max_sessions=st.integers(min_value=1, max_value=4),
+        async_scheduling=st.booleans(),
     )
-    def start(self, num_blocks: int, budget: int, max_num_seqs: int, max_sessions: int) -> None:
+    def start(self, num_blocks: int, budget: int, max_num_seqs: int, max_sessions: int, async_scheduling: bool) -> None:
         self.workers = FakeKVWorkers(num_blocks, BLOCK_SIZE, VOCAB)
         config = EngineConfig(
             cache=CacheConfig(block_size=BLOCK_SIZE),
@@ -53,6 +54,7 @@ class EngineMachine(RuleBasedStateMachine):
                 max_num_seqs=max_num_seqs,
                 max_sessions=max_sessions,
                 session_idle_timeout_s=100.0,
+                async_scheduling=async_scheduling,
             ),
         )
         self.engine = EngineCore(config, self.workers, MAX_MODEL_LEN, VOCAB, eos_token_ids=[EOS])
@@ -208,6 +210,20 @@ class EngineMachine(RuleBasedStateMachine):
             for i, token in enumerate(request.output_token_ids):
                 assert token == next_token(tokens[: request.num_prompt_tokens + i], VOCAB)
             assert request.num_tokens <= MAX_MODEL_LEN
+
+    @invariant()
+    def workers_hold_the_heads_tokens(self) -> None:
+        """The ranks keep the tokens they sample; with steps in flight they may be ahead by those samples only."""
+        if self.engine is None:
+            return
+        for request in self.engine.scheduler.requests.values():
+            state = self.workers.states.states.get(request.handle)
+            if state is None:
+                continue
+            worker, head = state.token_ids, request.all_token_ids
+            common = min(len(worker), len(head))
+            assert worker[:common] == head[:common], f"{request.request_id}: the ranks hold other tokens"
+            assert len(worker) <= len(head) + request.num_pending_samples
 
     def teardown(self) -> None:
         """Every request finishes once clients end their sessions and the engine runs; nothing leaks."""

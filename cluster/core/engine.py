@@ -97,6 +97,7 @@ class EngineCore:
         # there, built from placeholders for the tokens still being sampled. One: strictly serial steps.
         self.max_inflight_steps = 2 if config.scheduler.async_scheduling else 1
         self._inflight: deque[_InflightStep] = deque()
+        self.num_overlapped_steps = 0
 
     def add_request(
         self,
@@ -191,6 +192,8 @@ class EngineCore:
         span = start_step_span(out, started_ns)
         batch = self.step_builder.build(out)
         dispatched = time.perf_counter()
+        if self._inflight and out.scheduled:
+            self.num_overlapped_steps += 1  # submitted while the ranks still run the previous step
         with dispatch_span(span, batch):
             pending = self.executor.submit(batch)
         self._inflight.append(_InflightStep(out, batch, pending, span, started, dispatched))
