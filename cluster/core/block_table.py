@@ -144,10 +144,12 @@ class BlockTable:
         cached_block_ids (from find_cached_prefix, only for a request without blocks) are attached first.
         Returns only the newly allocated block ids, in sequence order.
         """
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         req = self._requests.get(request_id)
         num_owned = len(req.block_ids) if req is not None else 0
+        if not cached_block_ids and 0 <= num_tokens <= num_owned * self._block_size:
+            return []  # the common decode step: the last block still has room
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         if cached_block_ids:
             self._check_cached_ids(num_owned, token_ids, cached_block_ids)
 
@@ -184,6 +186,8 @@ class BlockTable:
         req = self._requests.get(request_id)
         if req is None or not self._enable_prefix_caching:
             return
+        if num_computed_tokens < (req.num_hashed + 1) * self._block_size:
+            return  # no block became full since the last commit
         self._hash_full_blocks(req, token_ids, min(num_computed_tokens, len(token_ids)))
 
     def free(self, request_id: str) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from cluster.core.fast_metrics import FastCounter, FastHistogram
 
 if TYPE_CHECKING:
     from cluster.core.engine import EngineCore
@@ -42,6 +44,7 @@ LATENCY_BUCKETS = (
     640.0,
 )
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+STEP_PHASES = ("schedule", "dispatch", "forward", "sample")
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -59,8 +62,9 @@ class EngineMetrics:
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
 
-        def histogram(name: str, doc: str, buckets, extra: tuple[str, ...] = ()) -> Histogram:
-            return Histogram(PREFIX + name, doc, [*labels, *extra], buckets=buckets, registry=self.registry)
+        def histogram(name: str, doc: str, buckets, extra: tuple[str, ...] = ()) -> FastHistogram:
+            # Observed per request per step on the engine thread: bucket counts read at scrape time.
+            return FastHistogram(PREFIX + name, doc, [*labels, *extra], buckets, self.registry)
 
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -71,7 +75,7 @@ class EngineMetrics:
         )
         self.free_blocks = gauge("num_free_blocks", "KV cache blocks free for allocation.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.generation_tokens = FastCounter(PREFIX + "generation_tokens", "Generated tokens.", labels, self.registry)
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
@@ -91,6 +95,13 @@ class EngineMetrics:
         self.iteration_tokens = histogram("iteration_tokens", "Tokens computed per engine step.", TOKEN_BUCKETS)
         self.step_duration = histogram("step_duration_seconds", "Engine step time by phase.", STEP_BUCKETS, ("phase",))
         self.dispatch_rtt = histogram("dispatch_rtt_seconds", "Step round trip per rank.", STEP_BUCKETS, ("rank",))
+        # Children bound once: the per-step path never looks labels up.
+        name = model_name
+        self._ttft, self._itl, self._e2e = self.ttft.labels(name), self.itl.labels(name), self.e2e.labels(name)
+        self._queue_time, self._prefill_time = self.queue_time.labels(name), self.prefill_time.labels(name)
+        self._decode_time, self._iteration_tokens = self.decode_time.labels(name), self.iteration_tokens.labels(name)
+        self._phases = {phase: self.step_duration.labels(name, phase) for phase in STEP_PHASES}
+        self._name_label = (name,)
         self._seen_preemptions = 0
         self._seen_prefix = (0, 0)
         self._seen_restarts = 0
@@ -106,39 +117,45 @@ class EngineMetrics:
         round_trip_s: float,
         changed: list[Request],
     ) -> None:
-        name = self.model_name
         now = time.monotonic()
         for item in out.scheduled:
-            request = item.request
-            if request.first_scheduled_time is None:
+            # A request is first scheduled when it is admitted; later steps need no look.
+            if item.admitted and item.request.first_scheduled_time is None:
+                request = item.request
                 request.first_scheduled_time = now
-                self.queue_time.labels(name).observe(now - request.arrival_time)
-        self.iteration_tokens.labels(name).observe(out.num_batched_tokens)
-        forward = result.forward_seconds
-        self.step_duration.labels(name, "schedule").observe(schedule_s)
-        self.step_duration.labels(name, "dispatch").observe(max(0.0, round_trip_s - result.compute_seconds))
-        self.step_duration.labels(name, "forward").observe(forward)
-        self.step_duration.labels(name, "sample").observe(max(0.0, result.compute_seconds - forward))
-        for request in changed:
-            self._observe_tokens(request, now)
+                self._queue_time.observe(now - request.arrival_time)
+        self._iteration_tokens.observe(out.num_batched_tokens)
+        forward, compute = result.forward_seconds, result.compute_seconds
+        phases = self._phases
+        phases["schedule"].observe(schedule_s)
+        phases["dispatch"].observe(max(0.0, round_trip_s - compute))
+        phases["forward"].observe(forward)
+        phases["sample"].observe(max(0.0, compute - forward))
+        self._observe_tokens(changed, now)
         self._observe_dispatch(engine)
 
-    def _observe_tokens(self, request: Request, now: float) -> None:
-        name = self.model_name
-        new_tokens = request.num_output_tokens - request.num_reported_tokens
-        if new_tokens > 0:
-            self.generation_tokens.labels(name).inc(new_tokens)
-            if request.first_token_time is None:
-                request.first_token_time = now
-                self.ttft.labels(name).observe(now - request.arrival_time)
-                if request.first_scheduled_time is not None:
-                    self.prefill_time.labels(name).observe(now - request.first_scheduled_time)
-            elif request.last_token_time is not None:
-                self.itl.labels(name).observe((now - request.last_token_time) / new_tokens)
-            request.last_token_time = now
-            request.num_reported_tokens = request.num_output_tokens
-        if request.finished:
-            self.observe_finished(request, now)
+    def _observe_tokens(self, changed: list[Request], now: float) -> None:
+        """New-token counts and latencies of the requests a step changed: the per-request hot path."""
+        generated = 0
+        itl = self._itl
+        for request in changed:
+            num_outputs = len(request.output_token_ids)
+            new_tokens = num_outputs - request.num_reported_tokens
+            if new_tokens > 0:
+                generated += new_tokens
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                    self._ttft.observe(now - request.arrival_time)
+                    if request.first_scheduled_time is not None:
+                        self._prefill_time.observe(now - request.first_scheduled_time)
+                elif request.last_token_time is not None:
+                    itl.observe((now - request.last_token_time) / new_tokens)
+                request.last_token_time = now
+                request.num_reported_tokens = num_outputs
+            if request.status.finished:
+                self.observe_finished(request, now)
+        if generated:
+            self.generation_tokens.inc(self._name_label, generated)
 
     def observe_finished(self, request: Request, now: float | None = None) -> None:
         """Count a finished request once, whether it ended in a step or by an abort."""
@@ -149,9 +166,9 @@ class EngineMetrics:
         name = self.model_name
         self.prompt_tokens.labels(name).inc(request.num_prompt_tokens)
         self.success.labels(name, request.status.value).inc()
-        self.e2e.labels(name).observe(now - request.arrival_time)
+        self._e2e.observe(now - request.arrival_time)
         if request.first_token_time is not None:
-            self.decode_time.labels(name).observe(now - request.first_token_time)
+            self._decode_time.observe(now - request.first_token_time)
 
     def _observe_dispatch(self, engine: EngineCore) -> None:
         stats = getattr(engine.executor, "dispatch_stats", None)

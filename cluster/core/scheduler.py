@@ -161,17 +161,26 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Runs once per running request per step: properties and helpers are inlined (see next_position,
+        # num_tokens_expected, _skips and _add for the same rules spelled out).
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens_expected - request.next_position, budget)
-            if num_new <= 0 or self._ends_in_flight(request):
+        running, scheduled = self.running, out.scheduled
+        while index < len(running) and budget > 0:
+            request = running[index]
+            position = request.num_computed_tokens + request.num_inflight_tokens
+            expected = len(request.all_token_ids) + request.num_pending_samples
+            num_new = min(expected - position, budget)
+            if num_new <= 0 or (request.num_pending_samples and self._ends_in_flight(request)):
                 index += 1
                 continue
             new_blocks = self._allocate_or_preempt(request, num_new, out)
             if new_blocks is None:
                 break  # the request itself was preempted: it was the last running one
-            self._add(out, ScheduledRequest(request, num_new, new_blocks, skip_sampling=self._skips(request, num_new)))
+            skip = position + num_new != expected or request.input_open
+            scheduled.append(ScheduledRequest(request, num_new, new_blocks, skip_sampling=skip, epoch=request.epoch))
+            request.num_inflight_tokens += num_new
+            if not skip:
+                request.num_pending_samples += 1
             budget -= num_new
             index += 1
         return budget
@@ -316,9 +325,11 @@ class Scheduler:
         Returns the requests that changed (got a token or finished), for streaming to callers.
         """
         changed: list[Request] = []
+        commit_computed = self.block_table.commit_computed
+        running = RequestStatus.RUNNING
         for item in out.scheduled:
             request = item.request
-            if request.finished:
+            if request.status is not running and request.finished:
                 continue
             if not item.skip_sampling:
                 request.num_pending_samples -= 1
@@ -326,9 +337,7 @@ class Scheduler:
                 request.num_inflight_tokens -= item.num_tokens
                 request.num_computed_tokens += item.num_tokens
                 # The step succeeded: the blocks it filled may now serve other requests from the prefix cache.
-                self.block_table.commit_computed(
-                    request.request_id, request.all_token_ids, request.num_computed_tokens
-                )
+                commit_computed(request.request_id, request.all_token_ids, request.num_computed_tokens)
             # else: preempted after this step was scheduled; its sampled token still counts, its KV is gone.
             token = sampled.get(request.handle)
             if token is None:

@@ -14,7 +14,7 @@ class PauseMode(enum.Enum):
     ALL = "all"  # schedule nothing
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: `num_tokens` new tokens starting at `num_computed_tokens`."""
 
