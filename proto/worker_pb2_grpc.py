@@ -35,6 +35,11 @@ class WorkerServiceStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.StepStream = channel.stream_stream(
+                '/pagerail.worker.WorkerService/StepStream',
+                request_serializer=proto_dot_step__pb2.StepBatch.SerializeToString,
+                response_deserializer=proto_dot_step__pb2.StepResult.FromString,
+                _registered_method=True)
         self.ExecuteStep = channel.unary_unary(
                 '/pagerail.worker.WorkerService/ExecuteStep',
                 request_serializer=proto_dot_step__pb2.StepBatch.SerializeToString,
@@ -50,8 +55,18 @@ class WorkerServiceStub:
 class WorkerServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
+    def StepStream(self, request_iterator, context):
+        """The head's step stream, opened once per worker-group start: the rank runs the steps one at a time in the
+        order they arrive and answers each with its StepResult, in the same order. A step that fails ends the
+        stream with INTERNAL (naming the step); the steps queued behind it are not run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ExecuteStep(self, request, context):
-        """Run one engine step; rank 0 answers with sampled tokens, other ranks with an empty result.
+        """Run one engine step on its own (tools and tests); rank 0 answers with sampled tokens, other ranks with an
+        empty result.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -66,6 +81,11 @@ class WorkerServiceServicer:
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
+                    request_deserializer=proto_dot_step__pb2.StepBatch.FromString,
+                    response_serializer=proto_dot_step__pb2.StepResult.SerializeToString,
+            ),
             'ExecuteStep': grpc.unary_unary_rpc_method_handler(
                     servicer.ExecuteStep,
                     request_deserializer=proto_dot_step__pb2.StepBatch.FromString,
@@ -86,6 +106,33 @@ def add_WorkerServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class WorkerService:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pagerail.worker.WorkerService/StepStream',
+            proto_dot_step__pb2.StepBatch.SerializeToString,
+            proto_dot_step__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def ExecuteStep(request,

@@ -1,4 +1,5 @@
-"""The worker's gRPC server: Describe and ExecuteStep over a real channel, bearer-token refusals, and TLS."""
+"""The worker's gRPC server: Describe, ExecuteStep and the step stream over a real channel, bearer-token refusals,
+and TLS."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import grpc
 import pytest
 import torch
 
+from cluster.distributed.remote_executor import RemoteExecutor
 from common.auth import auth_metadata, check_token
 from common.tls import TlsConfig
 from proto import step_pb2, worker_pb2, worker_pb2_grpc
@@ -75,6 +77,44 @@ def test_execute_step_samples_one_token(stub):
     assert len(result.token_ids) == 1 and 0 <= result.token_ids[0] < 250
 
 
+def decode_batch(handle: int, step_id: int) -> step_pb2.StepBatch:
+    """The next step of `handle` as the head sends it: the rank kept the token it sampled, one token scheduled."""
+    return step_pb2.StepBatch(
+        step_id=step_id, cached_requests=[step_pb2.CachedRequest(handle=handle, num_scheduled_tokens=1)]
+    )
+
+
+def test_step_stream_runs_pipelined_steps_like_single_calls(stub):
+    # The decode is on the stream before the prefill it depends on has run.
+    replies = stub.StepStream(
+        iter([prefill_batch(handle=3, step_id=1), decode_batch(handle=3, step_id=2)]),
+        metadata=auth_metadata(TOKEN),
+        timeout=RPC_TIMEOUT_S,
+    )
+    streamed = list(replies)
+    single = [
+        stub.ExecuteStep(batch, metadata=auth_metadata(TOKEN), timeout=RPC_TIMEOUT_S)
+        for batch in (prefill_batch(handle=4, step_id=3), decode_batch(handle=4, step_id=4))
+    ]
+    assert [result.step_id for result in streamed] == [1, 2]
+    assert [list(result.handles) for result in streamed] == [[3], [3]]
+    assert [list(r.token_ids) for r in streamed] == [list(r.token_ids) for r in single]  # greedy: same tokens
+
+
+def test_step_stream_error_ends_the_stream_and_skips_later_steps(stub):
+    unknown = step_pb2.StepBatch(step_id=5, cached_requests=[step_pb2.CachedRequest(handle=998)])
+    replies = stub.StepStream(
+        iter([unknown, prefill_batch(handle=5, step_id=6)]), metadata=auth_metadata(TOKEN), timeout=RPC_TIMEOUT_S
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        list(replies)
+    assert caught.value.code() == grpc.StatusCode.INTERNAL
+    assert "step 5: KeyError" in caught.value.details() and "998" in caught.value.details()
+    # Step 6 was never run: handle 5 is still unknown, so a decode for it fails.
+    with pytest.raises(grpc.RpcError, match="KeyError"):
+        stub.ExecuteStep(decode_batch(handle=5, step_id=7), metadata=auth_metadata(TOKEN), timeout=RPC_TIMEOUT_S)
+
+
 def test_step_error_is_internal_with_its_text(stub):
     unknown = step_pb2.StepBatch(step_id=3, cached_requests=[step_pb2.CachedRequest(handle=999)])
     with pytest.raises(grpc.RpcError) as caught:
@@ -98,6 +138,7 @@ def test_refuses_bad_credentials_and_keeps_serving(stub, metadata):
     for call in (
         lambda: describe(stub, metadata),
         lambda: stub.ExecuteStep(prefill_batch(2), metadata=metadata, timeout=RPC_TIMEOUT_S),
+        lambda: list(stub.StepStream(iter([prefill_batch(2)]), metadata=metadata, timeout=RPC_TIMEOUT_S)),
     ):
         with pytest.raises(grpc.RpcError) as caught:
             call()
@@ -147,6 +188,14 @@ def test_tls(worker, tmp_path):
                     worker_pb2.DescribeRequest(), metadata=auth_metadata(TOKEN), timeout=3
                 )
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        # The head's executor streams its steps over the same TLS.
+        executor = RemoteExecutor([f"127.0.0.1:{port}"], TOKEN, tls=tls)
+        try:
+            first = executor.submit(prefill_batch(handle=6, step_id=1))
+            second = executor.submit(decode_batch(handle=6, step_id=2))
+            assert [list(first.result().handles), list(second.result().handles)] == [[6], [6]]
+        finally:
+            executor.close()
     finally:
         server.stop(grace=None)
 

@@ -1,4 +1,4 @@
-"""The gRPC server a worker rank runs for its head: bearer-token auth, optional TLS, one step at a time."""
+"""The gRPC server a worker rank runs for its head: bearer-token auth, optional TLS, steps one at a time in order."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import hmac
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import nullcontext
 from typing import Any
@@ -15,10 +15,11 @@ import grpc
 from opentelemetry.trace import SpanKind
 
 from common.auth import AUTH_METADATA_KEY, SCHEME, check_token
-from common.telemetry import RANK_ATTRIBUTE, extract_metadata, get_tracer, tracing_enabled
+from common.telemetry import RANK_ATTRIBUTE, extract_carrier, extract_metadata, get_tracer, tracing_enabled
 from common.tls import TlsConfig
 from proto import step_pb2, worker_pb2, worker_pb2_grpc
 from worker.kv_cache import bytes_per_block
+from worker.step_stream import serve_step_stream
 from worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ _tracer = get_tracer("pagerail.worker")
 
 # A step carrying a few thousand new prompts (token ids plus block ids) runs to tens of MiB.
 MAX_MESSAGE_BYTES = 256 << 20
-# Steps are serialised anyway; the spare threads answer Describe and refuse bad calls meanwhile.
+# The head's step stream holds one thread for its lifetime; the spare ones answer Describe and refuse bad calls.
 _NUM_THREADS = 4
 
 
@@ -74,34 +75,50 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    """Serves one Worker: steps in arrival order, one at a time, and a description of its shard."""
+    """Serves one Worker: steps one at a time (from the head's stream, in order), and a description of its shard."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         # The model runner keeps per-request state and the KV cache; two steps at once would corrupt both.
         self._step_lock = threading.Lock()
 
+    def StepStream(
+        self, request_iterator: Iterator[step_pb2.StepBatch], context: grpc.ServicerContext
+    ) -> Iterator[step_pb2.StepResult]:
+        """The steps in the order they arrive, each answered in turn; the head queues step N+1 while step N runs.
+        A failed step ends the stream with INTERNAL, and the steps queued behind it are not run."""
+        return serve_step_stream(
+            request_iterator, context, self._run_step, lambda batch: self._step_span(batch, "StepStream"),
+            self.worker.tp.rank,
+        )
+
     def ExecuteStep(self, request: step_pb2.StepBatch, context: grpc.ServicerContext) -> step_pb2.StepResult:
-        with self._step_span(request, context), self._step_lock:
+        with self._step_span(request, "ExecuteStep", context.invocation_metadata()):
             try:
-                return self.worker.execute_step(request)
+                return self._run_step(request)
             except Exception as error:
                 logger.exception("rank %d: step %d failed", self.worker.tp.rank, request.step_id)
                 context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id}: {type(error).__name__}: {error}")
 
-    def _step_span(self, request: step_pb2.StepBatch, context: grpc.ServicerContext):
-        """A child of the head's dispatch span, whose context came in the call metadata; it includes the lock wait."""
+    def _run_step(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
+        with self._step_lock:
+            return self.worker.execute_step(batch)
+
+    def _step_span(self, batch: step_pb2.StepBatch, method: str, metadata: tuple | None = None):
+        """A child of the head's dispatch span, whose context came in the batch (the stream) or in the call metadata
+        (ExecuteStep); it includes the wait for the step lock. Named ExecuteStep whichever RPC carried the step."""
         if not tracing_enabled():
             return nullcontext()
+        parent = extract_carrier(batch.trace_context) if metadata is None else extract_metadata(metadata)
         return _tracer.start_as_current_span(
             "ExecuteStep",
-            context=extract_metadata(context.invocation_metadata()),
+            context=parent,
             kind=SpanKind.SERVER,
             attributes={
                 "rpc.system": "grpc",
                 "rpc.service": "pagerail.worker.WorkerService",
-                "rpc.method": "ExecuteStep",
-                "pagerail.step_id": request.step_id,
+                "rpc.method": method,
+                "pagerail.step_id": batch.step_id,
                 RANK_ATTRIBUTE: self.worker.tp.rank,
             },
         )

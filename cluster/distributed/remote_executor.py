@@ -1,86 +1,63 @@
-"""Sends each StepBatch to every tensor-parallel rank over gRPC at once and keeps the dispatch figures."""
+"""Drives one worker group over gRPC: each StepBatch serialized once and written to every rank's ordered step stream,
+the ranks' replies matched to their step, and a failed, dead or hung rank turned into a WorkerGroupError."""
 
 from __future__ import annotations
 
-import functools
-import statistics
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import grpc
 
-from cluster.core.executor import PendingStep, WorkerGroupError, run_now
+from cluster.core.executor import CompletedStep, PendingStep, WorkerGroupError
+from cluster.distributed.dispatch_stats import DispatchStats
+from cluster.distributed.step_streams import StepStreamError, StepStreams
 from common.auth import auth_metadata
-from common.telemetry import inject_metadata
+from common.telemetry import inject_carrier
 from common.tls import TlsConfig
 from proto import step_pb2
 
-_EXECUTE_STEP = "/pagerail.worker.WorkerService/ExecuteStep"
-_MAX_MESSAGE = 256 << 20
-# How long past the step deadline the head waits for gRPC to report it before giving up on the call itself.
-_DEADLINE_GRACE_S = 5.0
+__all__ = ["DispatchStats", "RemoteExecutor"]
 
 
-@dataclass
-class DispatchStats:
-    """Per-step wire figures: what the observability layer exports."""
+class _StreamedStep:
+    """A step written to every rank's stream; filled in by the streams' thread as the replies arrive."""
 
-    num_steps: int = 0
-    bytes_sent_per_rank: int = 0  # latest step
-    bytes_received_per_rank: list[int] = field(default_factory=list)  # latest step
-    last_round_trip_per_rank: list[float] = field(default_factory=list)  # latest step
-    total_bytes_sent: int = 0
-    total_bytes_received: int = 0
-    round_trip_s: deque = field(default_factory=lambda: deque(maxlen=4096))
-    # Round trip minus the slowest rank's own reported compute time: the cost of dispatching.
-    overhead_s: deque = field(default_factory=lambda: deque(maxlen=4096))
-
-    def reset(self) -> None:
-        self.__init__()
-
-    def summary(self) -> dict:
-        def pct(values, q):
-            ordered = sorted(values)
-            return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
-
-        return {
-            "steps": self.num_steps,
-            "round_trip_p50_s": statistics.median(self.round_trip_s) if self.round_trip_s else 0.0,
-            "round_trip_p99_s": pct(self.round_trip_s, 0.99),
-            "overhead_p50_s": statistics.median(self.overhead_s) if self.overhead_s else 0.0,
-            "overhead_p99_s": pct(self.overhead_s, 0.99),
-            "bytes_sent_per_rank": self.bytes_sent_per_rank,
-            "total_bytes_sent": self.total_bytes_sent,
-            "total_bytes_received": self.total_bytes_received,
-        }
-
-
-class _StepWaiter:
-    """Collects the ranks' completions, from gRPC's threads; `done` is set by the first failure or the last reply."""
-
-    def __init__(self, num_ranks: int) -> None:
+    def __init__(self, executor: RemoteExecutor, step_id: int, num_ranks: int, sent: int) -> None:
+        self._executor = executor
+        self.step_id = step_id
+        self.sent = sent
+        self.could_start: float | None = None  # perf_counter; set once no earlier step is in flight
+        self.since_previous: float | None = None  # from the previous step's last reply to this one's
+        self.results: list[step_pb2.StepResult | None] = [None] * num_ranks
+        self.received = [0] * num_ranks
+        self.arrived = [0.0] * num_ranks
+        self.remaining = num_ranks
+        self.error: WorkerGroupError | None = None
         self.done = threading.Event()
-        self.finished_at = [0.0] * num_ranks
-        self.failed: tuple[int, grpc.RpcError] | None = None  # the first rank that failed, and how
-        self._pending = num_ranks
-        self._lock = threading.Lock()
+        self._recorded = False
 
-    def on_done(self, rank: int, future: grpc.Future) -> None:
-        self.finished_at[rank] = time.perf_counter()
-        error = None if future.cancelled() else future.exception()
-        with self._lock:
-            self._pending -= 1
-            if error is not None and self.failed is None:
-                self.failed = (rank, error)
-            if error is not None or self._pending == 0:
-                self.done.set()
+    def result(self) -> step_pb2.StepResult:
+        """Wait for every rank's reply (all ranks at once) and return rank 0's, or raise WorkerGroupError."""
+        if not self.done.is_set():
+            self._executor.wait(self)
+        if self.error is not None:
+            raise self.error
+        if not self._recorded:
+            self._recorded = True
+            self._executor.record(self)
+        return self.results[0]
 
 
 class RemoteExecutor:
-    """gRPC client of one worker group: the same serialized message to every rank, concurrently."""
+    """gRPC client of one worker group: one persistent step stream per rank, opened when the group starts.
+
+    `submit` writes the step to every stream and returns; each rank runs its steps one at a time in stream order,
+    so step N+1 can wait on the ranks while step N computes. A step's deadline (`step_timeout_s`) counts from when
+    the ranks could start it: its submission, or the arrival of the previous step's last reply if that came later.
+    After the first failure every step in flight fails and the streams are cancelled: the group is to be rebuilt.
+    """
 
     def __init__(
         self,
@@ -90,84 +67,151 @@ class RemoteExecutor:
         step_timeout_s: float = 300.0,
         dead_ranks: Callable[[], list[int]] | None = None,
         liveness_interval_s: float = 1.0,
+        open_timeout_s: float = 30.0,
     ) -> None:
         """`dead_ranks`: asked every `liveness_interval_s` while a step runs, the ranks whose process is known dead
-        (a rank on a lost node may leave its connection open until the deadline); it must not block."""
-        options = [("grpc.max_send_message_length", _MAX_MESSAGE), ("grpc.max_receive_message_length", _MAX_MESSAGE)]
-        if tls is None:
-            self._channels = [grpc.insecure_channel(a, options=options) for a in addresses]
-        else:
-            credentials = tls.channel_credentials()
-            self._channels = [grpc.secure_channel(a, credentials, options=options) for a in addresses]
-        # Raw-bytes calls: the batch is serialized once, not once per rank.
-        self._calls = [c.unary_unary(_EXECUTE_STEP, response_deserializer=None) for c in self._channels]
-        self._metadata = auth_metadata(token)
+        (a rank on a lost node may leave its connection open until the deadline); it must not block.
+        Raises WorkerGroupError when a rank refuses its stream (wrong token, unreachable)."""
+        self._num_ranks = len(addresses)
         self._timeout = step_timeout_s
         self._dead_ranks = dead_ranks
         self._liveness_interval = liveness_interval_s
+        self._lock = threading.Lock()  # the engine's thread and the streams' thread both update what follows
+        self._inflight: deque[_StreamedStep] = deque()  # not yet answered by every rank, oldest first
+        self._awaiting = [deque() for _ in addresses]  # per rank, the steps it has not answered, oldest first
+        self._failure: WorkerGroupError | None = None
+        self._last_done: float | None = None  # arrival of the latest completed step's last reply
         self.stats = DispatchStats()
+        self._streams: StepStreams | None = None
+        try:
+            streams = StepStreams(addresses, auth_metadata(token), tls, self._on_reply, self._on_end, open_timeout_s)
+        except StepStreamError as error:
+            raise WorkerGroupError(str(error)) from error
+        with self._lock:
+            self._streams = streams
+            if self._failure is not None:  # a rank's stream ended while the others were still opening
+                streams.cancel()
 
     def submit(self, batch: step_pb2.StepBatch) -> PendingStep:
-        """Run the step on every rank before returning (steps are not yet pipelined over the wire)."""
-        return run_now(self.execute, batch)
-
-    def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
-        """Send the step to every rank at once; rank 0's result, or WorkerGroupError as soon as any rank fails.
-
-        The ranks are waited on together, not in order: a rank that fails or dies ends the step at once, while
-        the others may sit in a collective with it until the deadline. The deadline is for a hung rank only.
-        """
+        """Queue the step on every rank's stream and return at once."""
         payload = batch.SerializeToString()
-        started = time.perf_counter()
-        # The current (dispatch) span travels with the token, so each rank's ExecuteStep span is its child.
-        metadata = (*self._metadata, *inject_metadata())
-        futures = [call.future(payload, metadata=metadata, timeout=self._timeout) for call in self._calls]
-        waiter = _StepWaiter(len(futures))
-        for rank, future in enumerate(futures):
-            future.add_done_callback(functools.partial(waiter.on_done, rank))
-        try:
-            self._wait(waiter, batch.step_id, started)
-        except WorkerGroupError:
-            for future in futures:
-                future.cancel()  # the group is rebuilt: nothing waits for the other ranks' replies
-            raise
-        replies = [future.result() for future in futures]
-        elapsed = time.perf_counter() - started
-        results = [step_pb2.StepResult.FromString(reply) for reply in replies]
-        self._record(len(payload), [len(r) for r in replies], elapsed, max(r.compute_seconds for r in results))
-        self.stats.last_round_trip_per_rank = [max(0.0, t - started) for t in waiter.finished_at]
-        return results[0]
+        # The current (dispatch) span travels in the step, so each rank's step span is its child. Protobuf merges
+        # concatenated messages: appending the field spares copying or changing the engine's batch.
+        carrier = inject_carrier()
+        if carrier:
+            payload += step_pb2.StepBatch(trace_context=carrier).SerializeToString()
+        with self._lock:
+            if self._failure is not None:
+                return CompletedStep(error=WorkerGroupError(f"step {batch.step_id} was not run: {self._failure}"))
+            step = _StreamedStep(self, batch.step_id, self._num_ranks, len(payload))
+            if not self._inflight:
+                step.could_start = time.perf_counter()
+            self._inflight.append(step)
+            for awaiting in self._awaiting:
+                awaiting.append(step)
+            # Under the lock: the order on the streams is the order recorded above.
+            self._streams.send(payload)
+        return step
 
-    def _wait(self, waiter: _StepWaiter, step_id: int, started: float) -> None:
-        """Return when every rank replied; raise WorkerGroupError on the first failed, dead or hung rank."""
-        # gRPC ends each call at its deadline; this bound only guards against a call that never completes.
-        deadline = started + self._timeout + _DEADLINE_GRACE_S
-        while not waiter.done.wait(min(self._liveness_interval, max(0.0, deadline - time.perf_counter()))):
+    def wait(self, step: _StreamedStep) -> None:
+        """Return once `step` is done (answered or failed), checking for dead and hung ranks meanwhile."""
+        while not step.done.wait(self._wait_interval()):
             dead = self._dead_ranks() if self._dead_ranks is not None else []
-            if dead:
-                raise WorkerGroupError(f"rank {dead[0]} died during step {step_id}")
-            if time.perf_counter() > deadline:
-                raise WorkerGroupError(f"step {step_id} got no reply within {self._timeout:g}s (step deadline)")
-        if waiter.failed is not None:
-            rank, error = waiter.failed
-            code = error.code() if hasattr(error, "code") else None
-            if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise WorkerGroupError(
-                    f"rank {rank} did not finish step {step_id} within {self._timeout:g}s (step deadline)"
-                ) from error
-            details = error.details() if hasattr(error, "details") else str(error)
-            raise WorkerGroupError(f"rank {rank} failed during step {step_id}: {code}: {details}") from error
+            with self._lock:
+                if self._failure is not None or not self._inflight:
+                    continue
+                oldest = self._inflight[0]
+                if dead:
+                    self._fail(WorkerGroupError(f"rank {dead[0]} died during step {oldest.step_id}"), oldest)
+                elif time.perf_counter() > oldest.could_start + self._timeout:
+                    silent = [rank for rank, result in enumerate(oldest.results) if result is None]
+                    self._fail(
+                        WorkerGroupError(
+                            f"rank {silent[0]} did not finish step {oldest.step_id} within {self._timeout:g}s "
+                            "(step deadline)"
+                        ),
+                        oldest,
+                    )
 
-    def _record(self, sent: int, received: list[int], elapsed: float, compute: float) -> None:
-        stats = self.stats
-        stats.num_steps += 1
-        stats.bytes_sent_per_rank = sent
-        stats.bytes_received_per_rank = received
-        stats.total_bytes_sent += sent * len(received)
-        stats.total_bytes_received += sum(received)
-        stats.round_trip_s.append(elapsed)
-        stats.overhead_s.append(max(0.0, elapsed - compute))
+    def record(self, step: _StreamedStep) -> None:
+        """Add a completed step to the figures; on the engine's thread, once per step, in order."""
+        started = step.could_start
+        self.stats.record(
+            step.sent,
+            step.received,
+            [max(0.0, arrived - started) for arrived in step.arrived],
+            max(result.compute_seconds for result in step.results),
+            step.since_previous,
+        )
 
     def close(self) -> None:
-        for channel in self._channels:
-            channel.close()
+        """Fail what is still in flight and tear the streams down; safe to call more than once."""
+        with self._lock:
+            if self._failure is None:
+                self._fail(WorkerGroupError("the worker group was stopped"), None)
+        if self._streams is not None:
+            self._streams.close()
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def _wait_interval(self) -> float:
+        """Until the next liveness check, or sooner if the oldest step's deadline comes first."""
+        with self._lock:
+            if self._failure is not None or not self._inflight:
+                return self._liveness_interval
+            left = self._inflight[0].could_start + self._timeout - time.perf_counter()
+        return max(0.0, min(self._liveness_interval, left))
+
+    def _on_reply(self, rank: int, reply: bytes, arrived: float) -> None:
+        """On the streams' thread: match a rank's reply to the oldest step it has not answered."""
+        result = step_pb2.StepResult.FromString(reply)
+        with self._lock:
+            if self._failure is not None:
+                return
+            awaiting = self._awaiting[rank]
+            if not awaiting or awaiting[0].step_id != result.step_id:
+                expected = f"step {awaiting[0].step_id}" if awaiting else "no step"
+                error = WorkerGroupError(f"rank {rank} answered step {result.step_id} while {expected} was due")
+                self._fail(error, awaiting[0] if awaiting else None)
+                return
+            step = awaiting.popleft()
+            step.results[rank] = result
+            step.received[rank] = len(reply)
+            step.arrived[rank] = arrived
+            step.remaining -= 1
+            if step.remaining:
+                return
+            # Every rank answers in order, so a step all of them answered is the oldest in flight.
+            self._inflight.popleft()
+            if self._last_done is not None:
+                step.since_previous = arrived - self._last_done
+            self._last_done = arrived
+            if self._inflight:
+                self._inflight[0].could_start = arrived
+        step.done.set()
+
+    def _on_end(self, rank: int, error: grpc.aio.AioRpcError | None) -> None:
+        """On the streams' thread: a rank's stream ended, which only a failed or dying rank does."""
+        with self._lock:
+            if self._failure is not None:
+                return
+            awaiting = self._awaiting[rank]
+            step = awaiting[0] if awaiting else None
+            during = f"during step {step.step_id}" if step is not None else "between steps"
+            if error is None:
+                failure = WorkerGroupError(f"rank {rank} closed its step stream {during}")
+            else:
+                failure = WorkerGroupError(f"rank {rank} failed {during}: {error.code()}: {error.details()}")
+            self._fail(failure, step)
+
+    def _fail(self, error: WorkerGroupError, culprit: _StreamedStep | None) -> None:
+        """With the lock held: fail every step in flight (`culprit` with `error` itself) and end the streams."""
+        self._failure = error
+        for step in self._inflight:
+            step.error = error if step is culprit else WorkerGroupError(f"step {step.step_id} was abandoned: {error}")
+            step.done.set()
+        self._inflight.clear()
+        for awaiting in self._awaiting:
+            awaiting.clear()
+        if self._streams is not None:
+            self._streams.cancel()

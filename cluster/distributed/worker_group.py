@@ -113,9 +113,14 @@ class WorkerGroup:
         # Every rank holds a shard of the same blocks: the table is as large as the smallest shard.
         self.num_blocks = min(info["num_blocks"] for info in infos)
         self._pings = {}
-        self._executor = RemoteExecutor(
-            self.addresses, self._token, self._tls, self._step_timeout, dead_ranks=self._dead_ranks
-        )
+        try:
+            # Opens every rank's step stream: a rank that refuses it fails the start, not the first step.
+            self._executor = RemoteExecutor(
+                self.addresses, self._token, self._tls, self._step_timeout, dead_ranks=self._dead_ranks
+            )
+        except Exception:
+            self.shutdown()
+            raise
         logger.info("worker group of %d ranks up at %s with %d blocks", self.size, self.addresses, self.num_blocks)
         return self.num_blocks
 

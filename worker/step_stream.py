@@ -1,0 +1,84 @@
+"""Serves the head's step stream: steps run in arrival order on a thread of their own, while the next step is
+received and the previous result is sent, so the rank goes from one step to the next without a network wait."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+
+import grpc
+
+from proto import step_pb2
+
+logger = logging.getLogger(__name__)
+
+_END = object()  # no more steps: the head closed or cancelled the stream
+
+
+class _StepFailed:
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def serve_step_stream(
+    requests: Iterator[step_pb2.StepBatch],
+    context: grpc.ServicerContext,
+    execute: Callable[[step_pb2.StepBatch], step_pb2.StepResult],
+    step_span: Callable[[step_pb2.StepBatch], AbstractContextManager],
+    rank: int,
+) -> Iterator[step_pb2.StepResult]:
+    """The response iterator of one StepStream call: `execute` runs each step (`step_span` around it), in order.
+
+    Three threads share the work: a reader takes steps off the stream (and parses them) as they arrive, a runner
+    executes them one at a time, and gRPC's handler thread (this generator) sends each result. A step that raises
+    ends the stream with INTERNAL naming it; the runner executes nothing after it.
+    """
+    context.send_initial_metadata(())  # the head waits for this to know the stream is open before any step
+    steps: queue.SimpleQueue = queue.SimpleQueue()
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_read, args=(requests, steps, rank), name=f"step-stream-read-{rank}", daemon=True).start()
+    runner = threading.Thread(
+        target=_run, args=(steps, results, execute, step_span, rank), name=f"step-stream-run-{rank}", daemon=True
+    )
+    runner.start()
+    while True:
+        item = results.get()
+        if item is _END:
+            return
+        if isinstance(item, _StepFailed):
+            context.abort(grpc.StatusCode.INTERNAL, item.message)
+        yield item
+
+
+def _read(requests: Iterator[step_pb2.StepBatch], steps: queue.SimpleQueue, rank: int) -> None:
+    try:
+        for batch in requests:
+            steps.put(batch)
+    except grpc.RpcError:
+        # The head cancelled or lost the stream (it is rebuilding the group): nobody waits for an answer.
+        logger.info("rank %d: step stream ended by the head", rank)
+    except Exception:  # a malformed message: the stream cannot go on
+        logger.exception("rank %d: could not read the step stream", rank)
+    steps.put(_END)
+
+
+def _run(
+    steps: queue.SimpleQueue,
+    results: queue.SimpleQueue,
+    execute: Callable[[step_pb2.StepBatch], step_pb2.StepResult],
+    step_span: Callable[[step_pb2.StepBatch], AbstractContextManager],
+    rank: int,
+) -> None:
+    while (batch := steps.get()) is not _END:
+        try:
+            with step_span(batch):
+                result = execute(batch)
+        except Exception as error:
+            logger.exception("rank %d: step %d failed", rank, batch.step_id)
+            results.put(_StepFailed(f"step {batch.step_id}: {type(error).__name__}: {error}"))
+            return  # the steps queued behind it were built on its outcome: none of them may run
+        results.put(result)
+    results.put(_END)
