@@ -154,6 +154,14 @@ class EngineCore:
     def pause(self, mode: PauseMode) -> None:
         self.scheduler.pause(mode)
 
+    def drain(self) -> list[Request]:
+        """Apply every step in flight without scheduling more (a caller whose requests all ended, e.g. on a stop
+        string found by the caller, while a step for them was still running)."""
+        changed: list[Request] = []
+        while self._inflight:
+            changed.extend(self._apply_oldest())
+        return changed
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._inflight)
 
