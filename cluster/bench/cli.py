@@ -1,4 +1,4 @@
-"""`pagerail bench {throughput,serve,sweep}`: argument wiring; each command lives in its own module."""
+"""`pagerail bench {throughput,serve,sweep,overhead}`: argument wiring; each command lives in its own module."""
 
 from __future__ import annotations
 
@@ -23,10 +23,17 @@ def _sweep(args: argparse.Namespace) -> int:
     return run_sweep(args)
 
 
+def _overhead(args: argparse.Namespace) -> int:
+    from cluster.bench.overhead import run_overhead
+
+    return run_overhead(args)
+
+
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
-    """Registers `bench` and its three subcommands on the top-level `pagerail` parser."""
+    """Registers `bench` and its subcommands on the top-level `pagerail` parser."""
     from cluster.bench.offline import add_throughput_arguments
     from cluster.bench.online import add_serve_arguments
+    from cluster.bench.overhead import add_overhead_arguments
     from cluster.bench.sweep import add_sweep_arguments
 
     bench = commands.add_parser("bench", help="benchmark throughput and serving latency")
@@ -42,3 +49,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     sweep = kinds.add_parser("sweep", help="`bench serve` at rising load: CSV and a latency-throughput PNG")
     add_sweep_arguments(sweep)
     sweep.set_defaults(func=_sweep)
+    overhead = kinds.add_parser(
+        "overhead", help="engine overhead at short step times: forward ceiling, offline LLM and serve side by side"
+    )
+    add_overhead_arguments(overhead)
+    overhead.set_defaults(func=_overhead)

@@ -64,6 +64,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="reuse KV blocks of prompts that share a prefix",
     )
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule and send step N+1 while step N runs on the ranks (--no-async-scheduling: strictly serial steps)",
+    )
     parser.add_argument("--log-format", default="text", choices=("text", "json"), help="json: one object per line")
     parser.add_argument(
         "--otlp-traces-endpoint",
@@ -137,6 +143,7 @@ def serve(args: argparse.Namespace) -> int:
             session_idle_timeout_s=args.session_idle_timeout,
             max_sessions=args.max_sessions,
             enable_chunked_prefill=args.enable_chunked_prefill,
+            async_scheduling=args.async_scheduling,
         ),
         observability=ObservabilityConfig(
             otlp_traces_endpoint=args.otlp_traces_endpoint, trace_sampling_ratio=args.trace_sampling_ratio
