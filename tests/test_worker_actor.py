@@ -1,4 +1,5 @@
-"""Two tensor-parallel WorkerActor ranks on a local Ray over gloo, driven over gRPC, match a single-rank Worker."""
+"""Two tensor-parallel WorkerActor ranks on a local Ray over gloo, driven over gRPC (single calls, and the head's
+pipelined step streams), match a single-rank Worker."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import grpc
 import pytest
 import torch
 
+from cluster.distributed.remote_executor import RemoteExecutor
 from common.auth import auth_metadata
 from proto import step_pb2, worker_pb2, worker_pb2_grpc
 from tests.requirements import require_module
@@ -28,23 +30,23 @@ def local_ray():
     ray.shutdown()
 
 
-def prefill_batch() -> step_pb2.StepBatch:
+def prefill_batch(handle: int = 1, step_id: int = 1) -> step_pb2.StepBatch:
     request = step_pb2.NewRequest(
-        handle=1,
-        request_id="req-1",
+        handle=handle,
+        request_id=f"req-{handle}",
         token_ids=PROMPT,
         num_prompt_tokens=len(PROMPT),
         sampling=step_pb2.SamplingParams(temperature=0.0),
-        block_ids=[0, 1],  # 4-token blocks hold the prompt and the first output
+        block_ids=[2 * handle - 2, 2 * handle - 1],  # 4-token blocks hold the prompt and the first outputs
         num_scheduled_tokens=len(PROMPT),
     )
-    return step_pb2.StepBatch(step_id=1, new_requests=[request])
+    return step_pb2.StepBatch(step_id=step_id, new_requests=[request])
 
 
-def decode_batch(previous_token: int) -> step_pb2.StepBatch:
-    """The next step as the head sends it: the sampled token appended, one token scheduled."""
-    request = step_pb2.CachedRequest(handle=1, new_token_ids=[previous_token], num_scheduled_tokens=1)
-    return step_pb2.StepBatch(step_id=2, cached_requests=[request])
+def decode_batch(handle: int = 1, step_id: int = 2) -> step_pb2.StepBatch:
+    """The next step as the head sends it: one token scheduled; every rank kept the token rank 0 sampled."""
+    request = step_pb2.CachedRequest(handle=handle, num_scheduled_tokens=1)
+    return step_pb2.StepBatch(step_id=step_id, cached_requests=[request])
 
 
 def test_two_ranks_match_single_rank(local_ray, tmp_path):
@@ -79,9 +81,24 @@ def test_two_ranks_match_single_rank(local_ray, tmp_path):
             assert first.step_id == second.step_id == batch.step_id
             assert list(first.handles) == [1] and list(first.token_ids) == list(expected.token_ids)
             assert list(second.handles) == [] and list(second.token_ids) == []
-            batch = decode_batch(first.token_ids[0])
+            batch = decode_batch()
         for channel in channels:
             channel.close()
+
+        # The head's streams: the decode is queued on both ranks before the prefill ran; the ranks keep the token
+        # they sampled (rank 0 shares it), so the decode carries none.
+        executor = RemoteExecutor([info["address"] for info in started], TOKEN, step_timeout_s=TIMEOUT_S)
+        try:
+            batches = [prefill_batch(handle=2, step_id=3), decode_batch(handle=2, step_id=4)]
+            steps = [executor.submit(batch) for batch in batches]
+            reference_steps = [reference.execute_step(batch) for batch in batches]
+            for pending, expected in zip(steps, reference_steps, strict=True):
+                result = pending.result()
+                assert (result.step_id, list(result.handles)) == (expected.step_id, [2])
+                assert list(result.token_ids) == list(expected.token_ids)
+            assert len(executor.stats.bytes_received_per_rank) == 2
+        finally:
+            executor.close()
     finally:
         torch.set_num_threads(threads)
         ray.get([actor.stop.remote() for actor in ranks], timeout=TIMEOUT_S)

@@ -145,7 +145,7 @@ class WorkerActor:
     # -- fault injection, for tests -------------------------------------------------------------
 
     def inject_step_fault(self, kind: str, seconds: float = 0.0) -> None:
-        """Fault-injection hook for failure tests, not a serving feature: the next ExecuteStep on this rank first
+        """Fault-injection hook for failure tests, not a serving feature: the next step on this rank first
         hangs for `seconds` then runs ("hang"), or fails without computing ("fail"). One step only."""
         if kind not in ("hang", "fail"):
             raise ValueError(f"kind must be 'hang' or 'fail', got {kind!r}")

@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from cluster.core.executor import CompletedStep, PendingStep, WorkerGroupError
 from cluster.distributed.dispatch_stats import DispatchStats
@@ -164,7 +165,15 @@ class RemoteExecutor:
 
     def _on_reply(self, rank: int, reply: bytes, arrived: float) -> None:
         """On the streams' thread: match a rank's reply to the oldest step it has not answered."""
-        result = step_pb2.StepResult.FromString(reply)
+        try:
+            result = step_pb2.StepResult.FromString(reply)
+        except DecodeError as error:
+            with self._lock:
+                if self._failure is None:
+                    awaiting = self._awaiting[rank]
+                    failure = WorkerGroupError(f"rank {rank} sent an unreadable step result: {error}")
+                    self._fail(failure, awaiting[0] if awaiting else None)
+            return
         with self._lock:
             if self._failure is not None:
                 return
