@@ -1,4 +1,4 @@
-"""Runs an EngineCore's loop in its own thread; asyncio callers hand requests in and receive token deltas."""
+"""Runs an EngineCore's loop in its own thread; callers hand requests in and receive one batch of deltas per step."""
 
 from __future__ import annotations
 
@@ -7,14 +7,18 @@ import logging
 import queue
 import statistics
 import threading
-from collections.abc import AsyncIterator, Sequence
+import weakref
+from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass
 
 from cluster.core.engine import EngineCore
 from cluster.core.engine_client import RequestDelta
+from cluster.core.output_sink import LoopSink, OutputBatch, OutputSink
 from cluster.core.request import Request
 from cluster.core.sampling_params import SamplingParams
 from cluster.core.scheduler_output import PauseMode
+
+__all__ = ["AsyncEngine", "LoopSink", "OutputBatch", "OutputSink", "delta_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,13 +30,13 @@ def delta_of(request: Request, start: int = 0) -> RequestDelta:
     """A request's output tokens from `start` on, and its state."""
     return RequestDelta(
         request_id=request.request_id,
-        token_ids=list(request.output_token_ids[start:]),
+        token_ids=request.output_token_ids[start:],
         num_prompt_tokens=request.num_prompt_tokens,
         num_output_tokens=request.num_output_tokens,
         finished=request.finished,
         finish_reason=request.status.value if request.finished else None,
-        logprobs=list(request.logprobs[start:]),
-        top_logprobs=list(request.top_logprobs[start:]),
+        logprobs=request.logprobs[start:],
+        top_logprobs=request.top_logprobs[start:],
         num_cached_tokens=request.num_cached_tokens,
         error=request.error,
         error_code=request.error_code,
@@ -40,77 +44,68 @@ def delta_of(request: Request, start: int = 0) -> RequestDelta:
 
 
 @dataclass
-class _Subscriber:
-    """Where one request's deltas go: a queue on the caller's event loop."""
+class _Owner:
+    """Who receives one request's deltas: a sink, and the key its items carry there."""
 
-    loop: asyncio.AbstractEventLoop
-    deltas: asyncio.Queue
+    sink: OutputSink
+    key: Hashable
     published_tokens: int = 0
 
 
 class AsyncEngine:
-    """The only thread that touches the engine is the loop thread; everything else sends it commands."""
+    """The only thread that touches the engine is the loop thread; everything else sends it commands.
+
+    Each loop iteration (commands, then one engine step) ends with at most one hand-off per sink, carrying
+    every delta, admission and error that sink's requests produced: per-request work stays on the sink's side.
+    """
 
     def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._subscribers: dict[str, _Subscriber] = {}
+        self._owners: dict[str, _Owner] = {}
+        self._outbox: dict[OutputSink, OutputBatch] = {}
+        # One sink per event loop that called stream(): its requests share the loop's per-step hand-off.
+        self._loop_sinks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopSink] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._loop_sinks_lock = threading.Lock()
+        # Counted on the loop thread: iterations that delivered something, hand-offs, deltas handed off.
+        self.num_deliveries = 0
+        self.num_handoffs = 0
+        self.num_deltas = 0
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    # -- asyncio side ---------------------------------------------------------------------------
+    # -- any thread -----------------------------------------------------------------------------
 
-    async def stream(
+    def submit(
         self,
         request_id: str,
         token_ids: Sequence[int],
         params: SamplingParams,
+        sink: OutputSink,
+        key: Hashable,
+        *,
         final: bool = True,
         trace_context: dict[str, str] | None = None,
-    ) -> AsyncIterator[RequestDelta]:
-        """Yield new tokens as they come, the last delta with finished=True; ValueError/QueueFullError first."""
-        subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
-        self._submit(("add", request_id, list(token_ids), params, final, subscriber, trace_context))
-        finished = False
-        try:
-            while True:
-                delta = await subscriber.deltas.get()
-                if isinstance(delta, BaseException):
-                    raise delta
-                finished = delta.finished
-                yield delta
-                if finished:
-                    return
-        finally:
-            if not finished:
-                # The caller went away (disconnect, cancel): free the request's blocks. Only this caller's own
-                # request: a refused duplicate id must not abort the request that holds it.
-                self._submit(("abort", request_id, subscriber))
-
-    async def generate(
-        self, request_id: str, token_ids: Sequence[int], params: SamplingParams, final: bool = True
-    ) -> RequestDelta:
-        """Run one request to completion; the result holds every output token."""
-        result: RequestDelta | None = None
-        async for delta in self.stream(request_id, token_ids, params, final):
-            if result is None:
-                result = delta
-            else:
-                result.token_ids.extend(delta.token_ids)
-                result.logprobs.extend(delta.logprobs)
-                result.top_logprobs.extend(delta.top_logprobs)
-                result.num_output_tokens = delta.num_output_tokens
-                result.num_cached_tokens = delta.num_cached_tokens
-                result.finished, result.finish_reason, result.error = delta.finished, delta.finish_reason, delta.error
-        return result
+    ) -> None:
+        """Queue a request whose admission (or ValueError/QueueFullError), deltas and errors go to `sink`,
+        tagged with `key`."""
+        self._submit(("add", request_id, list(token_ids), params, final, trace_context, _Owner(sink, key)))
 
     def append_input(self, request_id: str, token_ids: Sequence[int], final: bool) -> None:
         self._submit(("append", request_id, list(token_ids), final))
 
-    def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id, None))
+    def abort(self, request_id: str, sink: OutputSink | None = None, key: Hashable = None) -> None:
+        """Abort a request; with `sink`, only when that sink still owns it under `key` (a refused duplicate id
+        must not abort the request holding it)."""
+        self._submit(("abort", request_id, sink, key))
+
+    def drop_sink(self, sink: OutputSink) -> None:
+        """The consumer behind `sink` is gone: abort every request it owns."""
+        self._submit(("drop_sink", sink))
 
     def pause(self, mode: str = "all") -> None:
         """Hold new requests ("new") or every request ("all") until resume()."""
@@ -133,6 +128,10 @@ class AsyncEngine:
             "num_computed_tokens": scheduler.stats.num_computed_tokens,
             "num_prefix_hit_tokens": scheduler.stats.num_prefix_hit_tokens,
             "schedule_p50_s": statistics.median(engine.schedule_seconds) if engine.schedule_seconds else 0.0,
+            "num_steps": scheduler.stats.num_steps,
+            "num_output_deliveries": self.num_deliveries,
+            "num_output_handoffs": self.num_handoffs,
+            "num_output_deltas": self.num_deltas,
         }
 
     def metrics_text(self) -> str:
@@ -148,26 +147,84 @@ class AsyncEngine:
         self._commands.put(command)
         self._wakeup.set()
 
+    # -- asyncio callers in this process ----------------------------------------------------------
+
+    async def stream(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        final: bool = True,
+        trace_context: dict[str, str] | None = None,
+    ) -> AsyncIterator[RequestDelta]:
+        """Yield new tokens as they come, the last delta with finished=True; ValueError/QueueFullError first."""
+        sink = self._sink_of(asyncio.get_running_loop())
+        deltas: asyncio.Queue = asyncio.Queue()  # this call's own key: nothing else can reach it
+        self.submit(request_id, token_ids, params, sink, deltas, final=final, trace_context=trace_context)
+        finished = False
+        try:
+            while True:
+                delta = await deltas.get()
+                if isinstance(delta, BaseException):
+                    raise delta
+                finished = delta.finished
+                yield delta
+                if finished:
+                    return
+        finally:
+            if not finished:
+                # The caller went away (disconnect, cancel): free the request's blocks, if it is still its own.
+                self.abort(request_id, sink, deltas)
+
+    async def generate(
+        self, request_id: str, token_ids: Sequence[int], params: SamplingParams, final: bool = True
+    ) -> RequestDelta:
+        """Run one request to completion; the result holds every output token."""
+        result: RequestDelta | None = None
+        async for delta in self.stream(request_id, token_ids, params, final):
+            if result is None:
+                result = delta
+            else:
+                result.token_ids.extend(delta.token_ids)
+                result.logprobs.extend(delta.logprobs)
+                result.top_logprobs.extend(delta.top_logprobs)
+                result.num_output_tokens = delta.num_output_tokens
+                result.num_cached_tokens = delta.num_cached_tokens
+                result.finished, result.finish_reason, result.error = delta.finished, delta.finish_reason, delta.error
+        return result
+
+    def _sink_of(self, loop: asyncio.AbstractEventLoop) -> LoopSink:
+        with self._loop_sinks_lock:
+            sink = self._loop_sinks.get(loop)
+            if sink is None:
+                sink = self._loop_sinks[loop] = LoopSink(loop, _fan_out_to_queues)
+            return sink
+
     # -- the loop thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
         while not self._stopped:
             self._drain_commands()
-            if not self.engine.has_unfinished():
+            busy = self.engine.has_unfinished()
+            if busy:
+                self._step()
+            self._deliver_outbox()
+            if not busy:
                 self._wakeup.wait()
                 self._wakeup.clear()
-                continue
-            try:
-                changed = self.engine.step()
-            except Exception as error:  # never let one bad step kill the loop silently
-                logger.exception("engine step failed")
-                self._fail_everything(error)
-                continue
-            for request in changed:
-                self._publish(request)
-            if self.engine.last_step_idle:
+            elif self.engine.last_step_idle:
                 self._wakeup.wait(_IDLE_WAIT_S)
                 self._wakeup.clear()
+
+    def _step(self) -> None:
+        try:
+            changed = self.engine.step()
+        except Exception as error:  # never let one bad step kill the loop silently
+            logger.exception("engine step failed")
+            self._fail_everything(error)
+            return
+        for request in changed:
+            self._publish(request)
 
     def _drain_commands(self) -> None:
         while True:
@@ -177,51 +234,94 @@ class AsyncEngine:
                 return
             kind = command[0]
             if kind == "add":
-                _, request_id, token_ids, params, final, subscriber, trace_context = command
-                if request_id in self._subscribers:
-                    self._deliver(subscriber, ValueError(f"request_id {request_id!r} is already in use"))
-                    continue
-                try:
-                    request = self.engine.add_request(
-                        request_id, token_ids, params, final=final, trace_context=trace_context
-                    )
-                except (ValueError, RuntimeError) as error:  # bad input, or the waiting queue is full
-                    self._deliver(subscriber, error)
-                    continue
-                self._subscribers[request.request_id] = subscriber
+                self._add(*command[1:])
             elif kind == "append":
                 _, request_id, token_ids, final = command
                 try:
                     self.engine.append_input(request_id, token_ids, final)
                 except ValueError as error:
-                    subscriber = self._subscribers.pop(request_id, None)
-                    if subscriber is not None:
+                    owner = self._owners.pop(request_id, None)
+                    if owner is not None:
                         self.engine.abort(request_id)
-                        self._deliver(subscriber, error)
+                        self._batch_for(owner.sink).errors.append((owner.key, error))
             elif kind == "pause":
                 self.engine.pause(command[1])
             elif kind == "abort":
-                _, request_id, owner = command
-                if owner is not None and self._subscribers.get(request_id) is not owner:
+                _, request_id, sink, key = command
+                owner = self._owners.get(request_id)
+                if sink is not None and (owner is None or owner.sink is not sink or owner.key != key):
                     continue  # that caller's request already ended, or was never admitted
-                request = self.engine.abort(request_id)
-                if request is not None:
-                    self._publish(request)
+                self._abort(request_id)
+            elif kind == "drop_sink":
+                for request_id in [rid for rid, owner in self._owners.items() if owner.sink is command[1]]:
+                    self._abort(request_id)
+                    self._owners.pop(request_id, None)
+
+    def _add(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        final: bool,
+        trace_context: dict[str, str] | None,
+        owner: _Owner,
+    ) -> None:
+        batch = self._batch_for(owner.sink)
+        if request_id in self._owners:
+            batch.errors.append((owner.key, ValueError(f"request_id {request_id!r} is already in use")))
+            return
+        try:
+            self.engine.add_request(request_id, token_ids, params, final=final, trace_context=trace_context)
+        except (ValueError, RuntimeError) as error:  # bad input, or the waiting queue is full
+            batch.errors.append((owner.key, error))
+            return
+        self._owners[request_id] = owner
+        batch.admitted.append(owner.key)
+
+    def _abort(self, request_id: str) -> None:
+        request = self.engine.abort(request_id)
+        if request is not None:
+            self._publish(request)
 
     def _publish(self, request: Request) -> None:
-        subscriber = self._subscribers.get(request.request_id)
-        if subscriber is None:
+        owner = self._owners.get(request.request_id)
+        if owner is None:
             return
-        self._deliver(subscriber, delta_of(request, subscriber.published_tokens))
-        subscriber.published_tokens = request.num_output_tokens
+        self._batch_for(owner.sink).deltas.append((owner.key, delta_of(request, owner.published_tokens)))
+        owner.published_tokens = request.num_output_tokens
         if request.finished:
-            del self._subscribers[request.request_id]
+            del self._owners[request.request_id]
 
-    def _deliver(self, subscriber: _Subscriber, item: object) -> None:
-        subscriber.loop.call_soon_threadsafe(subscriber.deltas.put_nowait, item)
+    def _batch_for(self, sink: OutputSink) -> OutputBatch:
+        batch = self._outbox.get(sink)
+        if batch is None:
+            batch = self._outbox[sink] = OutputBatch()
+        return batch
+
+    def _deliver_outbox(self) -> None:
+        """One hand-off per sink for everything this iteration produced."""
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, {}
+        self.num_deliveries += 1
+        for sink, batch in outbox.items():
+            self.num_handoffs += 1
+            self.num_deltas += len(batch.deltas)
+            try:
+                sink.deliver(batch)
+            except Exception:  # one broken consumer must not stop the others' outputs
+                logger.exception("an output sink failed to take its batch")
 
     def _fail_everything(self, error: Exception) -> None:
-        for request_id, subscriber in list(self._subscribers.items()):
+        for request_id, owner in list(self._owners.items()):
             self.engine.abort(request_id)
-            self._deliver(subscriber, RuntimeError(f"engine step failed: {error}"))
-        self._subscribers.clear()
+            self._batch_for(owner.sink).errors.append((owner.key, RuntimeError(f"engine step failed: {error}")))
+        self._owners.clear()
+
+
+def _fan_out_to_queues(batch: OutputBatch) -> None:
+    """On a stream() caller's loop: each item to its stream's queue (the key); admissions need no reply."""
+    for deltas, delta in batch.deltas:
+        deltas.put_nowait(delta)
+    for deltas, error in batch.errors:
+        deltas.put_nowait(error)

@@ -16,6 +16,7 @@ from cluster.core.engine_client import RequestDelta
 from cluster.core.model_info import read_model_info
 from cluster.core.sampling_params import SamplingParams
 from cluster.distributed.local_executor import locate_model, worker_config
+from cluster.distributed.output_channel import OutputChannel, OutputMessage
 from cluster.distributed.worker_group import WorkerGroup
 from common import telemetry
 from common.logs import configure_logging
@@ -64,6 +65,9 @@ class HeadActor:
         )
         self.engine.max_restarts = options.max_restarts
         self.async_engine = AsyncEngine(self.engine)
+        # Consumers' output channels by id; created by whichever of submit() and outputs() comes first.
+        self._channels: dict[str, OutputChannel] = {}
+        self.num_output_messages = 0  # sent on every channel, all lives of channels together
 
     # -- called by clients ----------------------------------------------------------------------
 
@@ -78,10 +82,60 @@ class HeadActor:
             "eos_token_ids": sorted(self.engine.eos_token_ids),
         }
 
+    async def submit(
+        self,
+        channel_id: str,
+        request_id: str,
+        token_ids: Sequence[int],
+        params: SamplingParams,
+        final: bool = True,
+        trace_context: dict[str, str] | None = None,
+    ) -> None:
+        """Admit a request whose outputs go to channel `channel_id`; raises ValueError/QueueFullError when refused.
+
+        `trace_context`: the W3C carrier of the caller's request span, which the step spans link to.
+        """
+        await self._channel(channel_id).submit(request_id, token_ids, params, final, trace_context)
+
+    async def outputs(self, channel_id: str) -> AsyncIterator[OutputMessage]:
+        """The channel's stream: one message per engine step, every delta of the channel's requests in it.
+
+        Ending the call (the consumer closed it or died) aborts the channel's requests.
+        """
+        channel = self._channel(channel_id)
+        try:
+            while (message := await channel.next_message()) is not None:
+                self.num_output_messages += 1
+                yield message
+        finally:
+            self._close_channel(channel_id)
+
+    async def close_channel(self, channel_id: str) -> None:
+        """The consumer is done with the channel: its stream ends and its unfinished requests are aborted."""
+        self._close_channel(channel_id)
+
+    def _close_channel(self, channel_id: str) -> None:
+        channel = self._channels.pop(channel_id, None)
+        if channel is not None:
+            channel.close()
+
+    def abort(self, request_id: str, channel_id: str | None = None) -> None:
+        """Abort a request; with `channel_id`, only if that channel holds it."""
+        if channel_id is None:
+            self.async_engine.abort(request_id)
+        elif (channel := self._channels.get(channel_id)) is not None:
+            channel.abort(request_id)
+
+    def _channel(self, channel_id: str) -> OutputChannel:
+        channel = self._channels.get(channel_id)
+        if channel is None:
+            channel = self._channels[channel_id] = OutputChannel(self.async_engine, asyncio.get_running_loop())
+        return channel
+
     async def generate(
         self, request_id: str, token_ids: Sequence[int], params: SamplingParams, final: bool = True
     ) -> RequestDelta:
-        """Run one request to completion and return its output."""
+        """Run one request to completion and return its output (warm-up and tests; serving uses channels)."""
         return await self.async_engine.generate(request_id, token_ids, params, final)
 
     async def stream(
@@ -92,19 +146,13 @@ class HeadActor:
         final: bool = True,
         trace_context: dict[str, str] | None = None,
     ) -> AsyncIterator[RequestDelta]:
-        """Yield each batch of new tokens as the engine produces them, the last one with finished=True.
-
-        `trace_context`: the W3C carrier of the caller's request span, which the step spans link to.
-        """
+        """One request's deltas as their own Ray stream (tests); serving uses a channel, one message per step."""
         async for delta in self.async_engine.stream(request_id, token_ids, params, final, trace_context):
             yield delta
 
     def append_input(self, request_id: str, token_ids: Sequence[int], final: bool) -> None:
         """Next chunk of an open streaming-input session."""
         self.async_engine.append_input(request_id, token_ids, final)
-
-    def abort(self, request_id: str) -> None:
-        self.async_engine.abort(request_id)
 
     def pause(self, mode: str = "all") -> None:
         """Hold new requests ("new") or every request ("all") until resume()."""
@@ -124,7 +172,11 @@ class HeadActor:
 
     def stats(self) -> dict:
         dispatch = self.group.dispatch_stats
-        return {**self.async_engine.stats(), "dispatch": dispatch.summary() if dispatch is not None else {}}
+        return {
+            **self.async_engine.stats(),
+            "num_output_messages": self.num_output_messages,
+            "dispatch": dispatch.summary() if dispatch is not None else {},
+        }
 
     def metrics(self) -> str:
         return self.async_engine.metrics_text()

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import replace
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 import ray
@@ -31,14 +32,22 @@ class RemoteEngine:
             options = replace(options, use_gpu=True)
         self.head = start_head(config, options, name)
 
-    def run(self, requests: Sequence[tuple[str, list[int], SamplingParams]]) -> dict[str, SimpleNamespace]:
-        """Submit every request at once; map request id → finished output."""
-        refs = [self.head.generate.remote(rid, tokens, params) for rid, tokens, params in requests]
+    def run(
+        self,
+        requests: Sequence[tuple[str, list[int], SamplingParams]],
+        stops: Callable[[str, list[int]], bool] | None = None,
+    ) -> dict[str, SimpleNamespace]:
+        """Submit every request at once; map request id → finished output.
+
+        The outputs stream back on one channel, one message per engine step. `stops(request_id, new_token_ids)`
+        is asked for each step's new tokens of a request: True finishes it there ("stop"), aborted at the head.
+        """
+        channel_id = uuid.uuid4().hex
+        stream = self.head.outputs.remote(channel_id)
         try:
-            results = ray.get(refs)
+            ray.get([self.head.submit.remote(channel_id, rid, tokens, params) for rid, tokens, params in requests])
+            return _collect(stream, {rid: _Output(rid) for rid, _, _ in requests}, self._stop_one(channel_id, stops))
         except ray.exceptions.RayActorError as error:
-            for rid, _, _ in requests:
-                self.head.abort.remote(rid)
             raise HeadUnavailableError(
                 "the head actor died with requests in flight; it is being restarted, retry the requests"
             ) from error
@@ -47,7 +56,20 @@ class RemoteEngine:
             if isinstance(cause, ValueError):
                 raise cause from None
             raise
-        return {result.request_id: _as_request(result) for result in results}
+        finally:
+            # Ends the stream and aborts what is still running (a refused request, an interrupted caller).
+            self.head.close_channel.remote(channel_id)
+
+    def _stop_one(
+        self, channel_id: str, stops: Callable[[str, list[int]], bool] | None
+    ) -> Callable[[RequestDelta], bool]:
+        def stop(delta: RequestDelta) -> bool:
+            if stops is None or delta.finished or not stops(delta.request_id, delta.token_ids):
+                return False
+            self.head.abort.remote(delta.request_id, channel_id)
+            return True
+
+        return stop
 
     def wait_until_ready(self, timeout_s: float = 300.0) -> None:
         """Block until the head answers (after Ray restarted it, once its new workers are up)."""
@@ -71,15 +93,47 @@ class RemoteEngine:
             ray.kill(self.head, no_restart=True)
 
 
-def _as_request(result: RequestDelta) -> SimpleNamespace:
-    """Shape a head's result like a finished Request, so the LLM fills outputs the same way for both paths."""
-    return SimpleNamespace(
-        request_id=result.request_id,
-        output_token_ids=result.token_ids,
-        logprobs=result.logprobs,
-        top_logprobs=result.top_logprobs,
-        num_cached_tokens=result.num_cached_tokens,
-        status=SimpleNamespace(value=result.finish_reason),
-        error=result.error,
-        finished=True,
-    )
+@dataclass
+class _Output:
+    """One request's output as its deltas arrive, shaped like a finished Request so that the LLM fills outputs
+    the same way for both paths."""
+
+    request_id: str
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    status: SimpleNamespace | None = None
+    error: str | None = None
+    finished: bool = False
+
+    def add(self, delta: RequestDelta) -> None:
+        self.output_token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        self.top_logprobs.extend(delta.top_logprobs)
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.finished:
+            self.finish(delta.finish_reason, delta.error)
+
+    def finish(self, reason: str | None, error: str | None = None) -> None:
+        self.status, self.error, self.finished = SimpleNamespace(value=reason), error, True
+
+
+def _collect(stream, outputs: dict[str, _Output], stop: Callable[[RequestDelta], bool]) -> dict[str, _Output]:
+    """Read the channel's messages until every request finished; a request stopped here ignores later deltas."""
+    remaining = set(outputs)
+    for ref in stream:
+        for request_id, item in ray.get(ref):
+            if request_id not in remaining:
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            output = outputs[request_id]
+            output.add(item)
+            if stop(item):
+                output.finish("stop")
+            if output.finished:
+                remaining.discard(request_id)
+        if not remaining:
+            return outputs
+    raise HeadUnavailableError("the head actor ended its output stream with requests in flight; retry them")

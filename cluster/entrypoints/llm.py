@@ -17,6 +17,7 @@ from cluster.core.outputs import CompletionOutput, RequestOutput
 from cluster.core.request import Request, RequestStatus
 from cluster.core.sampling_params import SamplingParams
 from cluster.distributed.local_executor import InProcessExecutor, locate_model, worker_config
+from cluster.entrypoints.stop_strings import StopStringMatcher
 from common import telemetry
 
 Prompt = str | Sequence[int]
@@ -189,30 +190,47 @@ class LLM:
 
     def _run(self, children: dict[str, tuple[RequestOutput, int, SamplingParams]]) -> None:
         remaining = set(children)
+        matchers = self._stop_matchers(children)
         while remaining:
             for request in self.engine.step():
                 entry = children.get(request.request_id)
                 if entry is None:
                     continue
                 output, index, sp = entry
-                completion = output.outputs[index]
-                if sp.stop and not request.finished and self._hits_stop_string(request, sp):
-                    self.engine.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+                matcher = matchers.get(request.request_id)
+                if matcher is not None and not request.finished:
+                    # Checked once per step, on the text so far: the step's tokens are kept, later ones never come.
+                    if matcher.add(request.output_token_ids[matcher.num_tokens :]):
+                        self.engine.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
                 if request.finished:
-                    self._fill(completion, request, sp)
+                    self._fill(output.outputs[index], request, sp)
                     output.num_cached_tokens = max(output.num_cached_tokens, request.num_cached_tokens)
                     remaining.discard(request.request_id)
+        # A request stopped here was already in the next step, which is still in flight: let it land, so the
+        # engine is idle again when generate() returns.
+        self.engine.drain()
 
     def _run_remote(self, children: dict[str, tuple[RequestOutput, int, SamplingParams]], pending: list) -> None:
-        # Stop strings are applied to the finished text here; the head works on token ids only.
-        for request_id, request in self._remote.run(pending).items():
+        # The head works on token ids only: stop strings are matched here as the tokens stream in, and a request
+        # that hits one is aborted at the head, its tokens cut where the in-process path would have stopped it.
+        matchers = self._stop_matchers(children)
+
+        def stops(request_id: str, token_ids: list[int]) -> bool:
+            matcher = matchers.get(request_id)
+            return matcher is not None and matcher.add(token_ids)
+
+        for request_id, request in self._remote.run(pending, stops if matchers else None).items():
             output, index, sp = children[request_id]
             self._fill(output.outputs[index], request, sp)
             output.num_cached_tokens = max(output.num_cached_tokens, request.num_cached_tokens)
 
-    def _hits_stop_string(self, request: Request, sp: SamplingParams) -> bool:
-        text = self._require_tokenizer().decode(request.output_token_ids, skip_special_tokens=sp.skip_special_tokens)
-        return any(stop in text for stop in sp.stop)
+    def _stop_matchers(self, children: dict[str, tuple[RequestOutput, int, SamplingParams]]) -> dict:
+        """A stop-string matcher per request that has stop strings."""
+        matchers: dict[str, StopStringMatcher] = {}
+        for request_id, (_, _, sp) in children.items():
+            if sp.stop:
+                matchers[request_id] = StopStringMatcher(self._require_tokenizer(), sp.stop, sp.skip_special_tokens)
+        return matchers
 
     def _fill(self, completion: CompletionOutput, request: Request, sp: SamplingParams) -> None:
         text = ""

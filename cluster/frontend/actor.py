@@ -22,6 +22,7 @@ class FrontendActor:
             head, settings.served_model_name, model_info["max_model_len"], model_info["vocab_size"]
         )
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.engine = engine
         self.server = FrontendServer(engine, tokenizer, settings)
 
     async def start(self) -> dict:
@@ -32,6 +33,7 @@ class FrontendActor:
 
     async def stop(self) -> None:
         await self.server.stop()
+        await self.engine.aclose()  # the head stops streaming to this process
         await self.flush_traces()
 
     async def flush_traces(self) -> bool:

@@ -1,0 +1,125 @@
+"""Stop strings in the offline LLM: matched incrementally, with the same outcome as decoding the whole output after
+every step, in-process and tensor parallel (where the head aborts the request as soon as the string appears)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from cluster import LLM, SamplingParams
+from cluster.entrypoints.stop_strings import StopStringMatcher
+from tests.tiny_models import make_tiny_model
+
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+def first_stop(tokenizer, token_ids: list[int], stops: list[str]) -> int | None:
+    """The number of tokens after which the whole decoded output first contains a stop string."""
+    for count in range(1, len(token_ids) + 1):
+        if any(stop in tokenizer.decode(token_ids[:count], skip_special_tokens=True) for stop in stops):
+            return count
+    return None
+
+
+def test_the_matcher_agrees_with_decoding_everything(tokenizer):
+    rng = random.Random(0)
+    texts = ["Hello, world! 1, 2, 3.", "don’t — café naïve 日本語 🎉 end.", "def add(a, b):\n    return a + b\n"]
+    pieces = [t for text in texts for t in tokenizer.encode(text)]
+    hits = 0
+    for _ in range(150):
+        ids = [rng.choice(pieces) if rng.random() < 0.7 else rng.randrange(len(tokenizer)) for _ in range(30)]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        starts = [rng.randrange(len(text) - 3) for _ in range(2)]
+        stops = [s for s in (text[a : a + rng.randint(1, 4)] for a in starts) if "\ufffd" not in s] or ["zz"]
+        matcher = StopStringMatcher(tokenizer, stops)
+        # Fed a step at a time, as the LLM does: one or a few tokens.
+        found, count = None, 0
+        while count < len(ids) and found is None:
+            step = ids[count : count + rng.choice((1, 1, 1, 2))]
+            count += len(step)
+            if matcher.add(step):
+                found = count
+        expected = first_stop(tokenizer, ids, stops)
+        if expected is not None:
+            hits += 1
+            # Fed several tokens at once, the matcher can only answer at the end of that step.
+            assert expected <= found <= expected + 1, (stops, ids)
+        else:
+            assert found is None
+    assert hits > 100
+
+
+def truncated_at_stop(tokenizer, token_ids: list[int], stop: str, include: bool) -> tuple[list[int], str, str]:
+    """What the outputs were before stop strings were matched incrementally: tokens up to the step whose decoded
+    output first contains the stop string, the text cut there; (tokens, text, finish reason)."""
+    count = first_stop(tokenizer, token_ids, [stop])
+    assert count is not None and count < MAX_TOKENS
+    text = tokenizer.decode(token_ids[:count], skip_special_tokens=True)
+    cut = text.find(stop)
+    return token_ids[:count], text[: cut + (len(stop) if include else 0)], "stop"
+
+
+def check_stops(llm: LLM, tokenizer) -> None:
+    prompts = [[(p * 131 + i * 977) % 40000 + 200 for i in range(5 + p)] for p in range(4)]
+    plain = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    free_runs = [o.outputs[0].token_ids for o in llm.generate(prompts, plain)]
+    stops = []
+    for tokens in free_runs:
+        # A piece of the text near its sixth token, so the request stops well before max_tokens.
+        text = tokenizer.decode(tokens[:6], skip_special_tokens=True)
+        stop = text[-3:].strip() or text.strip()[-1:]
+        assert stop and "\ufffd" not in stop, text
+        stops.append(stop)
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop], include_stop_str_in_output=i % 2 == 1
+        )
+        for i, stop in enumerate(stops)
+    ]
+    outputs = llm.generate(prompts, params)
+    for tokens, stop, sp, output in zip(free_runs, stops, params, outputs, strict=True):
+        completion = output.outputs[0]
+        got = (completion.token_ids, completion.text, completion.finish_reason)
+        assert got == truncated_at_stop(tokenizer, tokens, stop, sp.include_stop_str_in_output)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("stops") / "llama", vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+def test_in_process_llm_stops_where_the_whole_text_first_holds_the_stop_string(model_dir, tokenizer):
+    llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=256)
+    check_stops(llm, tokenizer)
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_llm_stops_at_stop_strings_as_it_runs(model_dir, tokenizer):
+    from tests.requirements import require_module
+
+    ray = require_module("ray", "needs Ray")
+    ray.init(num_cpus=3, namespace="pagerail", include_dashboard=False, log_to_driver=False)
+    llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=256, tensor_parallel_size=2)
+    try:
+        before = llm.stats
+        check_stops(llm, tokenizer)
+        deadline = time.monotonic() + 30
+        while (stats := llm.stats)["num_unfinished"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # the aborts are sent without waiting for them
+    finally:
+        llm.shutdown()
+        ray.shutdown()
+    # Each stopped request was aborted at the head while it ran, not generated to max_tokens and cut afterwards.
+    assert stats["num_aborted"] - before["num_aborted"] == 4
+    assert stats["num_unfinished"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
