@@ -202,7 +202,9 @@ def test_head_streams_get_every_token_once_in_one_message_per_step(tmp_path):
             scheduler=SchedulerConfig(max_num_seqs=NUM_STREAMS, max_num_batched_tokens=4096),
         )
         name = f"batched-head-{uuid.uuid4().hex[:8]}"
-        head = ray.remote(RecordingHead).options(name=name, num_cpus=0, max_concurrency=10_000).remote(
+        head = ray.remote(RecordingHead).options(
+            name=name, namespace=NAMESPACE, num_cpus=0, max_concurrency=10_000, max_restarts=-1
+        ).remote(
             config, ClusterOptions(), secrets.token_urlsafe(16)
         )
         ray.get(head.ready.remote())
@@ -229,6 +231,23 @@ def test_head_streams_get_every_token_once_in_one_message_per_step(tmp_path):
         assert messages <= stats["num_output_deliveries"] - before["num_output_deliveries"] <= steps + 8
         assert deltas > 20 * messages, (deltas, messages)
         assert stats["num_unfinished"] == 0 and stats["num_free_blocks"] == stats["num_blocks"], stats
+
+        async def head_dies_and_restarts() -> list[int]:
+            stream = client.generate("long", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+            await anext(stream)
+            ray.kill(head, no_restart=False)  # as if its process crashed; Ray restarts it
+            with pytest.raises(ray.exceptions.RayActorError):  # the open stream fails with Ray's own error
+                async for _ in stream:
+                    pass
+            deadline = time.monotonic() + 120
+            while not await client.is_ready():
+                assert time.monotonic() < deadline, "the head did not come back"
+                await asyncio.sleep(0.2)
+            # The same client serves again: it opens a new channel at the new head.
+            again = client.generate("again", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+            return [token async for delta in again for token in delta.token_ids]
+
+        assert len(asyncio.run(asyncio.wait_for(head_dies_and_restarts(), 180))) == 4
         ray.get(head.shutdown.remote())
     finally:
         ray.shutdown()

@@ -192,6 +192,8 @@ class HeadActor:
         return all(flushed)
 
     def shutdown(self) -> None:
+        for channel_id in list(self._channels):
+            self._close_channel(channel_id)  # consumers' streams end instead of waiting on a stopped engine
         self.async_engine.shutdown()
         if telemetry.tracing_enabled():
             self.group.flush_traces(timeout_s=5.0)  # the ranks' last spans, before they are killed

@@ -111,8 +111,10 @@ class HeadEngineClient:
         """The output channel of this event loop; a new one after the head died or restarted."""
         reader = self._reader
         if reader is None or not reader.usable:
-            if reader is not None and reader.failure is None:
-                self._head.close_channel.remote(reader.channel_id)  # its loop is gone: end its stream too
+            if reader is not None:
+                # Its loop is gone, or its stream broke while the head may live on: end it there too, which
+                # aborts what it still holds (a no-op at a restarted head, which never knew it).
+                self._head.close_channel.remote(reader.channel_id)
             reader = self._reader = _OutputReader(self._head)
         return reader
 
