@@ -80,7 +80,9 @@ class _Replay:
         while True:
             running = [h for h, target in targets.items() if self.produced.get(h, 0) < target]
             if not running:
-                self.worker.execute_step(step_pb2.StepBatch(step_id=0, finished=sorted(set(targets) - forgotten)))
+                last = self._batch()
+                last.finished.extend(sorted(set(targets) - forgotten))
+                self.worker.execute_step(last)  # the rank forgets them all, ready for another replay
                 break
             batch = self._batch()
             # Finished requests are dropped on the rank as the engine would, so its state stays the same size.
