@@ -111,22 +111,17 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
 
     engine = llm.engine
     engine.scheduler.stats = SchedulerStats()  # the warm-up request must not count toward peaks
-    forward_seconds = 0.0
-    decode_steps: list[tuple[float, int, int]] = []  # (seconds, sequences, context tokens) of pure decode steps
-    execute = engine.executor.execute
+    timing = _StepTiming()
+    submit = engine.executor.submit
 
-    def timed_execute(batch):
-        nonlocal forward_seconds
-        started = time.perf_counter()
-        result = execute(batch)
-        forward_seconds += result.forward_seconds
+    def timed_submit(batch):
         decodes = batch.cached_requests
-        if decodes and not batch.new_requests and all(d.num_scheduled_tokens == 1 for d in decodes):
-            context = sum(state.num_computed_tokens + 1 for state in engine.scheduler.running)
-            decode_steps.append((time.perf_counter() - started, len(decodes), context))
-        return result
+        decode = bool(decodes) and not batch.new_requests and all(d.num_scheduled_tokens == 1 for d in decodes)
+        # Read when the step is submitted: with overlapped steps the scheduler has already moved past it later.
+        context = sum(r.next_position for r in engine.scheduler.running) if decode else 0
+        return _TimedStep(submit(batch), timing, len(decodes) if decode else 0, context)
 
-    engine.executor.execute = timed_execute
+    engine.executor.submit = timed_submit
     try:
         for i, request in enumerate(requests):
             engine.add_request(f"bench-{i}", request.prompt_token_ids, params(request))
@@ -137,7 +132,8 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
                 produced += len(finished.output_token_ids) if finished.finished else 0
         seconds = time.perf_counter() - started
     finally:
-        engine.executor.execute = execute
+        engine.executor.submit = submit
+    forward_seconds, decode_steps = timing.forward_seconds, timing.decode_steps
     stats = engine.scheduler.stats
     block_table = engine.block_table
     kv_slots = block_table.num_blocks * block_table.block_size
@@ -160,6 +156,34 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
         "contiguous_seqs_at_longest_request": kv_slots // longest,
         "decode_step": _typical_decode_step(decode_steps),
     }
+
+
+class _StepTiming:
+    """What the rank reported for each step: forward seconds in all, and (seconds, sequences, context tokens) of
+    every pure decode step, its seconds being the whole step on the rank."""
+
+    def __init__(self) -> None:
+        self.forward_seconds = 0.0
+        self.decode_steps: list[tuple[float, int, int]] = []
+
+
+class _TimedStep:
+    """A submitted step whose result, once the engine asks for it, is added to the timing."""
+
+    def __init__(self, pending, timing: _StepTiming, decode_sequences: int, context_tokens: int) -> None:
+        self._pending = pending
+        self._timing = timing
+        self._decode = (decode_sequences, context_tokens)
+        self._counted = False
+
+    def result(self):
+        result = self._pending.result()
+        if not self._counted:
+            self._counted = True
+            self._timing.forward_seconds += result.forward_seconds
+            if self._decode[0]:
+                self._timing.decode_steps.append((result.compute_seconds, *self._decode))
+        return result
 
 
 def _typical_decode_step(steps: list[tuple[float, int, int]]) -> dict[str, float] | None:
