@@ -1,8 +1,17 @@
-"""Head → worker dispatch cost: round trip per decode step minus the ranks' own compute, and wire bytes.
+"""Head → worker dispatch cost: the head's time per decode step outside the ranks' compute, and wire bytes.
 
-Part 1 runs tensor-parallel ranks on Ray over loopback gRPC with a tiny dummy-weight model, so the
-figures are dominated by dispatch, at several numbers of decoding requests. Part 2 measures, for the
-embedded model in-process, the share of each decode step spent outside the model's forward pass.
+Part 1 runs a head actor and its worker ranks on Ray over loopback gRPC (at every tensor-parallel size
+asked for, 1 included) with a tiny dummy-weight model, so the figures are dominated by dispatch, at several
+numbers of decoding requests. Per step it reports:
+
+- outside compute: from when the ranks could start the step (its submission, or the previous step's last
+  reply when it was queued behind that step) to its last reply, minus the slowest rank's compute;
+- ranks idle: from the previous step's last reply to this one's, minus the slowest rank's compute; above
+  "outside compute" when the head submitted the step late (its own scheduling was not hidden);
+- round trip: from when the ranks could start the step to its last reply.
+
+Part 2 measures, for the embedded model in-process, the share of each decode step spent outside the model's
+forward pass.
 """
 
 from __future__ import annotations
@@ -41,7 +50,11 @@ def dispatch_figures(tp: int, sizes: list[int], max_tokens: int) -> list[dict]:
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(TINY_CONFIG))
     ray.init(num_cpus=tp + 2, include_dashboard=False, log_to_driver=False)
-    llm = LLM(str(model_dir), load_format="dummy", tensor_parallel_size=tp, num_gpu_blocks=8192, max_num_seqs=512)
+    # ray_address: a head actor and worker ranks over gRPC even at tensor-parallel size 1.
+    llm = LLM(
+        str(model_dir), load_format="dummy", tensor_parallel_size=tp, num_gpu_blocks=8192, max_num_seqs=512,
+        ray_address="auto",
+    )
     head = llm._remote.head
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rows = []
@@ -58,10 +71,12 @@ def dispatch_figures(tp: int, sizes: list[int], max_tokens: int) -> list[dict]:
             steps = max(stats["steps"], 1)
             rows.append(
                 {
+                    "tensor_parallel": tp,
                     "decoding_requests": size,
                     "steps": stats["steps"],
-                    "dispatch_p50_ms": 1e3 * stats["overhead_p50_s"],
-                    "dispatch_p99_ms": 1e3 * stats["overhead_p99_s"],
+                    "outside_compute_p50_ms": 1e3 * stats["overhead_p50_s"],
+                    "outside_compute_p99_ms": 1e3 * stats["overhead_p99_s"],
+                    "ranks_idle_p50_ms": 1e3 * stats.get("idle_p50_s", float("nan")),
                     "round_trip_p50_ms": 1e3 * stats["round_trip_p50_s"],
                     "bytes_per_step_per_request": stats["total_bytes_sent"] / (steps * tp * size),
                 }
@@ -111,28 +126,31 @@ def outside_forward_share(num_requests: int, decode_steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--tp", type=int, nargs="+", default=(2, 1), help="tensor-parallel sizes to measure")
     parser.add_argument("--sizes", type=int, nargs="+", default=(1, 64, 256))
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--embedded-requests", type=int, default=32)
     parser.add_argument("--embedded-steps", type=int, default=20)
+    parser.add_argument("--skip-embedded", action="store_true", help="only part 1 (dispatch over gRPC)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    report = {
-        "dispatch": dispatch_figures(args.tp, list(args.sizes), args.max_tokens),
-        "embedded_tp1": outside_forward_share(args.embedded_requests, args.embedded_steps),
-    }
+    report = {"dispatch": [row for tp in args.tp for row in dispatch_figures(tp, list(args.sizes), args.max_tokens)]}
+    if not args.skip_embedded:
+        report["embedded_tp1"] = outside_forward_share(args.embedded_requests, args.embedded_steps)
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    print(f"dispatch, tensor parallel {args.tp} on loopback (round trip minus the slowest rank's compute):")
-    print("  requests  steps  dispatch p50 ms  dispatch p99 ms  round trip p50 ms  bytes/step/request")
+    print("dispatch on loopback gRPC, head time per decode step outside the ranks' compute (see the module doc):")
+    print("  tp  requests  steps  outside compute p50/p99 ms  ranks idle p50 ms  round trip p50 ms  bytes/step/request")
     for row in report["dispatch"]:
         print(
-            f"  {row['decoding_requests']:8d}  {row['steps']:5d}  {row['dispatch_p50_ms']:15.3f}  "
-            f"{row['dispatch_p99_ms']:15.3f}  {row['round_trip_p50_ms']:17.3f}  "
+            f"  {row['tensor_parallel']:2d}  {row['decoding_requests']:8d}  {row['steps']:5d}  "
+            f"{row['outside_compute_p50_ms']:12.3f} / {row['outside_compute_p99_ms']:8.3f}  "
+            f"{row['ranks_idle_p50_ms']:17.3f}  {row['round_trip_p50_ms']:17.3f}  "
             f"{row['bytes_per_step_per_request']:18.1f}"
         )
+    if args.skip_embedded:
+        return
     e = report["embedded_tp1"]
     print(
         f"embedded model, tp 1, {e['decoding_requests']} decoding requests: step p50 {e['step_p50_ms']:.1f} ms, "

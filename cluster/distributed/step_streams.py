@@ -151,3 +151,8 @@ class StepStreams:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for channel in self._channels:
             await channel.close(grace=None)
+        # gRPC's own tasks (a call's status, for one) must end before the loop does, or asyncio warns on closing.
+        leftovers = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in leftovers:
+            task.cancel()
+        await asyncio.gather(*leftovers, return_exceptions=True)
