@@ -44,9 +44,13 @@ class ThreadedRank(TensorParallelGroup):
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         return torch.cat(self._exchange(x), dim=dim)
 
+    def gather(self, x: torch.Tensor, dim: int = -1, dst: int = 0) -> torch.Tensor | None:
+        parts = self._exchange(x)
+        return torch.cat(parts, dim=dim) if self.rank == dst else None
+
 
 def run_ranks(model_dir: str | Path, size: int, input_ids: torch.Tensor, **load_args) -> list[torch.Tensor]:
-    """Every rank's logits for one prefill, with the ranks running concurrently as threads."""
+    """Every rank's logits for one prefill (None on all but rank 0), with the ranks running concurrently as threads."""
     shared = {"slots": [None] * size, "barrier": threading.Barrier(size, timeout=60)}
     models = [load_model(model_dir, ThreadedRank(r, size, shared), **load_args) for r in range(size)]
     results: list = [None] * size

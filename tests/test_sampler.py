@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from worker.sampler import Sampler, SamplingRow
+from worker.penalty_state import PenaltyState
+from worker.sampler import Sampler, SamplingRow, TokenHistory
 
 GREEDY = 0.0
+
+
+def _history(rows: list[tuple[list[int], list[int]]], vocab: int) -> TokenHistory:
+    """The token history the worker keeps for rows given as (prompt, outputs)."""
+    states = [SimpleNamespace(handle=i, token_ids=p + o, num_prompt_tokens=len(p)) for i, (p, o) in enumerate(rows)]
+    return PenaltyState(vocab, torch.device("cpu")).history(states)
 
 
 def _logits_from_probs(probs: list[float], rows: int) -> torch.Tensor:
@@ -43,10 +51,10 @@ def test_caller_logits_are_not_modified() -> None:
     logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(3))
     before = logits.clone()
     rows = [
-        SamplingRow(repetition_penalty=1.3, prompt_token_ids=[1, 2], banned_token_ids=(4,)),
-        SamplingRow(temperature=0.7, top_p=0.5, min_p=0.1, frequency_penalty=0.5, output_token_ids=[3, 3]),
+        SamplingRow(repetition_penalty=1.3, banned_token_ids=(4,)),
+        SamplingRow(temperature=0.7, top_p=0.5, min_p=0.1, frequency_penalty=0.5),
     ]
-    Sampler(torch.Generator().manual_seed(0))(logits, rows)
+    Sampler(torch.Generator().manual_seed(0))(logits, rows, _history([([1, 2], []), ([], [3, 3])], 10))
     assert torch.equal(logits, before)
 
 
@@ -128,10 +136,10 @@ def test_banned_tokens_are_never_sampled() -> None:
     assert out.token_ids[-1] == 2
 
 
-def _processed_logits(logits: list[float], row: SamplingRow) -> list[float]:
+def _processed_logits(logits: list[float], row: SamplingRow, prompt: list[int], outputs: list[int]) -> list[float]:
     """The logits after penalties, read back through the full top logprobs of a greedy row."""
     row.temperature, row.num_logprobs = GREEDY, len(logits)
-    out = Sampler()(torch.tensor([logits]), [row])
+    out = Sampler()(torch.tensor([logits]), [row], _history([(prompt, outputs)], len(logits)))
     by_token = dict(zip(out.top_ids[0], out.top_logprobs[0], strict=True))
     # logprobs differ from logits by one constant per row; anchor on token 0 to compare logits.
     return [by_token[t] - by_token[0] for t in range(len(logits))]
@@ -139,24 +147,22 @@ def _processed_logits(logits: list[float], row: SamplingRow) -> list[float]:
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
     logits = [0.0, 2.0, -1.0, 3.0, -2.0]
-    row = SamplingRow(repetition_penalty=2.0, prompt_token_ids=[1, 2], output_token_ids=[2, 4, 4])
-    got = _processed_logits(logits, row)
+    got = _processed_logits(logits, SamplingRow(repetition_penalty=2.0), [1, 2], [2, 4, 4])
     assert got == pytest.approx([0.0, 1.0, -2.0, 3.0, -4.0], abs=1e-5)
 
 
 def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
     logits = [0.0, 1.0, 1.0, 1.0, 1.0]
-    row = SamplingRow(
-        presence_penalty=0.5, frequency_penalty=0.25, prompt_token_ids=[1, 1, 1], output_token_ids=[2, 3, 3, 3]
-    )
-    got = _processed_logits(logits, row)
+    row = SamplingRow(presence_penalty=0.5, frequency_penalty=0.25)
+    got = _processed_logits(logits, row, [1, 1, 1], [2, 3, 3, 3])
     # token 1 is only in the prompt; token 2 once: 1 - 0.5 - 0.25; token 3 three times: 1 - 0.5 - 0.75.
     assert got == pytest.approx([0.0, 1.0, 0.25, -0.25, 1.0], abs=1e-5)
 
 
 def test_penalties_change_the_greedy_choice() -> None:
     logits = torch.tensor([[1.0, 3.0, 2.0]])
-    out = Sampler()(logits, [SamplingRow(temperature=GREEDY, frequency_penalty=2.0, output_token_ids=[1])])
+    row = SamplingRow(temperature=GREEDY, frequency_penalty=2.0)
+    out = Sampler()(logits, [row], _history([([], [1])], 3))
     assert out.token_ids == [2]
 
 
@@ -198,3 +204,55 @@ def test_zero_logprobs_returns_only_the_sampled_token() -> None:
 def test_shape_mismatch_raises() -> None:
     with pytest.raises(ValueError, match="logits must have shape"):
         Sampler()(torch.zeros(2, 5), [SamplingRow()])
+
+
+def test_rows_with_penalties_need_their_history() -> None:
+    with pytest.raises(ValueError, match="history"):
+        Sampler()(torch.zeros(2, 5), [SamplingRow(), SamplingRow(repetition_penalty=1.2)])
+
+
+def _penalize_row_by_row(logits: torch.Tensor, rows: list[SamplingRow], tokens: list[tuple[list[int], list[int]]]):
+    """The per-row penalties the batched ones replace: index writes from each row's token lists."""
+    logits = logits.clone()
+    for row_logits, row, (prompt, outputs) in zip(logits, rows, tokens, strict=True):
+        if row.repetition_penalty != 1.0 and prompt + outputs:
+            seen = torch.tensor(prompt + outputs)
+            values = row_logits[seen]
+            penalty = row.repetition_penalty
+            row_logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
+        if (row.presence_penalty != 0.0 or row.frequency_penalty != 0.0) and outputs:
+            counts = torch.bincount(torch.tensor(outputs), minlength=row_logits.shape[0]).to(row_logits.dtype)
+            row_logits -= row.frequency_penalty * counts + row.presence_penalty * (counts > 0).to(row_logits.dtype)
+    return logits
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_batched_penalties_are_bit_identical_to_row_by_row(seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    vocab, num_rows = 64, 9
+    logits = torch.randn(num_rows, vocab, generator=generator) * 4
+    logits[0, :5] = float("-inf")  # banned tokens stay banned
+
+    def draw(high: int, size: int) -> list[int]:
+        return torch.randint(0, high, (size,), generator=generator).tolist()
+
+    tokens = [(draw(vocab, draw(20, 1)[0]), draw(vocab, draw(20, 1)[0])) for _ in range(num_rows)]
+    choices = [1.0, 1.0, 0.8, 1.3, 2.0]
+    rows = [
+        SamplingRow(
+            temperature=GREEDY,
+            num_logprobs=vocab,
+            repetition_penalty=choices[draw(5, 1)[0]],
+            presence_penalty=[0.0, 0.0, 0.5, -0.3][draw(4, 1)[0]],
+            frequency_penalty=[0.0, 0.0, 0.25, 1.1][draw(4, 1)[0]],
+        )
+        for _ in range(num_rows)
+    ]
+    penalized = [i for i, row in enumerate(rows) if row.has_penalties]
+    history = _history([tokens[i] for i in penalized], vocab)
+    out = Sampler()(logits, rows, history if penalized else None)
+    want = _penalize_row_by_row(logits, rows, tokens).log_softmax(dim=-1)
+    for i in range(num_rows):
+        got = torch.full((vocab,), float("nan"))
+        got[torch.tensor(out.top_ids[i])] = torch.tensor(out.top_logprobs[i])
+        assert torch.equal(got, want[i]), f"row {i}: {rows[i]}"

@@ -8,25 +8,21 @@ import torch
 
 from common.telemetry import get_tracer, traced
 from proto import step_pb2
-from worker.input_batch import GatherWorkspace, build_flat_batch
-from worker.layers.cpu_paged_attention import native_kernel
+from worker.input_batch import FlatBatch, GatherWorkspace
+from worker.input_buffers import InputBuffers
+from worker.layers.attention import decode_path
 from worker.parallel_state import TensorParallelGroup
+from worker.penalty_state import PenaltyState
 from worker.request_state import RequestState, RequestStates
 from worker.sampler import Sampler, SamplingRow
 
 _tracer = get_tracer("pagerail.worker")
-_NO_TOKENS: list[int] = []
 
 
 def sampling_row(state: RequestState) -> SamplingRow:
-    """The sampler's view of one request, including its token history only when a penalty needs it."""
+    """The sampler's view of one request; its token history, for penalties, is kept apart (PenaltyState)."""
     params = state.sampling
     num_outputs = len(state.token_ids) - state.num_prompt_tokens
-    needs_history = (
-        params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-    )
-    prompt = state.token_ids[: state.num_prompt_tokens] if needs_history else _NO_TOKENS
-    outputs = state.token_ids[state.num_prompt_tokens :] if needs_history else _NO_TOKENS
     banned = tuple(params.stop_token_ids) if num_outputs < params.min_tokens else ()
     return SamplingRow(
         temperature=params.temperature,
@@ -38,56 +34,82 @@ def sampling_row(state: RequestState) -> SamplingRow:
         frequency_penalty=params.frequency_penalty,
         num_logprobs=params.num_logprobs if params.HasField("num_logprobs") else None,
         generator=state.seeded_generator(),
-        prompt_token_ids=prompt,
-        output_token_ids=outputs,
         banned_token_ids=banned,
     )
 
 
-def uses_native_decode(model: torch.nn.Module, dtype: torch.dtype) -> bool:
-    """True when CPU decode attention for this model runs in the native kernel rather than the torch gather."""
-    kernel = native_kernel()
+def decode_path_of(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
+    """Which decode attention this model runs on `device` (see attention.decode_path)."""
     heads, kv_heads = model.num_heads_per_rank, model.num_kv_heads_per_rank
-    return kernel is not None and kernel.supports(heads, kv_heads, model.head_dim, dtype)
+    return decode_path(device, heads, kv_heads, model.head_dim, dtype)
 
 
 class ModelRunner:
-    """Owns the model shard and its KV cache; executes StepBatch messages."""
+    """Owns the model shard and its KV cache; executes StepBatch messages.
 
-    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device, tp: TensorParallelGroup) -> None:
+    The input buffers start sized for `max_num_tokens` tokens and `max_num_seqs` requests of up to
+    `max_blocks_per_seq` blocks, and grow when a step needs more.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        block_size: int,
+        device: torch.device,
+        tp: TensorParallelGroup,
+        *,
+        max_num_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        max_blocks_per_seq: int = 64,
+    ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         self.tp = tp
         # Collectives run where the process group's backend lives: NCCL on the GPU, gloo on the CPU.
         self.tp_device = device
-        self.states = RequestStates(device)
+        self.states = RequestStates(device, on_drop=self._forget)
         self.sampler = Sampler()
+        # Created on rank 0 when the first request with penalties samples.
+        self.penalties: PenaltyState | None = None
         self.workspace = None
         dtype = next(model.parameters()).dtype
-        if device.type == "cpu" and not uses_native_decode(model, dtype):
-            # On CUDA the Triton kernel, and on CPU the native kernel, read the cache in place: no gather buffers.
+        torch_decode = decode_path_of(model, device, dtype) == "torch"
+        if device.type == "cpu" and torch_decode:
+            # The Triton and native kernels read the cache in place: only the torch path gathers.
             self.workspace = GatherWorkspace(block_size, model.num_kv_heads_per_rank, model.head_dim, dtype, device)
+        self.inputs = InputBuffers(
+            block_size,
+            device,
+            max_num_tokens=max_num_tokens,
+            max_num_seqs=max_num_seqs,
+            max_blocks_per_seq=max_blocks_per_seq,
+            build_decode_mask=torch_decode,
+            workspace=self.workspace,
+        )
+
+    def prepare(self, batch: step_pb2.StepBatch) -> FlatBatch | None:
+        """Apply the step's deltas to the request states and the input buffers; the model's inputs, if any."""
+        return self.inputs.prepare(self.states.apply(batch))
 
     @torch.inference_mode()
     def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
         started = time.perf_counter()
         result = step_pb2.StepResult(step_id=batch.step_id)
         with traced(_tracer, "prepare_inputs"):
-            scheduled = self.states.apply(batch)
-            flat = build_flat_batch(scheduled, self.block_size, self.device, self.workspace) if scheduled else None
+            flat = self.prepare(batch)
         if flat is not None:
             forward_started = time.perf_counter()
             with traced(_tracer, "forward"):
                 hidden = self.model(flat.input_ids, flat.positions, flat.attention)
                 logits = None
                 if flat.sample_states:
-                    # Every rank joins the logits gather; only rank 0 samples and answers.
+                    # Every rank sends its vocabulary slice; only rank 0 receives the logits, samples and answers.
                     logits = self.model.compute_logits(hidden[flat.sample_rows])
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
             result.forward_seconds = time.perf_counter() - forward_started
-            if logits is not None:
+            if flat.sample_states:
                 token_ids = None
                 if self.tp.rank == 0:
                     with traced(_tracer, "sample"):
@@ -109,9 +131,21 @@ class ModelRunner:
         for state, token_id in zip(states, token_ids, strict=True):
             state.token_ids.append(token_id)
 
+    def _forget(self, state: RequestState) -> None:
+        """A request left this worker: free its block-table row and its penalty row."""
+        self.inputs.release(state)
+        if self.penalties is not None:
+            self.penalties.release(state)
+
     def _sample(self, logits: torch.Tensor, states: list[RequestState], result: step_pb2.StepResult) -> list[int]:
         rows = [sampling_row(state) for state in states]
-        sampled = self.sampler(logits, rows)
+        history = None
+        penalized = [state for state, row in zip(states, rows, strict=True) if row.has_penalties]
+        if penalized:
+            if self.penalties is None:
+                self.penalties = PenaltyState(logits.shape[1], logits.device)
+            history = self.penalties.history(penalized)
+        sampled = self.sampler(logits, rows, history)
         result.handles.extend(state.handle for state in states)
         result.token_ids.extend(sampled.token_ids)
         if any(row.num_logprobs is not None for row in rows):

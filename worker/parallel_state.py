@@ -31,6 +31,22 @@ class TensorParallelGroup:
         dist.all_gather(parts, x.contiguous(), group=self.process_group)
         return torch.cat(parts, dim=dim)
 
+    def gather(self, x: torch.Tensor, dim: int = -1, dst: int = 0) -> torch.Tensor | None:
+        """Concatenate every rank's `x` along `dim` on rank `dst` only; the other ranks get None.
+
+        For results only one rank consumes (the logits rank 0 samples from): the others send their part and
+        never hold the whole.
+        """
+        if self.size == 1:
+            return x
+        x = x.contiguous()
+        if self.rank != dst:
+            dist.gather(x, None, dst=dst, group=self.process_group)
+            return None
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.gather(x, parts, dst=dst, group=self.process_group)
+        return torch.cat(parts, dim=dim)
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite every rank's `x` with rank `src`'s, in place; a no-op at size 1."""
         if self.size > 1:

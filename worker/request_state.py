@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,9 @@ class RequestState:
     # Set by each step's message.
     num_scheduled_tokens: int = 0
     skip_sampling: bool = False
+    # Counts replacements of block_ids (preemption, resumption), so copies of it kept elsewhere (the persistent
+    # block table) know to rewrite rather than append.
+    block_epoch: int = 0
 
     def seeded_generator(self) -> torch.Generator | None:
         """The generator for this request's next token, reseeded from (seed, output position).
@@ -40,19 +44,22 @@ class RequestState:
 class RequestStates:
     """The per-request state table, updated by each StepBatch."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, on_drop: Callable[[RequestState], None] | None = None) -> None:
         self.device = device
         self.states: dict[int, RequestState] = {}
+        # Told of every state this table forgets, so per-request rows kept elsewhere are freed with it.
+        self.on_drop = on_drop
 
     def apply(self, batch: step_pb2.StepBatch) -> list[RequestState]:
         """Apply one step's deltas; return the states scheduled in this step, in message order."""
         states = self.states
         for handle in batch.finished:
-            states.pop(handle, None)
+            self._drop(states.pop(handle, None))
         for handle in batch.preempted:
             state = states.get(handle)
             if state is not None:
                 state.block_ids = []
+                state.block_epoch += 1
                 state.num_computed_tokens = 0
         scheduled: list[RequestState] = []
         for new in batch.new_requests:
@@ -67,6 +74,7 @@ class RequestStates:
                 num_scheduled_tokens=new.num_scheduled_tokens,
                 skip_sampling=new.skip_sampling,
             )
+            self._drop(states.get(new.handle))
             states[new.handle] = state
             scheduled.append(state)
         for delta in batch.cached_requests:
@@ -77,6 +85,7 @@ class RequestStates:
                 state.num_prompt_tokens = delta.num_prompt_tokens
             if delta.resumed:
                 state.block_ids = list(delta.new_block_ids)
+                state.block_epoch += 1
                 state.num_computed_tokens = delta.num_computed_tokens
             elif delta.new_block_ids:
                 state.block_ids.extend(delta.new_block_ids)
@@ -84,6 +93,10 @@ class RequestStates:
             state.skip_sampling = delta.skip_sampling
             scheduled.append(state)
         return scheduled
+
+    def _drop(self, state: RequestState | None) -> None:
+        if state is not None and self.on_drop is not None:
+            self.on_drop(state)
 
     def _generator(self, sampling: step_pb2.SamplingParams) -> torch.Generator | None:
         if not sampling.HasField("seed"):

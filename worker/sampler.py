@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,8 +23,6 @@ class SamplingRow:
     frequency_penalty: float = 0.0
     num_logprobs: int | None = None  # None: no logprobs; 0: only the sampled token's
     generator: torch.Generator | None = None  # set for seeded requests; must live on the logits' device
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
     banned_token_ids: tuple[int, ...] = ()  # masked to -inf this step, e.g. EOS before min_tokens
 
     @property
@@ -36,6 +34,14 @@ class SamplingRow:
     def has_penalties(self) -> bool:
         """True when the row's logits depend on the tokens it has seen."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass
+class TokenHistory:
+    """What penalties read about the rows that have them, one row each in the order of those rows."""
+
+    output_counts: torch.Tensor  # [P, vocab] integer: occurrences of each token among the row's outputs
+    seen: torch.Tensor  # [P, vocab] bool: the token occurs in the row's prompt or outputs
 
 
 @dataclass
@@ -55,12 +61,20 @@ class Sampler:
         # Unseeded rows share this generator (None: torch's default one for the device).
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Sample one token for each row of `logits` [num_rows, vocab_size] (float32)."""
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow], history: TokenHistory | None = None
+    ) -> SamplerOutput:
+        """Sample one token for each row of `logits` [num_rows, vocab_size] (float32).
+
+        `history` holds the token history of the rows with penalties, in row order; it is needed only when
+        some row has penalties.
+        """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must have shape [{len(rows)}, vocab_size], got {tuple(logits.shape)}")
         greedy = [row.greedy for row in rows]
         penalized = [i for i, row in enumerate(rows) if row.has_penalties]
+        if penalized and (history is None or history.seen.shape != (len(penalized), logits.shape[1])):
+            raise ValueError(f"{len(penalized)} rows have penalties: history needs one [vocab_size] row for each")
         any_banned = any(row.banned_token_ids for row in rows)
         any_logprobs = any(row.num_logprobs is not None for row in rows)
         num_rows = len(rows)
@@ -74,8 +88,8 @@ class Sampler:
             logits = logits.clone()  # the caller's tensor stays untouched
             if any_banned:
                 _ban_tokens(logits, rows)
-            for i in penalized:
-                _apply_penalties(logits[i], rows[i])
+            if penalized:
+                _apply_penalties(logits, [rows[i] for i in penalized], penalized, history)
 
         if all(greedy):
             token_ids_t = logits.argmax(dim=-1)
@@ -118,20 +132,24 @@ def _ban_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     logits[torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)] = float("-inf")
 
 
-def _apply_penalties(row_logits: torch.Tensor, row: SamplingRow) -> None:
-    """Repetition penalty over prompt and output tokens, presence/frequency over output tokens, in place."""
-    device = row_logits.device
-    if row.repetition_penalty != 1.0:
-        seen = torch.tensor(row.prompt_token_ids + row.output_token_ids, dtype=torch.long, device=device)
-        if seen.numel():
-            values = row_logits[seen]
-            # Dividing a positive logit and multiplying a negative one both make the token less likely.
-            penalty = row.repetition_penalty
-            row_logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
-    if (row.presence_penalty != 0.0 or row.frequency_penalty != 0.0) and row.output_token_ids:
-        output = torch.tensor(row.output_token_ids, dtype=torch.long, device=device)
-        counts = torch.bincount(output, minlength=row_logits.shape[0]).to(row_logits.dtype)
-        row_logits -= row.frequency_penalty * counts + row.presence_penalty * (counts > 0).to(row_logits.dtype)
+def _apply_penalties(
+    logits: torch.Tensor, rows: list[SamplingRow], indices: list[int], history: TokenHistory
+) -> None:
+    """Repetition penalty over prompt and output tokens, presence/frequency over output tokens, for every
+    penalized row at once, in place. A neutral penalty (1.0, 0.0) leaves its row's logits bit-identical."""
+    device, dtype = logits.device, logits.dtype
+    params = torch.tensor(
+        [[row.repetition_penalty, row.frequency_penalty, row.presence_penalty] for row in rows], dtype=dtype
+    ).to(device)
+    repetition, frequency, presence = params.unsqueeze(2).unbind(1)
+    index = torch.tensor(indices, dtype=torch.long).to(device)
+    selected = logits.index_select(0, index)
+    # Dividing a positive logit and multiplying a negative one both make the token less likely.
+    penalized = torch.where(selected > 0, selected / repetition, selected * repetition)
+    selected = torch.where(history.seen, penalized, selected)
+    counts = history.output_counts.to(dtype)
+    selected -= frequency * counts + presence * (counts > 0).to(dtype)
+    logits.index_copy_(0, index, selected)
 
 
 def _apply_temperature_and_filters(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -44,7 +44,9 @@ class AttentionMetadata:
     num_decodes: int = 0
     decode_block_table: torch.Tensor | None = None  # [num_decodes, max_blocks] padded with block 0
     decode_context_lens: torch.Tensor | None = None  # [num_decodes]
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] True where a key is real
+    # [num_decodes, 1, 1, max_blocks * block_size] True where a key is real. Only the torch decode path reads it;
+    # left None it is derived there from decode_context_lens.
+    decode_mask: torch.Tensor | None = None
     # Reused gather targets [kv_heads, num_decodes * max_blocks, block_size, head_dim] for K and V: a fresh
     # tensor of this size per layer costs more in page faults than the copy itself.
     decode_key_buffer: torch.Tensor | None = None
@@ -121,7 +123,8 @@ class Attention(nn.Module):
         self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """One query token per sequence, batched over every decode in the step."""
-        if triton_available(q.device):
+        path = decode_path(q.device, self.num_heads, self.num_kv_heads, self.head_dim, q.dtype)
+        if path == "triton":
             # Reads K/V through the block table in place instead of gathering a padded copy of every context.
             return paged_decode_attention(
                 q,
@@ -132,18 +135,16 @@ class Attention(nn.Module):
                 meta.block_size,
                 self.scale,
             )
-        if q.device.type == "cpu":
-            kernel = native_kernel()
-            if kernel is not None and kernel.supports(self.num_heads, self.num_kv_heads, self.head_dim, q.dtype):
-                return kernel.decode(
-                    q,
-                    key_cache,
-                    value_cache,
-                    meta.decode_block_table,
-                    meta.decode_context_lens,
-                    meta.block_size,
-                    self.scale,
-                )
+        if path == "native":
+            return native_kernel().decode(
+                q,
+                key_cache,
+                value_cache,
+                meta.decode_block_table,
+                meta.decode_context_lens,
+                meta.block_size,
+                self.scale,
+            )
         n = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         keys = self._gather(key_cache, meta.decode_block_table, meta.block_size, meta.decode_key_buffer)
@@ -153,5 +154,25 @@ class Attention(nn.Module):
         keys = keys.view(self.num_kv_heads, n, -1, self.head_dim).transpose(0, 1)
         values = values.view(self.num_kv_heads, n, -1, self.head_dim).transpose(0, 1)
         queries = q.view(n, self.num_kv_heads, group, self.head_dim)
+        if meta.decode_mask is None:
+            # Built once per step, by the first layer that needs it, from the context lengths already on the device.
+            meta.decode_mask = decode_key_mask(meta.decode_context_lens, keys.shape[2])
         attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
         return attended.reshape(n, self.num_heads, self.head_dim)
+
+
+def decode_path(device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str:
+    """Which decode attention runs: "triton" or "native" read the cache in place; "torch" gathers, masked."""
+    if triton_available(device):
+        return "triton"
+    if device.type == "cpu":
+        kernel = native_kernel()
+        if kernel is not None and kernel.supports(num_heads, num_kv_heads, head_dim, dtype):
+            return "native"
+    return "torch"
+
+
+def decode_key_mask(context_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[n, 1, 1, num_keys] True where key position < the row's context length: the torch decode path's mask."""
+    keys = torch.arange(num_keys, device=context_lens.device)
+    return (keys[None, :] < context_lens[:, None])[:, None, None, :]

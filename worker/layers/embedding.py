@@ -67,7 +67,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection to vocabulary logits; each rank computes its vocab slice, then slices are all-gathered.
+    """Output projection to vocabulary logits; each rank computes its vocab slice, rank 0 gathers the slices.
+
+    Only rank 0 samples, so only rank 0 ever holds the full-vocabulary logits.
 
     For tied embeddings the model assigns the embedding's parameter to `weight`, so both share one tensor.
     """
@@ -80,8 +82,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead computes logits through compute_logits(hidden), not forward")
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, embedding_dim] → logits [N, num_embeddings] in float32, identical on every rank."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, embedding_dim] → logits [N, num_embeddings] in float32 on rank 0; None on the other ranks."""
         local = linear(hidden, self.weight, self.onednn_weight)
-        logits = self.tp.all_gather(local, dim=-1)
+        logits = self.tp.gather(local, dim=-1)
+        if logits is None:
+            return None
         return logits[..., : self.num_embeddings].float()

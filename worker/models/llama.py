@@ -181,8 +181,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] long → final hidden states [T, hidden_size]."""
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] → logits [N, vocab_size] in float32 (full vocabulary on every rank)."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden_size] → logits [N, vocab_size] in float32 on rank 0 (the sampling rank), else None."""
         return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
