@@ -44,34 +44,39 @@ class HeadRequest:
 class InputBuffersMachine(RuleBasedStateMachine):
     """Random steps sent to two workers: one with the reference builder, one with the persistent buffers."""
 
+    device = CPU  # tests/gpu runs the same machine on CUDA
+
     @initialize(
         block_size=st.sampled_from([1, 2, 4, 16]),
         capacity=st.tuples(st.integers(1, 4), st.integers(1, 3), st.integers(1, 8)),
         torch_decode=st.booleans(),
+        in_place=st.booleans(),
     )
-    def setup(self, block_size: int, capacity: tuple[int, int, int], torch_decode: bool) -> None:
+    def setup(self, block_size: int, capacity: tuple[int, int, int], torch_decode: bool, in_place: bool) -> None:
+        """`in_place` False runs the device path on the CPU: table writes staged, then applied by index."""
         self.block_size = block_size
         self.torch_decode = torch_decode
         num_seqs, blocks_per_seq, num_tokens = capacity
         # Tiny starting sizes, so every buffer has to grow along the way.
         self.buffers = InputBuffers(
             block_size,
-            CPU,
+            self.device,
             max_num_tokens=num_tokens,
             max_num_seqs=num_seqs,
             max_blocks_per_seq=blocks_per_seq,
             build_decode_mask=torch_decode,
             workspace=self._workspace(),
+            in_place=in_place if self.device.type == "cpu" else None,
         )
-        self.ours = RequestStates(CPU, on_drop=self.buffers.release)
-        self.reference = RequestStates(CPU)
+        self.ours = RequestStates(self.device, on_drop=self.buffers.release)
+        self.reference = RequestStates(self.device)
         self.reference_workspace = self._workspace()
         self.requests: dict[int, HeadRequest] = {}
         self.batch = step_pb2.StepBatch(step_id=0)
         self.counter = 1
 
     def _workspace(self) -> GatherWorkspace:
-        return GatherWorkspace(self.block_size, 2, 4, torch.float32, CPU)
+        return GatherWorkspace(self.block_size, 2, 4, torch.float32, self.device)
 
     def _blocks(self, rng: random.Random, request: HeadRequest, num_tokens: int) -> list[int]:
         """New block ids so the request covers `num_tokens` tokens, sometimes with a spare block or two."""
@@ -127,7 +132,7 @@ class InputBuffersMachine(RuleBasedStateMachine):
         reference_states = self.reference.apply(self.batch)
         reference = None
         if any(s.num_scheduled_tokens > 0 for s in reference_states):
-            reference = build_flat_batch(reference_states, self.block_size, CPU, self.reference_workspace)
+            reference = build_flat_batch(reference_states, self.block_size, self.device, self.reference_workspace)
         self._compare(ours, reference)
         if ours is not None:
             self._finish_step(ours, reference)

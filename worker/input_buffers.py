@@ -42,7 +42,8 @@ class InputBuffers:
         | input_ids T | positions T | slot_mapping T | decode rows n | context lens n | sample rows S | table
         writes: flat index K | value K |
 
-    On the CPU the host buffer is the device buffer and the table is written in place, so there is no copy.
+    On the CPU the host buffer is the device buffer and the table is written in place, so there is no copy
+    (unless in_place=False).
     The host work per step is proportional to the scheduled requests, tokens and changed blocks, never to
     the length of a context.
     """
@@ -57,13 +58,16 @@ class InputBuffers:
         max_blocks_per_seq: int = 64,
         build_decode_mask: bool = False,
         workspace: GatherWorkspace | None = None,
+        in_place: bool | None = None,
     ) -> None:
         self.block_size = block_size
         self.device = torch.device(device)
         # Only the torch decode path reads a dense key mask; the kernels read the context lengths.
         self.build_decode_mask = build_decode_mask
         self.workspace = workspace
-        self._in_place = self.device.type == "cpu"
+        # None: in place exactly when the device is the host. False on the CPU runs the device path (table
+        # writes staged and applied by index, a copy between two buffers), which is how the tests reach it.
+        self._in_place = self.device.type == "cpu" if in_place is None else in_place
         self.block_table = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         self._table_np: np.ndarray | None = None
         self._dirty: list[int] = []  # per row index: leading entries that may be nonzero (the rest are zero)
@@ -253,7 +257,8 @@ class InputBuffers:
             return self._host[:size]
         staged = self._staged[:size]
         staged.copy_(self._host[:size], non_blocking=True)
-        if self._copied is None:
-            self._copied = torch.cuda.Event()
-        self._copied.record()
+        if self.device.type == "cuda":
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()
         return staged
