@@ -209,6 +209,12 @@ def test_shape_mismatch_raises() -> None:
 def test_rows_with_penalties_need_their_history() -> None:
     with pytest.raises(ValueError, match="history"):
         Sampler()(torch.zeros(2, 5), [SamplingRow(), SamplingRow(repetition_penalty=1.2)])
+    # Only the part the rows' penalties read is needed.
+    counts_only = TokenHistory(output_counts=_history([([], [1, 1])], 5).output_counts, seen=None)
+    row = SamplingRow(temperature=GREEDY, frequency_penalty=1.0)
+    assert Sampler()(torch.tensor([[0.0, 1.5, 1.0, 0.0, 0.0]]), [row], counts_only).token_ids == [2]
+    with pytest.raises(ValueError, match="history.seen"):
+        Sampler()(torch.zeros(1, 5), [SamplingRow(repetition_penalty=1.2)], counts_only)
 
 
 def _penalize_row_by_row(logits: torch.Tensor, rows: list[SamplingRow], tokens: list[tuple[list[int], list[int]]]):

@@ -43,9 +43,8 @@ class InputBuffers:
         writes: flat index K | value K |
 
     On the CPU the host buffer is the device buffer and the table is written in place, so there is no copy
-    (unless in_place=False).
-    The host work per step is proportional to the scheduled requests, tokens and changed blocks, never to
-    the length of a context.
+    (unless in_place=False). The host work per step is proportional to the scheduled requests, tokens and
+    changed blocks, never to the length of a context.
     """
 
     def __init__(

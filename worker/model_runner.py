@@ -140,11 +140,15 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, states: list[RequestState], result: step_pb2.StepResult) -> list[int]:
         rows = [sampling_row(state) for state in states]
         history = None
-        penalized = [state for state, row in zip(states, rows, strict=True) if row.has_penalties]
+        penalized = [row for row in rows if row.has_penalties]
         if penalized:
             if self.penalties is None:
                 self.penalties = PenaltyState(logits.shape[1], logits.device)
-            history = self.penalties.history(penalized)
+            history = self.penalties.history(
+                [state for state, row in zip(states, rows, strict=True) if row.has_penalties],
+                seen=any(row.penalizes_repetition for row in penalized),
+                output_counts=any(row.penalizes_outputs for row in penalized),
+            )
         sampled = self.sampler(logits, rows, history)
         result.handles.extend(state.handle for state in states)
         result.token_ids.extend(sampled.token_ids)

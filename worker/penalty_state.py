@@ -47,8 +47,9 @@ class PenaltyState:
             del self._tracks[state.handle]
             self._free.append(track.row)
 
-    def history(self, states: list[RequestState]) -> TokenHistory:
-        """The up-to-date history of `states`, one row each in order, for the sampler."""
+    def history(self, states: list[RequestState], seen: bool = True, output_counts: bool = True) -> TokenHistory:
+        """The up-to-date history of `states`, one row each in order, for the sampler; the parts not asked for
+        (no row has that kind of penalty) are None, which spares copying them."""
         rows: list[int] = []
         cleared: list[int] = []
         # Token scatters: (row, token id, 1 when the token is an output else 0).
@@ -82,7 +83,10 @@ class PenaltyState:
             counts = scatter[2].to(torch.int32)
             self.output_counts.index_put_((scatter[0], scatter[1]), counts, accumulate=True)
         index = torch.tensor(rows, dtype=torch.long).to(self.device)
-        return TokenHistory(self.output_counts.index_select(0, index), self.seen.index_select(0, index))
+        return TokenHistory(
+            self.output_counts.index_select(0, index) if output_counts else None,
+            self.seen.index_select(0, index) if seen else None,
+        )
 
     def _track(self, state: RequestState, cleared: list[int]) -> _Track:
         track = self._tracks.get(state.handle)

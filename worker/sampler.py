@@ -33,15 +33,29 @@ class SamplingRow:
     @property
     def has_penalties(self) -> bool:
         """True when the row's logits depend on the tokens it has seen."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return self.penalizes_repetition or self.penalizes_outputs
+
+    @property
+    def penalizes_repetition(self) -> bool:
+        """True when the row reads which tokens its prompt and outputs hold (TokenHistory.seen)."""
+        return self.repetition_penalty != 1.0
+
+    @property
+    def penalizes_outputs(self) -> bool:
+        """True when the row reads how often each token occurs among its outputs (TokenHistory.output_counts)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass
 class TokenHistory:
-    """What penalties read about the rows that have them, one row each in the order of those rows."""
+    """What penalties read about the rows that have them, one row each in the order of those rows.
 
-    output_counts: torch.Tensor  # [P, vocab] integer: occurrences of each token among the row's outputs
-    seen: torch.Tensor  # [P, vocab] bool: the token occurs in the row's prompt or outputs
+    A part no row's penalties read may be None: `seen` without repetition penalties, `output_counts` without
+    presence or frequency penalties.
+    """
+
+    output_counts: torch.Tensor | None  # [P, vocab] integer: occurrences of each token among the row's outputs
+    seen: torch.Tensor | None  # [P, vocab] bool: the token occurs in the row's prompt or outputs
 
 
 @dataclass
@@ -73,8 +87,8 @@ class Sampler:
             raise ValueError(f"logits must have shape [{len(rows)}, vocab_size], got {tuple(logits.shape)}")
         greedy = [row.greedy for row in rows]
         penalized = [i for i, row in enumerate(rows) if row.has_penalties]
-        if penalized and (history is None or history.seen.shape != (len(penalized), logits.shape[1])):
-            raise ValueError(f"{len(penalized)} rows have penalties: history needs one [vocab_size] row for each")
+        if penalized:
+            _check_history(history, [rows[i] for i in penalized], logits.shape[1])
         any_banned = any(row.banned_token_ids for row in rows)
         any_logprobs = any(row.num_logprobs is not None for row in rows)
         num_rows = len(rows)
@@ -132,11 +146,24 @@ def _ban_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     logits[torch.tensor(row_index, device=device), torch.tensor(token_index, device=device)] = float("-inf")
 
 
+def _check_history(history: TokenHistory | None, rows: list[SamplingRow], vocab_size: int) -> None:
+    """Refuse a history that lacks a part the penalties read, or has the wrong shape."""
+    needed = []
+    if any(row.penalizes_repetition for row in rows):
+        needed.append(("seen", None if history is None else history.seen))
+    if any(row.penalizes_outputs for row in rows):
+        needed.append(("output_counts", None if history is None else history.output_counts))
+    for name, part in needed:
+        if part is None or part.shape != (len(rows), vocab_size):
+            raise ValueError(f"{len(rows)} rows have penalties: history.{name} needs one [vocab_size] row for each")
+
+
 def _apply_penalties(
     logits: torch.Tensor, rows: list[SamplingRow], indices: list[int], history: TokenHistory
 ) -> None:
     """Repetition penalty over prompt and output tokens, presence/frequency over output tokens, for every
-    penalized row at once, in place. A neutral penalty (1.0, 0.0) leaves its row's logits bit-identical."""
+    penalized row at once, in place. A neutral penalty (1.0, 0.0) leaves its row's logits bit-identical, and a
+    kind of penalty no row uses costs nothing."""
     device, dtype = logits.device, logits.dtype
     params = torch.tensor(
         [[row.repetition_penalty, row.frequency_penalty, row.presence_penalty] for row in rows], dtype=dtype
@@ -144,11 +171,13 @@ def _apply_penalties(
     repetition, frequency, presence = params.unsqueeze(2).unbind(1)
     index = torch.tensor(indices, dtype=torch.long).to(device)
     selected = logits.index_select(0, index)
-    # Dividing a positive logit and multiplying a negative one both make the token less likely.
-    penalized = torch.where(selected > 0, selected / repetition, selected * repetition)
-    selected = torch.where(history.seen, penalized, selected)
-    counts = history.output_counts.to(dtype)
-    selected -= frequency * counts + presence * (counts > 0).to(dtype)
+    if any(row.penalizes_repetition for row in rows):
+        # Dividing a positive logit and multiplying a negative one both make the token less likely.
+        penalized = torch.where(selected > 0, selected / repetition, selected * repetition)
+        selected = torch.where(history.seen, penalized, selected)
+    if any(row.penalizes_outputs for row in rows):
+        counts = history.output_counts.to(dtype)
+        selected -= frequency * counts + presence * (counts > 0).to(dtype)
     logits.index_copy_(0, index, selected)
 
 
