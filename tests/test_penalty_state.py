@@ -79,7 +79,14 @@ class PenaltyMachine(RuleBasedStateMachine):
 TestPenaltyState = PenaltyMachine.TestCase
 
 
-def test_out_of_vocabulary_tokens_are_refused() -> None:
+def test_out_of_vocabulary_tokens_are_refused_and_leave_the_history_whole() -> None:
     penalties = PenaltyState(VOCAB, torch.device("cpu"))
+    good, bad = _state(0, [1, 2], 1), _state(1, [3], 1)
+    penalties.history([good])
+    good.token_ids.append(4)
+    bad.token_ids.append(VOCAB)
     with pytest.raises(ValueError, match="token ids"):
-        penalties.history([_state(0, [1, VOCAB], 1)])
+        penalties.history([good, bad])
+    history = penalties.history([good])
+    assert history.output_counts[0].nonzero().flatten().tolist() == [2, 4]
+    assert history.seen[0].nonzero().flatten().tolist() == [1, 2, 4]

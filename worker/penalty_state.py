@@ -51,44 +51,49 @@ class PenaltyState:
         """The up-to-date history of `states`, one row each in order, for the sampler; the parts not asked for
         (no row has that kind of penalty) are None, which spares copying them."""
         rows: list[int] = []
-        cleared: list[int] = []
+        cleared: list[int] = []  # rows recounted from scratch: the prompt grew
+        synced: list[tuple[_Track, int, int]] = []  # (track, num_prompt_tokens, num_tokens) once scattered
         # Token scatters: (row, token id, 1 when the token is an output else 0).
         new_rows: list[int] = []
         new_tokens: list[int] = []
         is_output: list[int] = []
         for state in states:
-            track = self._track(state, cleared)
-            tokens = state.token_ids
-            if track.num_prompt_tokens != state.num_prompt_tokens or len(tokens) < track.num_tokens:
+            track = self._track(state)
+            tokens, start = state.token_ids, track.num_tokens
+            if track.num_prompt_tokens != state.num_prompt_tokens or len(tokens) < start:
                 cleared.append(track.row)
-                track.num_prompt_tokens, track.num_tokens = state.num_prompt_tokens, 0
-            fresh = tokens[track.num_tokens :]
+                start = 0
+            fresh = tokens[start:]
             if fresh:
+                if min(fresh) < 0 or max(fresh) >= self.vocab_size:
+                    # Raised before any track moves on, so every history stays whole.
+                    raise ValueError(f"token ids must lie in [0, {self.vocab_size}) for penalties")
                 # Tokens before num_prompt_tokens are prompt: seen, but not counted as outputs.
-                num_prompt = min(max(state.num_prompt_tokens - track.num_tokens, 0), len(fresh))
+                num_prompt = min(max(state.num_prompt_tokens - start, 0), len(fresh))
                 new_rows.extend([track.row] * len(fresh))
                 new_tokens.extend(fresh)
                 is_output.extend([0] * num_prompt + [1] * (len(fresh) - num_prompt))
-                track.num_tokens = len(tokens)
+            synced.append((track, state.num_prompt_tokens, len(tokens)))
             rows.append(track.row)
         if cleared:
             index = torch.tensor(cleared, dtype=torch.long, device=self.device)
             self.output_counts.index_fill_(0, index, 0)
             self.seen.index_fill_(0, index, False)
         if new_tokens:
-            if min(new_tokens) < 0 or max(new_tokens) >= self.vocab_size:
-                raise ValueError(f"token ids must lie in [0, {self.vocab_size}) for penalties")
             scatter = torch.tensor([new_rows, new_tokens, is_output], dtype=torch.long).to(self.device)
             self.seen.index_put_((scatter[0], scatter[1]), torch.ones((), dtype=torch.bool, device=self.device))
             counts = scatter[2].to(torch.int32)
             self.output_counts.index_put_((scatter[0], scatter[1]), counts, accumulate=True)
+        for track, num_prompt_tokens, num_tokens in synced:
+            track.num_prompt_tokens, track.num_tokens = num_prompt_tokens, num_tokens
         index = torch.tensor(rows, dtype=torch.long).to(self.device)
         return TokenHistory(
             self.output_counts.index_select(0, index) if output_counts else None,
             self.seen.index_select(0, index) if seen else None,
         )
 
-    def _track(self, state: RequestState, cleared: list[int]) -> _Track:
+    def _track(self, state: RequestState) -> _Track:
+        """The state's track; a request new to this table gets a row, cleared of whatever it held before."""
         track = self._tracks.get(state.handle)
         if track is not None and track.owner is state:
             return track
@@ -97,7 +102,8 @@ class PenaltyState:
         if not self._free:
             self._grow()
         track = _Track(self._free.pop(), state, state.num_prompt_tokens, 0)
-        cleared.append(track.row)
+        self.output_counts[track.row].zero_()
+        self.seen[track.row].zero_()
         self._tracks[state.handle] = track
         return track
 
