@@ -112,7 +112,10 @@ def test_offline_run_reports_every_figure_over_the_same_tokens(tmp_path, capsys)
 
 
 def test_serve_parts_stream_to_the_server_and_read_its_step_metrics(tmp_path, capsys, monkeypatch):
+    commands = []
+
     def stand_in(python, model_dir, port, *flags):
+        commands.append(flags)
         return [sys.executable, "-m", "tests.stand_in_server", "--model", str(model_dir), "--port", str(port), *flags]
 
     monkeypatch.setattr(server_process, "pagerail_serve_command", stand_in)
@@ -139,11 +142,27 @@ def test_serve_parts_stream_to_the_server_and_read_its_step_metrics(tmp_path, ca
     assert "serve_tp1_share_of_ceiling" in report["targets"] and "serve_tp1_outside_forward_share" in report["targets"]
     assert "pagerail serve, TP 1" in table and "pagerail serve, TP 2" in table and "TTFT p50 ms" in table
     assert (tmp_path / "work" / "serve-tp1.log").exists()
+    # Each server gets its tensor-parallel size, a sequence limit for every request and the same KV block count.
+    flags = [dict(zip(command[::2], command[1::2], strict=False)) for command in commands]
+    assert [f["--tensor-parallel-size"] for f in flags] == ["1", "2"]
+    assert all(f["--max-num-seqs"] == "6" and f["--device"] == "cpu" for f in flags)
+    # K and V x 2 layers x 16 tokens x 16 dims x 4 bytes per KV head; TP 2 holds half the KV heads on each rank.
+    per_head_block = 2 * 2 * 16 * 16 * 4
+    blocks = int(flags[0]["--kv-cache-memory-bytes"]) // (2 * per_head_block)
+    assert blocks == 6 + 6  # one block per request, and one spare each
+    assert int(flags[1]["--kv-cache-memory-bytes"]) == blocks * per_head_block
     # Both servers were stopped.
     assert len(ports) == 2
     for port in ports:
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2.0)
+
+
+def test_serve_can_turn_overlapped_steps_off():
+    from cluster.cli import build_parser
+
+    assert build_parser().parse_args(["serve"]).async_scheduling is True
+    assert build_parser().parse_args(["serve", "--no-async-scheduling"]).async_scheduling is False
 
 
 def test_a_server_that_exits_early_fails_with_its_output(tmp_path):

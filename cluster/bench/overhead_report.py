@@ -90,7 +90,12 @@ def format_report(report: dict) -> str:
             ]
         )
     lines.append(format_table(header, rows))
-    lines += ["", "per step, ms (means; the head's schedule and dispatch overlap the rank's compute):"]
+    lines += [
+        "",
+        "per step, ms (means). schedule: the head's; dispatch: round trip less the rank's step, including the wait",
+        "behind the step before it when steps overlap; rank other: the rank's inputs and sampling; rank idle: share",
+        "of the wall time the rank computed nothing.",
+    ]
     header = ["run", "steps", "forward", "outside fwd", "schedule", "dispatch", "rank other", "rank idle", "preempt"]
     rows = []
     for name, label in RUNS:

@@ -20,14 +20,15 @@ _SMOLLM2_BASE_TOKENS = 17 + 256
 
 @dataclass(frozen=True)
 class TinyLlamaShape:
-    """The model's dimensions; the defaults make a 256-sequence decode step take milliseconds on a CPU."""
+    """The model's dimensions. The defaults make a decode step of 256 sequences take a few milliseconds on a CPU
+    (about 9 ms on two AVX-512 cores at 130 tokens of context), the step time of a serving GPU."""
 
-    hidden_size: int = 256
-    num_layers: int = 4
+    hidden_size: int = 128
+    num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
-    intermediate_size: int = 768
-    vocab_size: int = 2048
+    intermediate_size: int = 256
+    vocab_size: int = 1024
     max_position_embeddings: int = 4096
 
     def __post_init__(self) -> None:
