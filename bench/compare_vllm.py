@@ -59,8 +59,7 @@ def model_dir(workload: str, out: Path) -> Path:
         return resolve_model_dir(None)
     from cluster.bench.tiny_llama import write_tiny_llama
 
-    target = out / "tiny-llama"
-    return target if (target / "model.safetensors").is_file() else write_tiny_llama(target)
+    return write_tiny_llama(out / "tiny-llama")  # the same bytes every time: cheap to write again
 
 
 def server_command(server: str, model: Path, name: str, port: int, args: argparse.Namespace) -> list[str]:
