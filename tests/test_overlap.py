@@ -139,3 +139,24 @@ def test_a_stop_token_costs_at_most_one_step_in_flight_and_its_token_is_dropped(
         assert not workers.states.states and engine.block_table.num_free_blocks == engine.block_table.num_blocks
         counts[async_scheduling] = workers.steps
     assert counts[True] <= counts[False] + 1
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_session_closed_while_its_last_chunk_is_in_flight_still_generates(async_scheduling):
+    """The chunk was computed without logits because input was open when it was scheduled; the close arrives
+    while it runs (only possible with overlap): its last position is recomputed to sample the first token."""
+    engine, workers = fake_engine(async_scheduling)
+    session = engine.add_request("s", [1, 0, 0, 0, 0], SamplingParams(max_tokens=3, ignore_eos=True), final=False)
+    engine.step()  # the chunk is submitted (and, without overlap, done)
+    engine.append_input("s", [], final=True)
+    for _ in range(50):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert session.status is RequestStatus.FINISHED_LENGTH and session.num_output_tokens == 3
+    serial, _ = fake_engine(False)
+    expected = serial.add_request("e", [1, 0, 0, 0, 0], SamplingParams(max_tokens=3, ignore_eos=True))
+    while serial.has_unfinished():
+        serial.step()
+    assert session.output_token_ids == expected.output_token_ids
+    assert not workers.corrupt_reads

@@ -177,7 +177,12 @@ class Scheduler:
             if new_blocks is None:
                 break  # the request itself was preempted: it was the last running one
             skip = position + num_new != expected or request.input_open
-            scheduled.append(ScheduledRequest(request, num_new, new_blocks, skip_sampling=skip, epoch=request.epoch))
+            item = ScheduledRequest(request, num_new, new_blocks, skip_sampling=skip, epoch=request.epoch)
+            if request.needs_resync:
+                # The ranks move back to num_computed_tokens (a last position recomputed for its logits).
+                item.resync, item.new_block_ids = True, self.block_table.block_ids(request.request_id)
+                request.needs_resync = False
+            scheduled.append(item)
             request.num_inflight_tokens += num_new
             if not skip:
                 request.num_pending_samples += 1
@@ -350,6 +355,18 @@ class Scheduler:
                     request.status = RequestStatus.AWAITING_INPUT
                     request.idle_since = self.clock()
                     self.idle_sessions[request.request_id] = request
+                elif (
+                    item.skip_sampling
+                    and request.status is running
+                    and not request.num_inflight_tokens
+                    and not request.num_pending_samples
+                    and request.num_computed_tokens == request.num_tokens
+                ):
+                    # The input closed while this chunk was in flight, so it was computed without logits:
+                    # recompute its last position to sample the first output token (as append_input does for
+                    # a session that was already waiting for input).
+                    request.num_computed_tokens -= 1
+                    request.needs_resync = True
                 continue
             token_id, logprob, top = token
             request.append_output(token_id)
