@@ -234,10 +234,16 @@ class EngineMachine(RuleBasedStateMachine):
         for request in list(engine.scheduler.requests.values()):
             if request.input_open:
                 engine.append_input(request.request_id, [], True)
-        for _ in range(2000):
-            if not engine.has_unfinished():
-                break
+        # Long runs leave a hundred requests behind, so the bound grows with them (each one needs at most
+        # MAX_MODEL_LEN tokens, recomputed a few times when preempted); a stretch of steps in which no token is
+        # computed and no request finishes means the engine is stuck.
+        idle_steps, budget = 0, 1000 + 40 * MAX_MODEL_LEN * engine.scheduler.num_unfinished
+        while engine.has_unfinished() and idle_steps < 500 and budget > 0:
+            before = engine.scheduler.stats.num_computed_tokens, engine.scheduler.num_unfinished
             engine.step()
+            budget -= 1
+            progressed = (engine.scheduler.stats.num_computed_tokens, engine.scheduler.num_unfinished) != before
+            idle_steps = 0 if progressed else idle_steps + 1
         assert not engine.has_unfinished(), "requests never finished"
         engine.step()  # tells the workers to forget the last finished requests
         assert engine.block_table.num_free_blocks == engine.block_table.num_blocks
