@@ -161,7 +161,8 @@ def test_serve_parts_stream_to_the_server_and_read_its_step_metrics(tmp_path, ca
 def test_serve_can_turn_overlapped_steps_off():
     from cluster.cli import build_parser
 
-    assert build_parser().parse_args(["serve"]).async_scheduling is True
+    assert build_parser().parse_args(["serve"]).async_scheduling is None  # the engine decides by device
+    assert build_parser().parse_args(["serve", "--async-scheduling"]).async_scheduling is True
     assert build_parser().parse_args(["serve", "--no-async-scheduling"]).async_scheduling is False
 
 

@@ -16,7 +16,7 @@ ray = require_module("ray", "needs Ray")
 
 from ray.util import placement_group_table  # noqa: E402
 
-from cluster.core.config import CacheConfig, EngineConfig  # noqa: E402
+from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from cluster.core.sampling_params import SamplingParams  # noqa: E402
 from cluster.distributed.head import ClusterOptions  # noqa: E402
 from cluster.distributed.launcher import start_head  # noqa: E402
@@ -63,8 +63,12 @@ def model_dir(tmp_path_factory):
 
 
 def start(model_dir, name: str, **options):
+    # Overlapped steps (on by default only on GPUs): a rank fails or dies with the next step already queued.
     config = EngineConfig(
-        model=str(model_dir), tensor_parallel_size=2, cache=CacheConfig(block_size=4, num_gpu_blocks=512)
+        model=str(model_dir),
+        tensor_parallel_size=2,
+        cache=CacheConfig(block_size=4, num_gpu_blocks=512),
+        scheduler=SchedulerConfig(async_scheduling=True),
     )
     return start_head(config, ClusterOptions(**options), name)
 

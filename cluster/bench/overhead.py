@@ -48,10 +48,10 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument(
-        "--no-async-scheduling",
-        dest="async_scheduling",
-        action="store_false",
-        help="each step waits for the previous one's tokens (offline and serve)",
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlapped steps on or off (offline and serve); default: the engine's (on for GPUs, off on CPUs)",
     )
     parts = parser.add_argument_group("parts")
     parts.add_argument("--skip-serve", action="store_true", help="only the ceiling and the offline LLM")
@@ -73,7 +73,7 @@ class RunSettings:
     max_num_batched_tokens: int
     num_blocks: int
     max_num_seqs: int
-    async_scheduling: bool
+    async_scheduling: bool | None
     timeout: float
 
 
@@ -143,8 +143,8 @@ def run_served(settings: RunSettings, tensor_parallel_size: int, users: int, log
         "--max-num-seqs", str(settings.max_num_seqs),
         "--kv-cache-memory-bytes", str(settings.num_blocks * per_block),
     ]  # fmt: skip
-    if not settings.async_scheduling:
-        flags.append("--no-async-scheduling")
+    if settings.async_scheduling is not None:
+        flags.append("--async-scheduling" if settings.async_scheduling else "--no-async-scheduling")
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     api_key = os.environ.get("PAGERAIL_API_KEY") or None

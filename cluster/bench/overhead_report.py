@@ -60,7 +60,7 @@ def format_report(report: dict) -> str:
         f"model: random Llama, hidden {model['hidden_size']}, {model['num_layers']} layers, {model['num_heads']} heads "
         f"({model['num_kv_heads']} KV), MLP {model['intermediate_size']}, vocabulary {model['vocab_size']}, seed "
         f"{model['seed']}; {report['device']} {report['dtype']}; overlapped steps "
-        f"{'on' if report['async_scheduling'] else 'off'}",
+        f"{ {True: 'on', False: 'off', None: 'the default for the device'}[report['async_scheduling']] }",
         f"workload: {work['num_requests']} requests × {work['prompt_len']} prompt + {work['output_len']} output "
         f"tokens ({work['output_tokens']} output tokens); serve: {work['users']} concurrent streaming users",
         f"forward ceiling: {ceiling['prefill_steps']} prefill + {ceiling['decode_steps']} decode steps of up to "

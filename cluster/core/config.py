@@ -61,8 +61,9 @@ class SchedulerConfig:
     # Open streaming-input sessions at once; more are refused (QueueFullError). None: max_num_seqs.
     max_sessions: int | None = None
     # Schedule and submit step N+1 while step N runs on the ranks (tokens still being sampled are placeholders).
-    # Off: each step waits for the previous one's tokens; outputs are identical either way.
-    async_scheduling: bool = True
+    # Off: each step waits for the previous one's tokens; outputs are identical either way. None: on when the
+    # ranks compute on GPUs; off when they compute on the CPU, whose cores the head's work would take from them.
+    async_scheduling: bool | None = None
 
     @property
     def session_limit(self) -> int:

@@ -95,7 +95,10 @@ class EngineCore:
         self.schedule_seconds: deque[float] = deque(maxlen=4096)
         # Steps submitted and not yet applied, oldest first. Two: one runs on the ranks while the next waits
         # there, built from placeholders for the tokens still being sampled. One: strictly serial steps.
-        self.max_inflight_steps = 2 if config.scheduler.async_scheduling else 1
+        overlap = config.scheduler.async_scheduling
+        if overlap is None:
+            overlap = bool(getattr(executor, "computes_on_accelerator", False))
+        self.max_inflight_steps = 2 if overlap else 1
         self._inflight: deque[_InflightStep] = deque()
         self.num_overlapped_steps = 0
 

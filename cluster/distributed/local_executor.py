@@ -59,6 +59,7 @@ class InProcessExecutor:
     def __init__(self, config: WorkerConfig) -> None:
         self.worker = Worker(config)
         self.num_blocks = self.worker.num_blocks
+        self.computes_on_accelerator = self.worker.device.type == "cuda"
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagerail-rank0")
 
     def submit(self, batch: step_pb2.StepBatch) -> PendingStep:

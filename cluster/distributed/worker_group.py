@@ -54,6 +54,7 @@ class WorkerGroup:
         self.size = size
         self._token = token
         self._use_gpu = use_gpu
+        self.computes_on_accelerator = use_gpu
         self._cpus = cpus_per_worker
         self._strategy = placement_strategy
         self._tls = tls

@@ -48,7 +48,7 @@ class LLM:
         max_waiting_requests: int | None = None,
         session_idle_timeout_s: float = 300.0,
         max_sessions: int | None = None,
-        async_scheduling: bool = True,
+        async_scheduling: bool | None = None,
         tensor_parallel_size: int = 1,
         ray_address: str | None = None,
         placement_strategy: str = "PACK",

@@ -67,8 +67,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="schedule and send step N+1 while step N runs on the ranks (--no-async-scheduling: strictly serial steps)",
+        default=None,
+        help="schedule and send step N+1 while step N runs on the ranks (--no-async-scheduling: strictly serial "
+        "steps); default: on when the ranks run on GPUs, off on CPUs, whose cores the head would share",
     )
     parser.add_argument("--log-format", default="text", choices=("text", "json"), help="json: one object per line")
     parser.add_argument(
