@@ -8,7 +8,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from cluster.core.config import EngineConfig
-from cluster.core.executor import PendingStep, WorkerGroupError
+from cluster.core.executor import CompletedStep, PendingStep, WorkerGroupError
 from proto import step_pb2
 from worker.config import WorkerConfig
 from worker.model_loader import resolve_model_dir
@@ -63,6 +63,10 @@ class InProcessExecutor:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagerail-rank0")
 
     def submit(self, batch: step_pb2.StepBatch) -> PendingStep:
+        if not self.computes_on_accelerator:
+            # On the CPU the forward needs every core and steps do not overlap (async_scheduling's default):
+            # run it here, without a thread hop.
+            return CompletedStep(self.worker.execute_step(batch))
         # The caller's context travels along, so the rank's spans stay children of the step's dispatch span.
         context = contextvars.copy_context()
         return _ThreadStep(self._thread.submit(context.run, self.worker.execute_step, batch))
