@@ -13,6 +13,7 @@ from cluster.core.config import SchedulerConfig
 from cluster.core.errors import QueueFullError
 from cluster.core.request import Request, RequestStatus
 from cluster.core.scheduler_output import PauseMode, ScheduledRequest, SchedulerOutput, SchedulerStats
+from cluster.core.stop_conditions import ends_in_flight, stop_status
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ class Scheduler:
             position = request.num_computed_tokens + request.num_inflight_tokens
             expected = len(request.all_token_ids) + request.num_pending_samples
             num_new = min(expected - position, budget)
-            if num_new <= 0 or (request.num_pending_samples and self._ends_in_flight(request)):
+            if num_new <= 0 or (request.num_pending_samples and ends_in_flight(request, self.max_model_len)):
                 index += 1
                 continue
             new_blocks = self._allocate_or_preempt(request, num_new, out)
@@ -189,16 +190,6 @@ class Scheduler:
             budget -= num_new
             index += 1
         return budget
-
-    def _ends_in_flight(self, request: Request) -> bool:
-        """True when a token still being sampled is the request's last by length: nothing more to schedule."""
-        if not request.num_pending_samples:
-            return False
-        max_tokens = request.max_tokens
-        num_outputs = request.num_output_tokens + request.num_pending_samples
-        return (max_tokens is not None and num_outputs >= max_tokens) or (
-            request.num_tokens_expected >= self.max_model_len
-        )
 
     def _add(self, out: SchedulerOutput, item: ScheduledRequest) -> None:
         """Put a request in this step; until the ranks answer, its tokens count as in flight."""
@@ -373,21 +364,11 @@ class Scheduler:
             if logprob is not None:
                 request.logprobs.append(logprob)
                 request.top_logprobs.append(top or {})
-            status = self._stop_status(request, token_id)
+            status = stop_status(request, token_id, self.max_model_len)
             if status is not None:
                 self._finish(request, status)
             changed.append(request)
         return changed
-
-    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
-        if token_id in request.stop_token_ids and request.num_output_tokens >= request.sampling_params.min_tokens:
-            return RequestStatus.FINISHED_STOPPED
-        max_tokens = request.max_tokens
-        if (max_tokens is not None and request.num_output_tokens >= max_tokens) or (
-            request.num_tokens >= self.max_model_len
-        ):
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def finish(self, request_id: str, status: RequestStatus) -> None:
         """Finish a request for a reason found outside the scheduler (a stop string)."""
