@@ -2,11 +2,12 @@
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput"]
 
 if TYPE_CHECKING:
     from cluster.core.outputs import CompletionOutput, RequestOutput
     from cluster.core.sampling_params import SamplingParams
+    from cluster.core.structured_outputs import StructuredOutputs
     from cluster.entrypoints.llm import LLM
 
 
@@ -24,4 +25,8 @@ def __getattr__(name: str):
         from cluster.core.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputs":
+        from cluster.core.structured_outputs import StructuredOutputs
+
+        return StructuredOutputs
     raise AttributeError(f"module 'cluster' has no attribute {name!r}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from cluster.core.structured_outputs import StructuredOutputs
+
 # Below this temperature a request is decoded greedily (argmax); dividing by it would overflow.
 GREEDY_TEMPERATURE = 1e-5
 MAX_N = 128
@@ -35,8 +37,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # matched on text by the frontend, validated here
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Constrains the output to a JSON schema, regex, choice or grammar; a dict is read as StructuredOutputs(**dict).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        self._validate_structured_outputs()
         self._validate_counts()
         self._validate_probabilities()
         self._validate_penalties()
@@ -49,6 +54,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the request is decoded by argmax rather than by drawing from the distribution."""
         return self.temperature < GREEDY_TEMPERATURE
+
+    def _validate_structured_outputs(self) -> None:
+        value = self.structured_outputs
+        if isinstance(value, dict):
+            try:
+                value = StructuredOutputs(**value)
+            except TypeError as error:  # an unknown key
+                raise ValueError(f"structured_outputs: {error}") from None
+            object.__setattr__(self, "structured_outputs", value)
+        if value is not None and not isinstance(value, StructuredOutputs):
+            raise ValueError(f"structured_outputs must be a StructuredOutputs or a dict, got {type(value).__name__}")
 
     def _validate_counts(self) -> None:
         _check_int("n", self.n, low=1, high=MAX_N)
