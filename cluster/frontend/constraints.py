@@ -9,7 +9,9 @@ from cluster.core.sampling_params import SamplingParams
 from common.grammar import TOKENIZERS, GrammarError, check_constraint
 
 
-def check_constraint_now(params: SamplingParams, tokenizer: Any, vocab_size: int | None, param: str | None = None) -> None:
+def check_constraint_now(
+    params: SamplingParams, tokenizer: Any, vocab_size: int | None, param: str | None = None
+) -> None:
     """Compile the constraint of `params`, if any; raise GrammarError naming `param` (default: its own field).
 
     Compiled grammars are cached per constraint, so a schema seen before costs a dictionary lookup.
