@@ -33,6 +33,7 @@ test: $(STAMP)
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. proto/step.proto
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/worker.proto
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/api.proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -20,9 +20,11 @@ from opentelemetry import trace
 from cluster.core.engine_client import EngineClient, RequestDelta
 from cluster.core.sampling_params import SamplingParams
 from cluster.frontend import tracing
+from cluster.frontend.constraints import check_constraint_of
 from cluster.frontend.detokenizer import IncrementalDetokenizer
 from cluster.frontend.grpc_convert import (
     RpcError,
+    constraint_field,
     numeric_stats,
     sampling_params_from_proto,
     status_on_error,
@@ -107,6 +109,10 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 if request.WhichOneof("input") is None:
                     raise ValueError("input: set text or token_ids")
                 stream = self._new_stream(request)
+                # Compiled against the tokenizer before anything is queued: a bad constraint never reaches the engine.
+                await check_constraint_of(
+                    stream.params, self.tokenizer, self.engine.vocab_size, constraint_field(request.sampling_params)
+                )
                 stream.span = span
                 tracing.annotate_request(span, stream.request_id, self.engine.model_name, stream.params)
                 async for response in self._run(stream, context):
@@ -121,6 +127,13 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             if first is None:
                 raise ValueError("the session ended before its first message")
             stream = self._new_stream(first)
+            if stream.params.structured_outputs is not None:
+                # The grammar would have to follow input that is still arriving; a constraint covers a whole
+                # generation from a complete prompt.
+                raise ValueError(
+                    f"{constraint_field(first.sampling_params)}: a Session takes no output constraint; "
+                    "send the whole prompt with Generate to constrain the output"
+                )
             feed = None if first.final else functools.partial(self._feed, messages)
             async for response in self._run(stream, context, feed):
                 yield response

@@ -12,6 +12,7 @@ import grpc
 
 from cluster.core.engine_client import QueueFullError, RequestDelta
 from cluster.core.sampling_params import SamplingParams
+from cluster.core.structured_outputs import StructuredOutputs
 from proto import api_pb2
 
 logger = logging.getLogger(__name__)
@@ -21,6 +22,9 @@ _OPTIONAL_FIELDS += ("skip_special_tokens",)
 # Their proto3 zero values equal the SamplingParams defaults, so they are always copied.
 _PLAIN_FIELDS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos")
 _PLAIN_FIELDS += ("include_stop_str_in_output",)
+# Each member of the `constraint` oneof and the StructuredOutputs field it fills.
+_CONSTRAINT_KINDS = {"json_schema": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+_CONSTRAINT_KINDS["json_object"] = "json_object"
 
 
 def sampling_params_from_proto(message: api_pb2.SamplingParams) -> SamplingParams:
@@ -28,7 +32,36 @@ def sampling_params_from_proto(message: api_pb2.SamplingParams) -> SamplingParam
     kwargs: dict[str, Any] = {name: getattr(message, name) for name in _OPTIONAL_FIELDS if message.HasField(name)}
     kwargs.update({name: getattr(message, name) for name in _PLAIN_FIELDS})
     kwargs.setdefault("max_tokens", None)
+    kwargs["structured_outputs"] = structured_outputs_from_proto(message)
     return SamplingParams(stop_token_ids=tuple(message.stop_token_ids), stop=tuple(message.stop), **kwargs)
+
+
+def constraint_field(message: api_pb2.SamplingParams) -> str | None:
+    """The request field that carries the message's constraint ("sampling_params.regex", ...), or None."""
+    name = message.WhichOneof("constraint")
+    if name is None or (name == "json_object" and not message.json_object):
+        return None
+    return f"sampling_params.{name}"
+
+
+def structured_outputs_from_proto(message: api_pb2.SamplingParams) -> StructuredOutputs | None:
+    """The constraint of the `constraint` oneof, or None; raises ValueError naming the request field.
+
+    json_object set to false is the same as no constraint: proto3 reads a false bool as off.
+    """
+    field = constraint_field(message)
+    if field is None:
+        return None
+    name = field.removeprefix("sampling_params.")
+    kind = _CONSTRAINT_KINDS[name]
+    value: Any = getattr(message, name)
+    if name == "choice":
+        value = tuple(value.choices)
+    try:
+        return StructuredOutputs(**{kind: value})
+    except ValueError as error:
+        # Its messages name StructuredOutputs' own fields; a gRPC caller knows the message's.
+        raise ValueError(str(error).replace(f"structured_outputs.{kind}", field, 1)) from None
 
 
 def token_logprobs(delta: RequestDelta) -> list[api_pb2.TokenLogprob]:
