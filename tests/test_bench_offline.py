@@ -1,4 +1,5 @@
-"""`pagerail bench throughput`: workloads, the roofline, target checks, and a tiny run with every baseline."""
+"""`pagerail bench throughput`: workloads, the roofline, target checks, a tiny run with every baseline, and
+--json-schema's constrained run next to the unconstrained one."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from cluster.bench.offline import check_targets
 from cluster.bench.roofline import measure_roofline, shapes_from_config
+from cluster.bench.structured import format_structured_report
 from cluster.bench.workload import BenchRequest, file_workload, random_workload
 from cluster.cli import main
 from tests.tiny_models import make_tiny_model
@@ -134,3 +136,83 @@ def test_throughput_table_on_the_embedded_model(capsys):
     assert f"{sum(r.output_len for r in workload)} output tokens" in out
     assert "on cpu (float32), 3 requests" in out
     assert out.count("pagerail") >= 1 and "outside the forward pass" in out
+
+
+TINY_SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory):
+    """The tiny Llama sized to the embedded model's tokenizer, saved next to it: a schema needs a tokenizer."""
+    from transformers import AutoTokenizer
+
+    from worker.model_loader import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("tiny-tok") / "llama", vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+def test_json_schema_runs_constrained_next_to_unconstrained_and_times_the_compile(
+    tiny_with_tokenizer, tmp_path, capsys
+):
+    schema = tmp_path / "small.json"
+    schema.write_text(json.dumps(TINY_SCHEMA))
+    argv = ["bench", "throughput", "--model", str(tiny_with_tokenizer), "--num-requests", "3", "--prompt-len", "4"]
+    argv += ["8", "--output-len", "10", "12", "--max-model-len", "64", "--num-kv-blocks", "32"]
+    assert main([*argv, "--json-schema", str(schema), str(schema), "--json"]) == 0  # the same schema counts once
+    report = json.loads(capsys.readouterr().out)
+    structured = report["structured"]
+    assert structured["json_schemas"] == ["small.json"]
+    constrained = structured["constrained"]
+    lengths = constrained["output_lens"]
+    assert len(lengths) == 3 and all(1 <= n <= 12 for n in lengths)
+    assert constrained["output_tokens"] == sum(lengths)
+    assert constrained["mean_output_len"] == pytest.approx(sum(lengths) / 3)
+    assert constrained["finished_stop"] + constrained["finished_length"] == 3
+    assert 0 <= constrained["parsed_as_json"] <= 3
+    assert constrained["request_throughput"] * constrained["seconds"] == pytest.approx(3)
+    same, workload = structured["unconstrained_same_lengths"], structured["unconstrained_workload"]
+    assert same["output_tokens"] == sum(lengths) and workload["output_tokens"] == report["workload"]["output_tokens"]
+    figures = structured["figures"]
+    rate = constrained["output_tokens_per_s"]
+    assert figures["vs_unconstrained_same_lengths"] == pytest.approx(rate / same["output_tokens_per_s"])
+    assert figures["vs_unconstrained_workload"] == pytest.approx(rate / workload["output_tokens_per_s"])
+    compile_times = structured["compile"]
+    assert compile_times["tokenizer_seconds"] > 0 and compile_times["repeats"] >= 1
+    [entry] = compile_times["schemas"]
+    assert entry["schema"] == "small.json" and entry["compile_ms"] > 0
+    assert all(entry[part] > 0 for part in ("grammar_ms", "matcher_ms", "first_mask_ms"))
+
+    table = format_structured_report(report)
+    assert "constrained to the schema" in table and "unconstrained, same output lengths" in table
+    assert "small.json:" in table and "first mask" in table
+
+
+@pytest.mark.parametrize(
+    ("content", "extra", "words"),
+    [
+        ("{not json", [], "is not valid JSON"),
+        ('{"type": "nonsense"}', [], "nonsense"),
+        (json.dumps(TINY_SCHEMA), ["--baseline", "roofline"], "--baseline"),
+    ],
+)
+def test_json_schema_errors_name_the_option(tiny_with_tokenizer, tmp_path, capsys, content, extra, words):
+    schema = tmp_path / "bad.json"
+    schema.write_text(content)
+    argv = ["bench", "throughput", "--model", str(tiny_with_tokenizer), "--num-requests", "1", "--json-schema"]
+    assert main([*argv, str(schema), *extra]) == 2
+    err = capsys.readouterr().err
+    assert words in err and ("--json-schema" in err or "--baseline" in err)
+
+
+def test_json_schema_file_that_does_not_exist(tmp_path, capsys):
+    missing = tmp_path / "missing.json"
+    assert main(["bench", "throughput", "--json-schema", str(missing)]) == 2
+    assert f"--json-schema {missing}: cannot read it" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from cluster.bench.stats import format_table
+from cluster.bench.structured import add_structured_arguments
 from cluster.bench.workload import BenchRequest, add_request_arguments, describe, throughput
 
 BASELINES = ("static", "continuous", "roofline")
@@ -68,6 +69,7 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="device memory bandwidth (GB/s) for the decode step's bandwidth bound, e.g. 4800 for an H200",
     )
+    add_structured_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -327,6 +329,8 @@ def format_report(report: dict) -> str:
 def run_throughput(args: argparse.Namespace) -> int:
     from cluster.bench.workload import build_workload
 
+    if args.json_schema:
+        return _run_json_schema(args)
     llm = build_llm(args)
     requests = build_workload(args, tokenizer=llm.tokenizer)
     device, dtype = _model_dtype(llm)
@@ -349,4 +353,29 @@ def run_throughput(args: argparse.Namespace) -> int:
     }
     llm.shutdown()
     print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def _run_json_schema(args: argparse.Namespace) -> int:
+    """--json-schema: the constrained workload next to the unconstrained one; the other baselines do not apply."""
+    from cluster.bench import structured
+    from cluster.bench.workload import build_workload
+
+    if args.baseline is not None:
+        raise ValueError("--baseline compares unconstrained runs; --json-schema brings its own unconstrained baseline")
+    schemas = structured.load_schemas(args.json_schema)  # before the model loads: a bad file fails fast
+    llm = build_llm(args)
+    try:
+        requests = build_workload(args, tokenizer=llm.tokenizer)
+        device, dtype = _model_dtype(llm)
+        report = {
+            "model": llm.config.model_name,
+            "device": device.type,
+            "dtype": str(dtype).removeprefix("torch."),
+            "workload": describe(requests),
+            "structured": structured.run_structured(llm, requests, schemas, run_pagerail),
+        }
+    finally:
+        llm.shutdown()
+    print(json.dumps(report, indent=2) if args.json else structured.format_structured_report(report))
     return 0
