@@ -30,6 +30,7 @@ from cluster.frontend.errors import (
     unavailable,
 )
 from cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.frontend.tool_calls import TOOL_CALL_PARSERS
 from cluster.frontend.tracing import traced_http
 
 VERSION = "0.1.0"
@@ -53,6 +54,14 @@ class ServerState:
     max_body_bytes: int = 4 << 20
     draining: bool = False
     in_flight: int = 0
+    # The model's tool-call format for tool_choice "auto" (see TOOL_CALL_PARSERS); None: its chat template's.
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
 
 
 def create_app(state: ServerState, ready: Callable[[], Awaitable[bool]] | None = None) -> FastAPI:
@@ -108,11 +117,11 @@ def create_app(state: ServerState, ready: Callable[[], Awaitable[bool]] | None =
         }
         return {"object": "list", "data": [card]}
 
-    async def generation(request: Request, model, route):
+    async def generation(request: Request, model, route, **options):
         """Parse the body as `model` and run `route` over it, counted as in flight until its response ends."""
         body = await _parse(request, state, model)
         ids = (request.state.request_id, request.state.client_request_id)
-        route_call = route(body, state.engine, state.tokenizer, state.served_model_name, *ids)
+        route_call = route(body, state.engine, state.tokenizer, state.served_model_name, *ids, **options)
         return await _admitted(state, request, route_call)
 
     @app.post("/v1/completions")
@@ -121,7 +130,9 @@ def create_app(state: ServerState, ready: Callable[[], Awaitable[bool]] | None =
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await generation(request, ChatCompletionRequest, openai_routes.chat_completions)
+        return await generation(
+            request, ChatCompletionRequest, openai_routes.chat_completions, tool_call_parser=state.tool_call_parser
+        )
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -13,9 +13,13 @@ from opentelemetry import trace
 from cluster.core.engine_client import EngineClient
 from cluster.core.sampling_params import SamplingParams
 from cluster.frontend.chat import encode_prompt, render_chat
+from cluster.frontend.chat_output import ChoiceOutput
+from cluster.frontend.constraint_errors import check_output_constraint
 from cluster.frontend.errors import from_value_error, not_found_model
 from cluster.frontend.generation import ChoiceDelta, Usage, stream_choices
 from cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.frontend.tool_calls import choose_parser
+from cluster.frontend.tool_choice import output_parser
 from cluster.frontend.tracing import annotate_request
 
 
@@ -85,6 +89,8 @@ async def completions(
     prompts = body.prompt_list()
     encoded = [encode_prompt(tokenizer, prompt, engine.vocab_size) for prompt in prompts]
     params = [_sampling(body, engine, len(ids)) for ids in encoded]
+    if params:  # every prompt has the same constraint
+        await check_output_constraint(params[0], tokenizer, engine.vocab_size, body.output_constraint()[1])
     created = int(time.time())
     completion_id = f"cmpl-{label or request_id}"
     engine_id = f"cmpl-{request_id}"
@@ -93,9 +99,7 @@ async def completions(
     streams = []
     for number, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
         try:
-            stream = await _first_then_rest(
-                stream_choices(engine, tokenizer, f"{engine_id}-{number}", ids, sp, usage)
-            )
+            stream = await _first_then_rest(stream_choices(engine, tokenizer, f"{engine_id}-{number}", ids, sp, usage))
         except ValueError as error:
             raise from_value_error(error) from None
         streams.append((number * sp.n, stream))
@@ -193,11 +197,25 @@ async def chat_completions(
     served: str,
     request_id: str,
     label: str | None = None,
+    tool_call_parser: str | None = None,
 ):
-    """`request_id` is the server's own id for the engine; `label` (the client's X-Request-Id) names the response."""
+    """`request_id` is the server's own id for the engine; `label` (the client's X-Request-Id) names the response;
+    `tool_call_parser` names the model's tool-call format (None: the one its chat template teaches)."""
     _check_model(body.model, served)
-    prompt_ids = render_chat(tokenizer, body.messages)
+    prompt_ids = render_chat(tokenizer, body.messages, body.tool_dicts())
     params = _sampling(body, engine, len(prompt_ids))
+    await check_output_constraint(params, tokenizer, engine.vocab_size, body.output_constraint()[1], body.tools)
+    tool_choice = body.tool_choice_in_effect()
+    call_format = choose_parser(getattr(tokenizer, "chat_template", None), tool_call_parser)
+    outputs: dict[int, ChoiceOutput] = {}
+
+    def output(index: int) -> ChoiceOutput:
+        """Each choice reads its own tool calls out of its own text."""
+        if index not in outputs:
+            parallel = body.parallel_tool_calls is not False
+            outputs[index] = ChoiceOutput(output_parser(tool_choice, call_format, parallel))
+        return outputs[index]
+
     created = int(time.time())
     chat_id = f"chatcmpl-{label or request_id}"
     annotate_request(trace.get_current_span(), chat_id, body.model or served, params)
@@ -231,20 +249,27 @@ async def chat_completions(
                             [
                                 {
                                     "index": delta.index,
-                                    "delta": {"role": "assistant", "content": ""},
+                                    "delta": output(delta.index).opening(),
                                     "logprobs": None,
                                     "finish_reason": None,
                                 }
                             ]
                         )
                     )
-                choice = {
-                    "index": delta.index,
-                    "delta": {"content": delta.text} if delta.text else {},
-                    "logprobs": _chat_logprobs([delta]) if body.wants_logprobs() else None,
-                    "finish_reason": delta.finish_reason,
-                }
-                yield _sse(envelope([choice]))
+                out = output(delta.index)
+                # Content, or a tool call's start and its argument pieces, one chunk each; an empty delta when the
+                # text is held (a tag arriving in pieces) still carries its logprobs and finish_reason.
+                pieces = out.deltas(delta.text, final=delta.finish_reason is not None) or [{}]
+                logprobs = _chat_logprobs([delta]) if body.wants_logprobs() else None
+                for number, piece in enumerate(pieces):
+                    last = number == len(pieces) - 1
+                    choice = {
+                        "index": delta.index,
+                        "delta": piece,
+                        "logprobs": logprobs if number == 0 else None,
+                        "finish_reason": out.finish_reason(delta.finish_reason) if last else None,
+                    }
+                    yield _sse(envelope([choice]))
             if body.include_usage():
                 yield _sse(envelope([], usage=_usage_json(usage)))
             yield "data: [DONE]\n\n"
@@ -257,12 +282,13 @@ async def chat_completions(
     choices = []
     for index in sorted(collected):
         deltas = collected[index]
+        out = output(index)
         choices.append(
             {
                 "index": index,
-                "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+                "message": out.message("".join(d.text for d in deltas)),
                 "logprobs": _chat_logprobs(deltas) if body.wants_logprobs() else None,
-                "finish_reason": deltas[-1].finish_reason,
+                "finish_reason": out.finish_reason(deltas[-1].finish_reason),
             }
         )
     return JSONResponse(

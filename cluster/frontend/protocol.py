@@ -9,7 +9,19 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from cluster.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from cluster.core.structured_outputs import StructuredOutputs
 from cluster.frontend.errors import from_value_error
+from cluster.frontend.output_format import ConstrainedOutputFields
+from cluster.frontend.tool_choice import (
+    MessageToolCall,
+    NamedToolChoice,
+    ToolChoice,
+    ToolDefinition,
+    check_distinct,
+    effective_choice,
+    parse_tool_choice,
+    tool_constraint,
+)
 
 # Every stop string is searched for after each token, so their number and length bound the per-token cost.
 MAX_STOP_STRINGS = 16
@@ -42,8 +54,9 @@ class StreamOptions(_Lenient):
     include_usage: bool | None = False
 
 
-class _SamplingRequest(_Lenient):
-    """Fields shared by completions and chat; None means "the default", as OpenAI allows explicit nulls."""
+class _SamplingRequest(ConstrainedOutputFields):
+    """Fields shared by completions and chat; None means "the default", as OpenAI allows explicit nulls.
+    Lenient like _Lenient; response_format and structured_outputs come from ConstrainedOutputFields."""
 
     model: str | None = None  # None: the model this server serves
     max_tokens: int | None = Field(default=None, ge=1)
@@ -91,7 +104,7 @@ class _SamplingRequest(_Lenient):
             raise ValueError("stream_options is only allowed when stream is true")
         return value
 
-    @field_validator("logit_bias", "echo", "suffix", "tools", check_fields=False)
+    @field_validator("logit_bias", "echo", "suffix", check_fields=False)
     @classmethod
     def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         # Ignoring these would silently return something other than what was asked for.
@@ -104,6 +117,7 @@ class _SamplingRequest(_Lenient):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def _build(self, max_tokens: int | None, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+        constraint, _ = self.output_constraint()  # raises APIError naming its field
         stop = self.stop if self.stop is not None else ()
         # Explicit nulls fall back to SamplingParams' own defaults.
         values = {name: getattr(self, name) for name in _PASSED_THROUGH if getattr(self, name) is not None}
@@ -113,6 +127,7 @@ class _SamplingRequest(_Lenient):
                 stop=tuple([stop] if isinstance(stop, str) else stop),
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 logprobs=logprobs,
+                structured_outputs=constraint,
                 **values,
             )
         except ValueError as err:
@@ -171,6 +186,8 @@ class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # which call a tool turn answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -189,8 +206,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = True
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -207,15 +225,43 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs requires logprobs to be true")
         return value
 
-    @field_validator("response_format")
+    @field_validator("tools")
     @classmethod
-    def _check_response_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError(f"response_format is not supported unless its type is 'text', got {value.get('type')!r}")
+    def _check_tools(cls, value: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        if value:
+            check_distinct(value)
         return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(cls, value: Any, info: ValidationInfo) -> ToolChoice | None:
+        if "tools" not in info.data:
+            return None  # the tools are invalid, and that is the error to report
+        choice = parse_tool_choice(value, info.data["tools"])
+        constrained = isinstance(choice, NamedToolChoice) or choice == "required"
+        response_format = info.data.get("response_format")
+        if constrained and (info.data.get("structured_outputs") or (response_format and response_format.constrains())):
+            raise ValueError("tool_choice cannot name a function or be 'required' when the output is constrained by "
+                             "response_format or structured_outputs")  # fmt: skip
+        return choice
 
     def wants_logprobs(self) -> bool:
         return bool(self.logprobs)
+
+    def tool_choice_in_effect(self) -> ToolChoice:
+        """The tool_choice that applies: "auto" when tools are given without one, "none" without tools."""
+        return effective_choice(self.tools, self.tool_choice)
+
+    def output_constraint(self) -> tuple[StructuredOutputs | None, str | None]:
+        """A named or "required" tool_choice constrains the output to its calls; otherwise response_format or
+        structured_outputs may."""
+        parallel = self.parallel_tool_calls is not False
+        constraint, field = tool_constraint(self.tools, self.tool_choice_in_effect(), parallel)
+        return (constraint, field) if constraint is not None else super().output_constraint()
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them; None when there are none."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """SamplingParams for this request; raises APIError (400) naming the offending field."""
