@@ -304,6 +304,7 @@ def test_required_schema_accepts_calls_of_the_tools_only() -> None:
     [
         ("sometimes", TOOLS, "tool_choice must be 'none', 'auto', 'required'"),
         ({"type": "function"}, TOOLS, "tool_choice must be"),
+        (5, TOOLS, "tool_choice must be"),
         ({"type": "function", "function": {"name": "nope"}}, TOOLS, "must name one of the tools"),
         ("required", None, "tool_choice requires tools"),
         ("auto", [], "tool_choice requires tools"),

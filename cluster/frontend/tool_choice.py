@@ -107,9 +107,10 @@ def parse_tool_choice(value: Any, tools: list[ToolDefinition] | None) -> ToolCho
             raise ValueError(f"tool_choice must be {_CHOICE_SHAPE}, got {value!r}")
         choice: ToolChoice = value
     else:
-        function = value.get("function") if isinstance(value, dict) else None
+        shape = value if isinstance(value, dict) else {}
+        function = shape.get("function")
         name = function.get("name") if isinstance(function, dict) else None
-        if value.get("type") != "function" or not isinstance(name, str):  # type: ignore[union-attr]
+        if shape.get("type") != "function" or not isinstance(name, str):
             raise ValueError(f"tool_choice must be {_CHOICE_SHAPE}")
         choice = NamedToolChoice(function=NamedFunction(name=name))
     if choice == "none":
