@@ -8,6 +8,7 @@ import torch
 
 from common.telemetry import get_tracer, traced
 from proto import step_pb2
+from worker.constraints import ConstraintMatchers
 from worker.input_batch import FlatBatch, GatherWorkspace
 from worker.input_buffers import InputBuffers
 from worker.layers.attention import decode_path
@@ -61,6 +62,7 @@ class ModelRunner:
         max_num_tokens: int = 2048,
         max_num_seqs: int = 256,
         max_blocks_per_seq: int = 64,
+        tokenizer_dir: str | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -72,6 +74,9 @@ class ModelRunner:
         self.sampler = Sampler()
         # Created on rank 0 when the first request with penalties samples.
         self.penalties: PenaltyState | None = None
+        # Output constraints are enforced where tokens are sampled; the tokenizer they compile against is read
+        # from `tokenizer_dir` on first use.
+        self.constraints = ConstraintMatchers(tokenizer_dir, model.config.vocab_size) if tp.rank == 0 else None
         self.workspace = None
         dtype = next(model.parameters()).dtype
         torch_decode = decode_path_of(model, device, dtype) == "torch"
@@ -98,6 +103,10 @@ class ModelRunner:
         result = step_pb2.StepResult(step_id=batch.step_id)
         with traced(_tracer, "prepare_inputs"):
             flat = self.prepare(batch)
+        if self.constraints is not None and batch.new_requests:
+            # Compiled on a background thread while the forward pass runs.
+            states = self.states.states
+            self.constraints.start([states[new.handle] for new in batch.new_requests if new.sampling.constraint_kind])
         if flat is not None:
             forward_started = time.perf_counter()
             with traced(_tracer, "forward"):
@@ -136,6 +145,8 @@ class ModelRunner:
         self.inputs.release(state)
         if self.penalties is not None:
             self.penalties.release(state)
+        if self.constraints is not None:
+            self.constraints.release(state)
 
     def _sample(self, logits: torch.Tensor, states: list[RequestState], result: step_pb2.StepResult) -> list[int]:
         rows = [sampling_row(state) for state in states]
@@ -149,7 +160,12 @@ class ModelRunner:
                 seen=any(row.penalizes_repetition for row in penalized),
                 output_counts=any(row.penalizes_outputs for row in penalized),
             )
+        constraints = self.constraints
+        constraints.seconds = 0.0
+        constraints.mask(logits, states)
         sampled = self.sampler(logits, rows, history)
+        result.constraint_done.extend(constraints.advance(states, sampled.token_ids))
+        result.constraint_seconds = constraints.seconds
         result.handles.extend(state.handle for state in states)
         result.token_ids.extend(sampled.token_ids)
         if any(row.num_logprobs is not None for row in rows):

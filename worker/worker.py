@@ -76,7 +76,7 @@ class Worker:
         )
         for layer, cache in zip(self.model.attention_layers(), caches, strict=True):
             layer.kv_cache = cache
-        self.runner = ModelRunner(self.model, config.block_size, self.device, tp)
+        self.runner = ModelRunner(self.model, config.block_size, self.device, tp, tokenizer_dir=str(model_dir))
         torch.manual_seed(config.seed)
 
     def _size_cache(self) -> int:

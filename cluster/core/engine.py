@@ -224,7 +224,7 @@ class EngineCore:
         waited = time.perf_counter() - step.dispatched
         self._consecutive_failures = 0
         self.quarantine.step_succeeded(step.batch)
-        changed = self.scheduler.update_from_output(step.out, unpack_result(result))
+        changed = self.scheduler.update_from_output(step.out, unpack_result(result), frozenset(result.constraint_done))
         self.metrics.observe_step(self, step.out, result, step.dispatched - step.started, waited, changed)
         end_step_span(step.span)
         return changed
@@ -248,7 +248,10 @@ class EngineCore:
         for request, strikes in convicted:
             logger.error(
                 "request %s failed alone: the workers crashed in the %d steps in a row it was in (%s)",
-                request.request_id, strikes, error, extra={"request_id": request.request_id},
+                request.request_id,
+                strikes,
+                error,
+                extra={"request_id": request.request_id},
             )
             request.error = (
                 f"the request was failed alone because it crashed the workers repeatedly: every one of the {strikes} "
@@ -314,7 +317,10 @@ def effective_max_model_len(config: EngineConfig, max_model_len: int, num_blocks
     if limit < max_model_len:
         logger.warning(
             "max_model_len lowered from %d to %d: the most one sequence can hold in this KV cache (%d blocks of %d)%s",
-            max_model_len, limit, num_blocks, config.cache.block_size,
+            max_model_len,
+            limit,
+            num_blocks,
+            config.cache.block_size,
             "" if config.scheduler.enable_chunked_prefill else " or the step budget without chunked prefill",
         )
     return limit

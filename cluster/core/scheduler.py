@@ -300,7 +300,9 @@ class Scheduler:
     def _release_blocks(self, request: Request, out: SchedulerOutput) -> None:
         logger.info(
             "released the KV blocks of session %s; its %d tokens will be recomputed when it runs again",
-            request.request_id, request.num_computed_tokens, extra={"request_id": request.request_id},
+            request.request_id,
+            request.num_computed_tokens,
+            extra={"request_id": request.request_id},
         )
         self._take_blocks(request)
         self.stats.num_idle_sessions_released += 1
@@ -314,9 +316,14 @@ class Scheduler:
     # -- after the step ------------------------------------------------------------------------
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[int, tuple[int, float | None, dict[int, float] | None]]
+        self,
+        out: SchedulerOutput,
+        sampled: dict[int, tuple[int, float | None, dict[int, float] | None]],
+        constraint_done: frozenset[int] = frozenset(),
     ) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish what hit a stop condition.
+
+        `constraint_done` holds the handles whose output constraint is complete with this step's token.
 
         Returns the requests that changed (got a token or finished), for streaming to callers.
         """
@@ -364,7 +371,7 @@ class Scheduler:
             if logprob is not None:
                 request.logprobs.append(logprob)
                 request.top_logprobs.append(top or {})
-            status = stop_status(request, token_id, self.max_model_len)
+            status = stop_status(request, token_id, self.max_model_len, request.handle in constraint_done)
             if status is not None:
                 self._finish(request, status)
             changed.append(request)
@@ -381,8 +388,11 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         logger.info(
             "preempted request %s: the KV cache ran out of blocks (%d free of %d); %d tokens will be recomputed",
-            request.request_id, self.block_table.num_free_blocks, self.block_table.num_blocks,
-            request.num_computed_tokens, extra={"request_id": request.request_id},
+            request.request_id,
+            self.block_table.num_free_blocks,
+            self.block_table.num_blocks,
+            request.num_computed_tokens,
+            extra={"request_id": request.request_id},
         )
         self._take_blocks(request)
         request.status = RequestStatus.PREEMPTED

@@ -25,6 +25,10 @@ def sampling_to_proto(request: Request) -> step_pb2.SamplingParams:
         message.seed = params.seed & 0xFFFFFFFFFFFFFFFF  # negative seeds wrap, as torch does
     if params.logprobs is not None:
         message.num_logprobs = params.logprobs
+    constraint = params.structured_outputs
+    if constraint is not None:
+        message.constraint_kind = constraint.kind
+        message.constraint_spec = constraint.spec
     return message
 
 

@@ -78,7 +78,8 @@ def _schema_text(schema: object) -> str:
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
     try:
-        return json.dumps(schema, sort_keys=True, ensure_ascii=False, allow_nan=False)
+        # Key order is kept: it is the order the properties are generated in.
+        return json.dumps(schema, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as error:
         raise ValueError(f"structured_outputs.json cannot be written as JSON: {error}") from None
 

@@ -19,6 +19,7 @@ from cluster.core.sampling_params import SamplingParams
 from cluster.distributed.local_executor import InProcessExecutor, locate_model, worker_config
 from cluster.entrypoints.stop_strings import StopStringMatcher
 from common import telemetry
+from common.grammar import TOKENIZERS, GrammarError, check_constraint
 
 Prompt = str | Sequence[int]
 
@@ -88,6 +89,7 @@ class LLM:
         )
         self.model_dir = locate_model(self.config)
         info = read_model_info(self.model_dir)
+        self._vocab_size = info.vocab_size
         self.tokenizer = _load_tokenizer(tokenizer or self.model_dir)
         limit = min(max_model_len or info.max_position_embeddings, info.max_position_embeddings)
         eos = info.eos_token_ids
@@ -118,6 +120,7 @@ class LLM:
         """Run every prompt to completion, batched together; outputs come back in prompt order."""
         prompts = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompts))
+        self._check_constraints(params_list)
         outputs: list[RequestOutput] = []
         children: dict[str, tuple[RequestOutput, int, SamplingParams]] = {}
         pending: list[tuple[str, list[int], SamplingParams]] = []
@@ -182,6 +185,13 @@ class LLM:
         if isinstance(prompt, str):
             return list(self._require_tokenizer().encode(prompt))
         return list(prompt)
+
+    def _check_constraints(self, params_list: list[SamplingParams]) -> None:
+        """Compile every distinct output constraint before anything is queued; GrammarError names the field."""
+        for constraint in {sp.structured_outputs for sp in params_list if sp.structured_outputs is not None}:
+            if self.tokenizer is None:
+                raise GrammarError("structured_outputs", f"{self.model_dir} has no tokenizer to compile with")
+            check_constraint(constraint.kind, constraint.spec, TOKENIZERS.for_hf(self.tokenizer, self._vocab_size))
 
     def _require_tokenizer(self):
         if self.tokenizer is None:
