@@ -225,3 +225,22 @@ def _decode(model_dir, token_ids: list[int]) -> str:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir)).decode(token_ids)
+
+
+def test_the_accelerator_mask_forbids_exactly_what_the_host_mask_does():
+    import numpy as np
+    import torch
+
+    from worker.constraints import mask_on_device
+
+    rng = np.random.default_rng(0)
+    bitmask = rng.integers(-(2**31), 2**31 - 1, size=(3, 20), dtype=np.int32)  # 640 bits for a 600-token vocabulary
+    logits = torch.randn(5, 600)
+    rows = [4, 0, 2]
+    expected = logits.clone()
+    forbidden = np.unpackbits((~bitmask).view(np.uint8), axis=1, bitorder="little").view(np.bool_)[:, :600]
+    for index, row in enumerate(rows):
+        expected[row][torch.from_numpy(forbidden[index])] = float("-inf")
+    mask_on_device(logits, bitmask, rows)
+    assert torch.equal(logits, expected)
+    assert torch.isinf(logits[1]).sum() == 0 and torch.isinf(logits[4]).sum() > 250

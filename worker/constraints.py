@@ -75,7 +75,9 @@ class ConstraintMatchers:
     def mask(self, logits: torch.Tensor, states: list[RequestState]) -> None:
         """Set every token a row's constraint forbids next to -inf, in place. Rows without a constraint are
         untouched; a batch without constrained rows costs one pass over the states."""
-        rows = [(row, state) for row, state in enumerate(states) if state.sampling.constraint_kind]
+        if not self._matchers:
+            return  # no constrained request on this rank: nothing to look at
+        rows = [(row, state) for row, state in enumerate(states) if state.handle in self._matchers]
         if not rows:
             return
         started = time.perf_counter()
@@ -93,6 +95,8 @@ class ConstraintMatchers:
     def advance(self, states: list[RequestState], token_ids: list[int]) -> list[int]:
         """Feed each constrained request its sampled token; the handles whose constraint is now complete."""
         done: list[int] = []
+        if not self._matchers:
+            return done
         started = time.perf_counter()
         for state, token_id in zip(states, token_ids, strict=True):
             if not state.sampling.constraint_kind:
@@ -196,10 +200,18 @@ class ConstraintMatchers:
             for index, (row, _) in enumerate(active):
                 np.putmask(host[row], forbidden[index, :vocab], -np.inf)
             return
-        # On an accelerator the packed mask crosses (an eighth of a bool one) and is unpacked there.
-        packed = torch.from_numpy(bitmask).to(logits.device, non_blocking=True)
-        shifts = torch.arange(_BITS, device=logits.device, dtype=torch.int32)
-        allowed = ((packed.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(active), -1)[:, :vocab]
-        index = torch.tensor([row for row, _ in active], device=logits.device)
-        rows = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
-        logits.index_copy_(0, index, rows)
+        mask_on_device(logits, bitmask, [row for row, _ in active])
+
+
+def mask_on_device(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> None:
+    """Set to -inf what `bitmask` (one packed row per entry of `rows`) forbids in those rows of `logits`.
+
+    The packed mask crosses to the device (an eighth of a bool one) and is unpacked there.
+    """
+    vocab = logits.shape[1]
+    packed = torch.from_numpy(bitmask).to(logits.device, non_blocking=True)
+    shifts = torch.arange(_BITS, device=logits.device, dtype=torch.int32)
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)[:, :vocab]
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, index, masked)
