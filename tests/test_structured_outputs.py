@@ -97,10 +97,27 @@ def test_unconstrained_requests_get_the_same_tokens_next_to_constrained_ones(llm
     for prompt, kind in zip(PROMPTS, KINDS, strict=False):
         mixed_prompts += [prompt, prompt]
         mixed_params += [plain, constrained(kind)]
+    before = constrain_steps(llm)
     mixed = llm.generate(mixed_prompts, mixed_params)
     assert [o.outputs[0].token_ids for o in mixed[0::2]] == [o.outputs[0].token_ids for o in alone]
     for kind, output in zip(KINDS, mixed[1::2], strict=False):
         check_text(kind, output.outputs[0].text)
+    # The rank's time on masks is its own step phase, observed only in steps with constrained rows.
+    assert constrain_steps(llm) > before
+    unchanged = constrain_steps(llm)
+    llm.generate(PROMPTS, plain)
+    assert constrain_steps(llm) == unchanged
+
+
+def constrain_steps(llm: LLM) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = llm.engine.metrics.render(llm.engine).decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "pagerail_step_duration_seconds_count" and sample.labels.get("phase") == "constrain":
+                return sample.value
+    return 0.0
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

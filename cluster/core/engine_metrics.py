@@ -44,7 +44,8 @@ LATENCY_BUCKETS = (
     640.0,
 )
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-STEP_PHASES = ("schedule", "dispatch", "forward", "sample")
+# "constrain" (token masks of constrained requests, on the sampling rank) is observed only in steps that have some.
+STEP_PHASES = ("schedule", "dispatch", "forward", "sample", "constrain")
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -130,7 +131,10 @@ class EngineMetrics:
         phases["schedule"].observe(schedule_s)
         phases["dispatch"].observe(max(0.0, round_trip_s - compute))
         phases["forward"].observe(forward)
-        phases["sample"].observe(max(0.0, compute - forward))
+        constrain = result.constraint_seconds
+        phases["sample"].observe(max(0.0, compute - forward - constrain))
+        if constrain:
+            phases["constrain"].observe(constrain)
         self._observe_tokens(changed, now)
         self._observe_dispatch(engine)
 
