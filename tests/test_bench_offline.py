@@ -165,18 +165,21 @@ def test_json_schema_runs_constrained_next_to_unconstrained_and_times_the_compil
     schema = tmp_path / "small.json"
     schema.write_text(json.dumps(TINY_SCHEMA))
     argv = ["bench", "throughput", "--model", str(tiny_with_tokenizer), "--num-requests", "3", "--prompt-len", "4"]
-    argv += ["8", "--output-len", "10", "12", "--max-model-len", "64", "--num-kv-blocks", "32"]
+    argv += ["8", "--output-len", "24", "28", "--max-model-len", "64", "--num-kv-blocks", "32"]
     assert main([*argv, "--json-schema", str(schema), str(schema), "--json"]) == 0  # the same schema counts once
     report = json.loads(capsys.readouterr().out)
     structured = report["structured"]
-    assert structured["json_schemas"] == ["small.json"]
+    assert structured["json_schemas"] == ["small.json"] and structured["rounds"] == 1
     constrained = structured["constrained"]
     lengths = constrained["output_lens"]
-    assert len(lengths) == 3 and all(1 <= n <= 12 for n in lengths)
+    # The schema allows a dozen tokens or so: every request ends when its JSON is complete, well before max_tokens.
+    assert len(lengths) == 3 and all(1 <= n < 24 for n in lengths)
+    assert constrained["finished_stop"] == constrained["parsed_as_json"] == 3 and constrained["finished_length"] == 0
     assert constrained["output_tokens"] == sum(lengths)
     assert constrained["mean_output_len"] == pytest.approx(sum(lengths) / 3)
-    assert constrained["finished_stop"] + constrained["finished_length"] == 3
-    assert 0 <= constrained["parsed_as_json"] <= 3
+    assert 0 < constrained["rank_constraint_seconds"] < constrained["rank_compute_seconds"]
+    share = constrained["rank_constraint_seconds"] / constrained["rank_compute_seconds"]
+    assert constrained["constraint_share_of_rank_time"] == pytest.approx(share)
     assert constrained["request_throughput"] * constrained["seconds"] == pytest.approx(3)
     same, workload = structured["unconstrained_same_lengths"], structured["unconstrained_workload"]
     assert same["output_tokens"] == sum(lengths) and workload["output_tokens"] == report["workload"]["output_tokens"]
@@ -201,6 +204,7 @@ def test_json_schema_runs_constrained_next_to_unconstrained_and_times_the_compil
         ("{not json", [], "is not valid JSON"),
         ('{"type": "nonsense"}', [], "nonsense"),
         (json.dumps(TINY_SCHEMA), ["--baseline", "roofline"], "--baseline"),
+        (json.dumps(TINY_SCHEMA), ["--rounds", "0"], "--rounds must be an integer >= 1"),
     ],
 )
 def test_json_schema_errors_name_the_option(tiny_with_tokenizer, tmp_path, capsys, content, extra, words):
@@ -209,10 +213,12 @@ def test_json_schema_errors_name_the_option(tiny_with_tokenizer, tmp_path, capsy
     argv = ["bench", "throughput", "--model", str(tiny_with_tokenizer), "--num-requests", "1", "--json-schema"]
     assert main([*argv, str(schema), *extra]) == 2
     err = capsys.readouterr().err
-    assert words in err and ("--json-schema" in err or "--baseline" in err)
+    assert words in err and ("--json-schema" in err or "--baseline" in err or "--rounds" in err)
 
 
-def test_json_schema_file_that_does_not_exist(tmp_path, capsys):
+def test_json_schema_file_that_does_not_exist_and_rounds_without_a_schema(tmp_path, capsys):
     missing = tmp_path / "missing.json"
     assert main(["bench", "throughput", "--json-schema", str(missing)]) == 2
     assert f"--json-schema {missing}: cannot read it" in capsys.readouterr().err
+    assert main(["bench", "throughput", "--rounds", "3"]) == 2
+    assert "--rounds repeats the runs of --json-schema" in capsys.readouterr().err

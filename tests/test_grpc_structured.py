@@ -179,3 +179,42 @@ def test_a_session_with_a_constraint_is_refused_before_it_opens(tokenizer):
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.details().startswith("sampling_params.regex: a Session takes no output constraint")
     assert engine.queued == []
+
+
+@pytest.fixture(scope="module")
+def constrained_engine(tmp_path_factory, tokenizer):
+    """A real in-process engine on the tiny Llama sized to the embedded tokenizer (saved beside it for the ranks)."""
+    from cluster import LLM
+    from cluster.core.async_engine import AsyncEngine
+    from cluster.core.local_client import LocalEngineClient
+    from tests.tiny_models import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path_factory.mktemp("structured") / "llama", vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(str(path))
+    llm = LLM(str(path), block_size=4, num_gpu_blocks=128, max_model_len=128)
+    return llm, LocalEngineClient(AsyncEngine(llm.engine), "tiny")
+
+
+def test_constrained_generations_over_grpc_follow_the_schema_and_the_choices(constrained_engine, tokenizer):
+    import jsonschema
+
+    llm, engine = constrained_engine
+    choices = ["red", "green", "blue"]
+
+    async def scenario():
+        async with stub_for(engine, llm.tokenizer) as stub:
+
+            async def generate(**constraint):
+                params = api_pb2.SamplingParams(temperature=0.0, max_tokens=48, **constraint)
+                message = api_pb2.GenerateRequest(text="The answer is", sampling_params=params)
+                return [r async for r in stub.Generate(message)]
+
+            return await asyncio.gather(
+                generate(json_schema=json.dumps(SCHEMA)), generate(choice=api_pb2.Choices(choices=choices))
+            )
+
+    as_json, as_choice = run(scenario())
+    text = "".join(r.text for r in as_json)
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert as_json[-1].finish_reason == "stop" and as_json[-1].usage.completion_tokens < 48
+    assert "".join(r.text for r in as_choice) in choices and as_choice[-1].finish_reason == "stop"

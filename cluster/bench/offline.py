@@ -331,6 +331,8 @@ def run_throughput(args: argparse.Namespace) -> int:
 
     if args.json_schema:
         return _run_json_schema(args)
+    if args.rounds != 1:
+        raise ValueError("--rounds repeats the runs of --json-schema; give it with --json-schema")
     llm = build_llm(args)
     requests = build_workload(args, tokenizer=llm.tokenizer)
     device, dtype = _model_dtype(llm)
@@ -364,6 +366,7 @@ def _run_json_schema(args: argparse.Namespace) -> int:
     if args.baseline is not None:
         raise ValueError("--baseline compares unconstrained runs; --json-schema brings its own unconstrained baseline")
     schemas = structured.load_schemas(args.json_schema)  # before the model loads: a bad file fails fast
+    structured.check_rounds(args.rounds)
     llm = build_llm(args)
     try:
         requests = build_workload(args, tokenizer=llm.tokenizer)
@@ -373,7 +376,7 @@ def _run_json_schema(args: argparse.Namespace) -> int:
             "device": device.type,
             "dtype": str(dtype).removeprefix("torch."),
             "workload": describe(requests),
-            "structured": structured.run_structured(llm, requests, schemas, run_pagerail),
+            "structured": structured.run_structured(llm, requests, schemas, run_pagerail, args.rounds),
         }
     finally:
         llm.shutdown()
