@@ -166,9 +166,10 @@ def test_chat_message_errors_name_the_path() -> None:
     err = _rejected(ChatCompletionRequest, {"messages": [CHAT[0], {"role": "user", "content": 5}]})
     assert err.param == "messages[1].content" and err.message.startswith("messages[1].content must be")
     assert _rejected(ChatCompletionRequest, {"messages": []}).param == "messages"
-    err = _rejected(ChatCompletionRequest, {"messages": CHAT, "response_format": {"type": "json_object"}})
-    assert err.param == "response_format"
-    assert _rejected(ChatCompletionRequest, {"messages": CHAT, "tools": [{"type": "function"}]}).param == "tools"
+    err = _rejected(ChatCompletionRequest, {"messages": CHAT, "response_format": {"type": "yaml"}})
+    assert err.param == "response_format.type"
+    err = _rejected(ChatCompletionRequest, {"messages": CHAT, "tools": [{"type": "function"}]})
+    assert err.param == "tools[0].function"
     assert _chat(response_format={"type": "text"}, tools=[]).to_sampling_params(9).max_tokens == 9
     parts = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]
     assert _chat(messages=[{"role": "user", "content": parts}]).messages[0].content[1].type == "image_url"

@@ -10,6 +10,7 @@ import threading
 import time
 
 from cluster.core.config import CacheConfig, EngineConfig, ObservabilityConfig, SchedulerConfig
+from cluster.frontend.tool_calls import TOOL_CALL_PARSERS
 from common.logs import LOG_FORMAT_ENV, configure_logging
 
 
@@ -84,6 +85,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="follow the sampled flag of a client's traceparent (default: the server's ratio decides; the "
         "client's trace id is continued either way)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default=None,
+        help="how tool calls are read from the model's text with tool_choice auto (default: from its chat template)",
     )
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
     parser.add_argument(
@@ -185,6 +192,7 @@ def serve(args: argparse.Namespace) -> int:
         trace_sampling_ratio=args.trace_sampling_ratio,
         trace_respect_client_sampling=args.trace_respect_client_sampling,
         grpc_tls=grpc_tls,
+        tool_call_parser=args.tool_call_parser,
     )
     frontend = (
         ray.remote(FrontendActor)

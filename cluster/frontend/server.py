@@ -37,6 +37,8 @@ class FrontendSettings:
     trace_respect_client_sampling: bool = False
     # TLS on the public gRPC port; None: plaintext.
     grpc_tls: ServerTls | None = None
+    # How tool calls are read from generated text ("hermes", "llama3_json"); None: chosen from the chat template.
+    tool_call_parser: str | None = None
 
 
 def configure_frontend_tracing(settings: FrontendSettings, exporter=None) -> bool:
@@ -63,6 +65,7 @@ class FrontendServer:
             api_key=settings.api_key,
             admin_api_key=settings.admin_api_key,
             max_body_bytes=settings.max_body_bytes,
+            tool_call_parser=settings.tool_call_parser,
         )
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task | None = None
