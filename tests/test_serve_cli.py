@@ -1,10 +1,13 @@
-"""`pagerail serve` with no model arguments, as a new user runs it: answers a chat request, drains on SIGTERM."""
+"""`pagerail serve` with no model arguments, as a new user runs it: answers chat, JSON-schema and tool-call requests,
+drains on SIGTERM."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
+import jsonschema
 import openai
 import pytest
 
@@ -27,6 +30,34 @@ def test_serve_answers_chat_then_drains_on_sigterm():
             temperature=0,
         )
         assert "Paris" in reply.choices[0].message.content
+        # Constraints travel the whole served path (frontend actor, head actor, worker rank over gRPC).
+        schema = {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}, "rank": {"type": "integer", "maximum": 9}},
+            "required": ["city", "rank"],
+            "additionalProperties": False,
+        }
+        structured = client.chat.completions.create(
+            model=reply.model,
+            messages=[{"role": "user", "content": "Name a city as JSON."}],
+            max_tokens=64,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+        )
+        jsonschema.validate(json.loads(structured.choices[0].message.content), schema)
+        assert structured.choices[0].finish_reason == "stop"
+        tool = {"type": "function", "function": {"name": "locate", "parameters": schema}}
+        called = client.chat.completions.create(
+            model=reply.model,
+            messages=[{"role": "user", "content": "Where is Paris?"}],
+            max_tokens=64,
+            temperature=0,
+            tools=[tool],
+            tool_choice={"type": "function", "function": {"name": "locate"}},
+        )
+        (call,) = called.choices[0].message.tool_calls
+        assert call.function.name == "locate" and called.choices[0].finish_reason == "tool_calls"
+        jsonschema.validate(json.loads(call.function.arguments), schema)
         # A request in flight when SIGTERM arrives still finishes; new ones are refused meanwhile.
         stream = client.completions.create(
             model=reply.model,
