@@ -61,18 +61,34 @@ def grammar_text(kind: str, spec: str) -> str:
 
 
 def check_constraint(kind: str, spec: str, tokenizer: Any) -> str:
-    """Compile one constraint against an llguidance tokenizer; return its grammar or raise GrammarError."""
-    grammar = grammar_text(kind, spec)
-    is_error, messages = _validate(grammar, tokenizer)
-    if is_error:
-        raise GrammarError(field_of(kind), messages[0] if messages else "the constraint does not compile")
+    """Compile one constraint against an llguidance tokenizer; return its grammar or raise GrammarError.
+
+    The outcome is cached per (constraint, tokenizer), failures included: a schema sent again costs a lookup.
+    """
+    grammar, error = _checked(kind, spec, tokenizer)
+    if error is not None:
+        raise GrammarError(field_of(kind), error)
     return grammar
 
 
-def _validate(grammar: str, tokenizer: Any) -> tuple[bool, list[str]]:
+@lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
+def _checked(kind: str, spec: str, tokenizer: Any) -> tuple[str, str | None]:
     import llguidance
 
-    return llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    try:
+        grammar = grammar_text(kind, spec)
+    except GrammarError as error:
+        return "", error.message
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    if is_error:
+        return grammar, messages[0] if messages else "the constraint does not compile"
+    return grammar, None
+
+
+def clear_caches() -> None:
+    """Forget every compiled and checked constraint (benchmarks time cold compiles)."""
+    grammar_text.cache_clear()
+    _checked.cache_clear()
 
 
 class TokenizerCache:

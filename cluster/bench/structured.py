@@ -77,7 +77,7 @@ def measure_compile(schemas: list[Schema], hf_tokenizer: Any, vocab_size: int | 
     import llguidance
     import llguidance.numpy as llnp
 
-    from common.grammar import GrammarError, TokenizerCache, check_constraint, grammar_text
+    from common.grammar import GrammarError, TokenizerCache, check_constraint, clear_caches
 
     if hf_tokenizer is None:
         raise ValueError(f"{JSON_SCHEMA_FLAG}: the model has no tokenizer to compile a schema against")
@@ -90,7 +90,7 @@ def measure_compile(schemas: list[Schema], hf_tokenizer: Any, vocab_size: int | 
         kind, spec = schema.constraint.kind, schema.constraint.spec
         runs = []
         for _ in range(COMPILE_REPEATS):
-            grammar_text.cache_clear()
+            clear_caches()
             t0 = time.perf_counter()
             try:
                 grammar = check_constraint(kind, spec, tokenizer)
