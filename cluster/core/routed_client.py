@@ -1,0 +1,418 @@
+"""One EngineClient over data-parallel replicas of a model: routes each request, spills when full, fails over."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, replace
+
+from cluster.core.engine_client import EngineClient, RequestDelta
+from cluster.core.errors import QueueFullError
+from cluster.core.failover import ReplicaFailed, continued, ended, remaining_params
+from cluster.core.replica_fanout import call_all, load_of, merged_metrics, merged_stats, on_every_replica, probe
+from cluster.core.router import NoReplicaError, Route, Router, check_replica_name
+from cluster.core.router_metrics import RouterMetrics
+from cluster.core.sampling_params import SamplingParams
+from cluster.core.session_log import SessionLog
+
+logger = logging.getLogger(__name__)
+
+# The frontend splits a request with n > 1 (and a batch of prompts) into engine requests named `<parent>-<index>`.
+_CHILD_ID = re.compile(r"(.+)-(\d{1,6})")
+
+
+class _Aborted(Exception):
+    """The caller aborted the request while it was between replicas."""
+
+
+@dataclass
+class _Open:
+    """A request this client has open, and the replica holding it now."""
+
+    request_id: str
+    replica: str | None = None
+    client: EngineClient | None = None
+    aborted: bool = False
+    session: SessionLog | None = None
+    pinned: bool = False  # counted among the open siblings of its pin
+
+
+class RoutedEngineClient:
+    """Implements EngineClient over named replica clients of one model (see cluster/core/router.py for the policies).
+
+    A replica whose stream fails after admission is taken out of rotation and the request re-runs on another
+    replica from the tokens already streamed: the client sees one continuous request. Streaming-input sessions stay
+    on the replica that opened them and fail with an error instead. `refresh_loads()` (called by the owner) feeds
+    the replicas' reported load to the router and puts failed replicas back once they answer again.
+    """
+
+    def __init__(
+        self,
+        replicas: dict[str, EngineClient],
+        *,
+        policy: str = "prefix-aware",
+        block_size: int = 16,
+        model_name: str | None = None,
+        max_model_len: int | None = None,
+        vocab_size: int | None = None,
+        router: Router | None = None,
+    ) -> None:
+        if not isinstance(replicas, dict) or not replicas:
+            raise ValueError("replicas must be a non-empty dict of name -> EngineClient")
+        first = next(iter(replicas.values()))
+        self.model_name = model_name if model_name is not None else first.model_name
+        self.max_model_len = max_model_len if max_model_len is not None else first.max_model_len
+        self.vocab_size = vocab_size if vocab_size is not None else first.vocab_size
+        self.router = router if router is not None else Router(policy, block_size=block_size)
+        self.metrics_registry = RouterMetrics(self.model_name)
+        self._clients: dict[str, EngineClient] = {}
+        self._open: dict[str, _Open] = {}
+        self._pins: dict[tuple[str, int], list] = {}  # (parent id, prompt hash) -> [replica, open children]
+        self.num_failovers = 0
+        self.num_spills = 0
+        for name, client in replicas.items():
+            self.add_replica(name, client)
+
+    # -- membership -----------------------------------------------------------------------------
+
+    def add_replica(self, name: str, client: EngineClient) -> None:
+        check_replica_name(name)
+        if name in self._clients:
+            raise ValueError(f"replica {name!r} is already known")
+        self.router.add_replica(name)
+        self._clients[name] = client
+        self._count_rotation()
+
+    def remove_replica(self, name: str) -> None:
+        """Stop routing to `name`; requests open there run on (or fail over) through the client they hold."""
+        self._clients.pop(name, None)
+        self.router.remove_replica(name)
+        self._count_rotation()
+
+    def set_in_rotation(self, name: str, in_rotation: bool) -> None:
+        """Take a replica out of rotation (draining: its open requests finish) or put it back."""
+        self.router.set_in_rotation(name, in_rotation)
+        self._count_rotation()
+
+    @property
+    def replicas(self) -> dict[str, EngineClient]:
+        return dict(self._clients)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        final: bool = True,
+        trace_context: dict[str, str] | None = None,
+    ) -> AsyncIterator[RequestDelta]:
+        # One id names one request across every replica: abort and append_input must find a single holder.
+        if request_id in self._open:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        entry = self._open[request_id] = _Open(request_id, session=None if final else SessionLog(self.max_model_len))
+        pin = self._pin_key(request_id, prompt_token_ids) if final else None
+        serve = self._serve(entry, list(prompt_token_ids), params, final, trace_context, pin)
+        try:
+            async for delta in serve:
+                yield delta
+        finally:
+            await serve.aclose()  # a caller that leaves early aborts the request at its replica now
+            del self._open[request_id]
+            if entry.pinned:
+                self._pins[pin][1] -= 1
+                if self._pins[pin][1] <= 0:
+                    del self._pins[pin]
+
+    async def _serve(
+        self,
+        entry: _Open,
+        prompt: list[int],
+        params: SamplingParams,
+        final: bool,
+        trace_context: dict[str, str] | None,
+        pin: tuple[str, int] | None,
+    ) -> AsyncIterator[RequestDelta]:
+        """Run the request on a replica; when that replica fails, resume it on another from what was streamed."""
+        request_id = entry.request_id
+        streamed: list[int] = []  # output tokens the caller has received
+        failed: set[str] = set()
+        yielded = False
+        cached = 0
+        while True:
+            base = len(streamed)
+            attempt_params = remaining_params(params, base)
+            if attempt_params is None:  # every token was streamed, only the end went missing
+                yield ended(request_id, len(prompt), base, cached, "length")
+                return
+            try:
+                replica, stream, outcome = await self._admit(
+                    entry, prompt + streamed, attempt_params, final, trace_context, failed, pin
+                )
+            except _Aborted:
+                yield ended(request_id, len(prompt), base, cached, "abort")
+                return
+            except QueueFullError as error:  # every replica left is full, or none is left
+                if not yielded:
+                    raise
+                yield ended(request_id, len(prompt), base, cached, "abort", f"no replica could resume it: {error}")
+                return
+            failure = outcome if isinstance(outcome, BaseException) else None
+            completed = False
+            try:
+                delta = outcome
+                while failure is None:
+                    if delta.finished and delta.error_code == "worker_failure" and final and not entry.aborted:
+                        # The replica's workers gave up: resume elsewhere, after passing on any last tokens.
+                        failure = ReplicaFailed(delta.error or "the replica's workers failed")
+                        delta = replace(delta, finished=False, finish_reason=None, error=None, error_code=None)
+                    if not yielded:
+                        cached = min(delta.num_cached_tokens, len(prompt))
+                    if failed or base:  # a resumed run: its prompt holds what was streamed before
+                        delta = continued(delta, request_id, len(prompt), base, cached)
+                    if failure is None or delta.token_ids:
+                        streamed.extend(delta.token_ids)
+                        yielded = True
+                        yield delta
+                    if failure is not None or delta.finished:
+                        completed = failure is None
+                        if delta.error_code == "worker_failure":  # a session's replica gave up
+                            self._replica_failed(replica, delta.error)
+                        break
+                    failure, delta = await _next(stream)
+            finally:
+                await _close(stream)
+                # A finished request's whole sequence now sits in that replica's prefix cache.
+                self.router.end(replica, prompt + streamed if completed and final else None)
+            if completed:
+                return
+            self._replica_failed(replica, failure)
+            if entry.session is not None:
+                raise ReplicaFailed(
+                    f"replica {replica!r} failed during streaming-input session {request_id!r} ({failure}); a session "
+                    "cannot move to another replica: open a new one"
+                ) from failure
+            if entry.aborted:
+                yield ended(request_id, len(prompt), len(streamed), cached, "abort")
+                return
+            if streamed and params.structured_outputs is not None:
+                # The constraint's state died with the replica; another would restart the grammar mid-output.
+                why = f"replica {replica!r} failed under a constrained output: {failure}"
+                yield ended(request_id, len(prompt), len(streamed), cached, "abort", why)
+                return
+            failed.add(replica)
+            self.num_failovers += 1
+            self.metrics_registry.failovers.labels(self.model_name, replica).inc()
+
+    async def _admit(
+        self,
+        entry: _Open,
+        prompt: list[int],
+        params: SamplingParams,
+        final: bool,
+        trace_context: dict[str, str] | None,
+        failed: set[str],
+        pin: tuple[str, int] | None,
+    ) -> tuple[str, AsyncIterator[RequestDelta], RequestDelta | Exception]:
+        """Open the request on the best replica that takes it, the next ones in turn while they are full, and
+        return its first delta there, or the error of a replica that failed instead. Raises ValueError (bad input)
+        and QueueFullError (every replica full, or none in rotation)."""
+        started = time.perf_counter()
+        hashes = self.router.index.block_hashes(prompt)
+        routes = self._routes(prompt, hashes, failed, pin)
+        self.metrics_registry.observe_routing(time.perf_counter() - started)
+        full: list[QueueFullError] = []
+        for route in routes:
+            if entry.aborted:  # while a replica that refused or failed held it
+                raise _Aborted
+            client = self._clients.get(route.replica)
+            if client is None or not self.router.routable(route.replica):
+                continue  # it left or failed while an earlier replica was being tried
+            self.router.begin(route.replica, prompt, hashes)
+            self.metrics_registry.routed(route.replica, route.reason, route.cached_tokens)
+            replay = entry.session is not None and bool(full)
+            if not replay:  # a session that moves switches under its lock, with the replay of its chunks
+                entry.replica, entry.client = route.replica, client
+            self._pin(entry, pin, route.replica)
+            stream = client.generate(entry.request_id, prompt, params, final=final, trace_context=trace_context)
+            try:
+                first = await self._first_delta(entry, route.replica, client, stream) if replay else await anext(stream)
+            except QueueFullError as error:
+                await self._release(route.replica, stream)
+                full.append(error)
+                self.num_spills += 1
+                if entry.session is not None and not entry.session.replayable:
+                    raise
+                continue
+            except Exception as error:
+                if isinstance(error, ValueError):
+                    await self._release(route.replica, stream)
+                    raise
+                return route.replica, stream, error  # the caller releases it, as any failed attempt
+            except BaseException:  # cancelled
+                await self._release(route.replica, stream)
+                raise
+            self.metrics_registry.cached_tokens.labels(self.model_name, route.replica).inc(first.num_cached_tokens)
+            if entry.session is not None:
+                entry.session.confirm()
+            return route.replica, stream, first
+        if not full:
+            raise NoReplicaError(f"no replica in rotation is left to take request {entry.request_id!r}")
+        retry_after = min(error.retry_after_s for error in full)
+        raise QueueFullError(f"all {len(full)} replicas tried are full; retry shortly", retry_after)
+
+    async def _release(self, replica: str, stream: AsyncIterator[RequestDelta]) -> None:
+        await _close(stream)
+        self.router.end(replica)
+
+    def _routes(
+        self, prompt: list[int], hashes: list[bytes], failed: set[str], pin: tuple[str, int] | None
+    ) -> list[Route]:
+        """Replicas to try in order; the first carries the reason of the choice, the others are spills."""
+        routes = self.router.rank(prompt, exclude=failed, hashes=hashes)
+        if failed:
+            return [routes[0]._replace(reason="failover"), *routes[1:]]
+        pinned = self._pins[pin][0] if pin in self._pins else None
+        for i, route in enumerate(routes):
+            if route.replica == pinned:
+                rest = [other._replace(reason="spill") for other in routes[:i] + routes[i + 1 :]]
+                return [route._replace(reason="pinned"), *rest]
+        return routes
+
+    def _pin(self, entry: _Open, pin: tuple[str, int] | None, replica: str) -> None:
+        """Sibling choices follow this request to `replica` while any of them is open."""
+        if pin is None:
+            return
+        if not entry.pinned:
+            entry.pinned = True
+            self._pins.setdefault(pin, [replica, 0])[1] += 1
+        self._pins[pin][0] = replica
+
+    async def _first_delta(
+        self, entry: _Open, replica: str, client: EngineClient, stream: AsyncIterator[RequestDelta]
+    ) -> RequestDelta:
+        """Open a session on `replica` after another refused it: the chunks sent there are lost, so replay them
+        here, holding later chunks back until they are all sent."""
+        session, first = entry.session, None
+        try:
+            async with session.lock:
+                entry.replica, entry.client = replica, client
+                first = asyncio.ensure_future(anext(stream))
+                await asyncio.sleep(0)  # let the stream submit the request before its chunks
+                await session.replay(client, entry.request_id)
+            return await first
+        except BaseException:
+            if first is not None:
+                first.cancel()
+            raise
+
+    async def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None:
+        entry = self._open.get(request_id)
+        if entry is None or entry.session is None or entry.client is None:
+            raise ValueError(f"request_id {request_id!r} is not an open streaming-input session")
+        session = entry.session
+        async with session.lock:
+            session.record(token_ids, final)
+            await entry.client.append_input(request_id, token_ids, final)
+
+    async def abort(self, request_id: str) -> None:
+        entry = self._open.get(request_id)
+        if entry is None or entry.client is None:
+            return
+        entry.aborted = True
+        try:
+            await entry.client.abort(request_id)
+        except Exception:  # a dead replica: its stream fails, and the request ends as aborted
+            logger.warning("abort of %s at replica %s failed", request_id, entry.replica, exc_info=True)
+
+    # -- the replicas as a whole ----------------------------------------------------------------
+
+    async def is_ready(self) -> bool:
+        """Ready while any replica in rotation is."""
+        clients = {name: self._clients[name] for name in self.router.in_rotation()}
+        return any(answer is True for answer in (await call_all(clients, "is_ready")).values())
+
+    async def pause(self, mode: str) -> None:
+        await on_every_replica(dict(self._clients), "pause", mode)
+
+    async def resume(self) -> None:
+        await on_every_replica(dict(self._clients), "resume")
+
+    async def refresh_loads(self, timeout_s: float = 5.0) -> None:
+        """Ask every replica for its load and readiness and feed the router; one that does not answer in
+        `timeout_s`, fails or is not ready leaves the rotation, and one that answers ready again rejoins it."""
+
+        async def one(name: str, client: EngineClient) -> None:
+            stats, ready = await probe(client, timeout_s)
+            if self._clients.get(name) is not client:
+                return  # removed or replaced meanwhile
+            if stats is not None:
+                self.router.set_load(name, *load_of(stats))
+            self.router.set_healthy(name, ready)
+
+        await asyncio.gather(*(one(name, client) for name, client in list(self._clients.items())))
+        self._count_rotation()
+
+    async def stats(self) -> dict:
+        """The replicas' counts summed at the top, each replica's stats under "replicas", the router's under
+        "router"."""
+        merged = await merged_stats(dict(self._clients))
+        router = self.router
+        merged["router"] = {
+            "policy": router.policy,
+            "num_replicas": len(router.replicas),
+            "num_in_rotation": len(router.in_rotation()),
+            "num_open_requests": len(self._open),
+            "num_failovers": self.num_failovers,
+            "num_spills": self.num_spills,
+            "num_index_entries": len(router.index),
+            "replicas": {name: {**asdict(state), "load": router.load(name)} for name, state in router.replicas.items()},
+        }
+        return merged
+
+    async def metrics(self) -> str:
+        """Every replica's series with a `replica` label, then the router's own."""
+        self._count_rotation()
+        return await merged_metrics(dict(self._clients)) + self.metrics_registry.render()
+
+    def _pin_key(self, request_id: str, prompt: list[int]) -> tuple[str, int] | None:
+        """Sibling choices (same parent id, same prompt) go to one replica, which computes their prompt once."""
+        match = _CHILD_ID.fullmatch(request_id)
+        return (match.group(1), hash(tuple(prompt))) if match else None
+
+    def _replica_failed(self, name: str, error: object) -> None:
+        logger.warning("replica %s failed; out of rotation until it answers again: %s", name, error)
+        if name in self.router.replicas:
+            self.router.set_healthy(name, False)
+        self._count_rotation()
+
+    def _count_rotation(self) -> None:
+        self.metrics_registry.in_rotation.labels(self.model_name).set(len(self.router.in_rotation()))
+
+
+async def _close(stream: AsyncIterator[RequestDelta]) -> None:
+    """Close a replica's stream (which aborts the request there if it is still open); a dead one may fail to."""
+    close = getattr(stream, "aclose", None)
+    if close is None:
+        return
+    try:
+        await close()
+    except Exception:
+        logger.debug("closing a replica stream failed", exc_info=True)
+
+
+async def _next(stream: AsyncIterator[RequestDelta]) -> tuple[BaseException | None, RequestDelta | None]:
+    """The stream's next delta, or the failure of its replica; bad input and a full queue are raised as they are."""
+    try:
+        return None, await anext(stream)
+    except StopAsyncIteration:
+        return ReplicaFailed("the replica ended the stream before the request finished"), None
+    except (ValueError, QueueFullError):
+        raise
+    except Exception as error:  # any other broken stream is the replica's failure
+        return error, None

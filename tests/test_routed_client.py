@@ -1,0 +1,369 @@
+"""One engine client over several in-process replicas: failover with no token lost or repeated, spill when a replica
+is full, abort and sessions on the replica holding the request, and metrics labelled per replica."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.core.async_engine import AsyncEngine
+from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
+from cluster.core.engine import EngineCore
+from cluster.core.engine_client import RequestDelta
+from cluster.core.errors import QueueFullError
+from cluster.core.failover import ReplicaFailed
+from cluster.core.local_client import LocalEngineClient
+from cluster.core.routed_client import RoutedEngineClient
+from cluster.core.router import NoReplicaError
+from cluster.core.sampling_params import SamplingParams
+from tests.fake_workers import FakeKVWorkers, next_token
+
+VOCAB = 250
+NAMES = ("r0", "r1", "r2")
+
+
+class Recorder:
+    """A replica client that notes which request ids reach it, and can die as a head actor does: every stream
+    breaks once one of them has delivered `die_after` deltas, and later calls fail."""
+
+    def __init__(self, inner: LocalEngineClient, die_after: int | None = None) -> None:
+        self.inner = inner
+        self.model_name, self.max_model_len, self.vocab_size = inner.model_name, inner.max_model_len, inner.vocab_size
+        self.die_after = die_after
+        self.refuse_after_s: float | None = None  # refuse every request as full, this long after it came
+        self.dead = False
+        self.calls: list[tuple[str, str]] = []
+
+    def _check(self) -> None:
+        if self.dead:
+            raise RuntimeError("the replica's actor died")
+
+    async def generate(self, request_id, prompt_token_ids, params, *, final=True, trace_context=None):
+        self.calls.append(("generate", request_id))
+        self._check()
+        if self.refuse_after_s is not None:
+            await asyncio.sleep(self.refuse_after_s)
+            raise QueueFullError("full", retry_after_s=2.0)
+        count = 0
+        async for delta in self.inner.generate(request_id, prompt_token_ids, params, final=final):
+            self._check()
+            yield delta
+            count += 1
+            if self.die_after is not None and count >= self.die_after:
+                self.dead = True
+                self._check()
+
+    async def append_input(self, request_id, token_ids, final):
+        self.calls.append(("append", request_id))
+        self._check()
+        await self.inner.append_input(request_id, token_ids, final)
+
+    async def abort(self, request_id):
+        self.calls.append(("abort", request_id))
+        await self.inner.abort(request_id)
+
+    async def is_ready(self):
+        return not self.dead
+
+    async def pause(self, mode):
+        await self.inner.pause(mode)
+
+    async def resume(self):
+        await self.inner.resume()
+
+    async def stats(self):
+        self._check()
+        return await self.inner.stats()
+
+    async def metrics(self):
+        self._check()
+        return await self.inner.metrics()
+
+    def ids(self, method: str = "generate") -> set[str]:
+        return {request_id for kind, request_id in self.calls if kind == method}
+
+
+@pytest.fixture
+def replicas():
+    """Three fake-rank replicas, each with its engine; two settings come from the test through `make`."""
+    engines: list[AsyncEngine] = []
+
+    def make(max_waiting_requests: int | None = None, die_after: dict[str, int] | None = None):
+        built = {}
+        for name in NAMES:
+            workers = FakeKVWorkers(256, 16, VOCAB, step_delay_s=0.002)
+            scheduler = SchedulerConfig(max_num_batched_tokens=256, max_waiting_requests=max_waiting_requests)
+            config = EngineConfig(cache=CacheConfig(block_size=16), scheduler=scheduler)
+            core = EngineCore(config, workers, max_model_len=1024, vocab_size=VOCAB, eos_token_ids=[VOCAB - 1])
+            core.restart_backoff_s = 0.0
+            engine = AsyncEngine(core)
+            engines.append(engine)
+            built[name] = Recorder(LocalEngineClient(engine, "fake"), (die_after or {}).get(name))
+        return built
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def clean_run(prompt: list[int], max_tokens: int) -> list[int]:
+    """The tokens a replica that never fails produces for this prompt (the fake ranks' sampler)."""
+    sequence = list(prompt)
+    for _ in range(max_tokens):
+        sequence.append(next_token(sequence, VOCAB))
+    return sequence[len(prompt) :]
+
+
+async def collect(stream: AsyncIterator[RequestDelta], num_prompt: int | None) -> tuple[list[int], RequestDelta]:
+    """Every token of a stream, checking that the counts each delta reports run on without a gap (and that the
+    prompt length stays `num_prompt`; a session's grows)."""
+    tokens: list[int] = []
+    last = None
+    async for delta in stream:
+        tokens.extend(delta.token_ids)
+        assert delta.num_output_tokens == len(tokens), (delta, len(tokens))
+        assert num_prompt is None or delta.num_prompt_tokens == num_prompt
+        last = delta
+    return tokens, last
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, 60))
+
+
+def test_a_replica_dying_mid_stream_loses_and_repeats_no_token(replicas):
+    clients = replicas(die_after={"r0": 4})
+    routed = RoutedEngineClient(clients, policy="round-robin")
+    prompts = {f"req{i}": [3 + (i * 7 + j) % 200 for j in range(20 + i)] for i in range(6)}
+
+    async def scenario():
+        results = await asyncio.gather(
+            *(collect(routed.generate(rid, prompt, greedy(24)), len(prompt)) for rid, prompt in prompts.items())
+        )
+        return dict(zip(prompts, results, strict=True)), await routed.stats(), await routed.metrics()
+
+    results, stats, metrics = run(scenario())
+    moved = clients["r0"].ids()
+    assert moved and all(rid in clients["r1"].ids() | clients["r2"].ids() for rid in moved)
+    for rid, (tokens, last) in results.items():
+        assert tokens == clean_run(prompts[rid], 24), rid
+        assert (last.finished, last.finish_reason, last.error) == (True, "length", None)
+    assert not routed.router.routable("r0")
+    assert stats["router"]["replicas"]["r0"]["healthy"] is False and stats["router"]["num_failovers"] >= 1
+    assert 'pagerail_router_failovers_total{model_name="fake",replica="r0"}' in metrics
+    assert 'reason="failover"' in metrics
+    # Its stats fail, so a refresh keeps it out; the others stay in.
+    run(routed.refresh_loads())
+    assert routed.router.in_rotation() == ["r1", "r2"]
+
+
+def test_an_engine_whose_workers_give_up_hands_its_request_to_another_replica(replicas):
+    clients = replicas()
+    engine = clients["r0"].inner._engine
+    engine.engine.max_restarts = 0  # the first worker failure fails the request with a retriable error
+    routed = RoutedEngineClient(clients, policy="round-robin")
+    prompt = list(range(10, 50))
+
+    async def scenario():
+        tokens: list[int] = []
+        async for delta in routed.generate("w", prompt, greedy(30)):
+            tokens.extend(delta.token_ids)
+            assert delta.num_output_tokens == len(tokens) and not delta.error
+            if len(tokens) >= 5 and not engine.engine.num_restarts:
+                engine.engine.executor.fail_next = "worker"
+        healthy_before_refresh = routed.router.routable("r0")
+        await routed.refresh_loads()
+        return tokens, healthy_before_refresh
+
+    tokens, healthy_before_refresh = run(scenario())
+    assert tokens == clean_run(prompt, 30)
+    assert "w" in clients["r1"].ids()
+    # Out of rotation after the failure; the replica still answers, so the next refresh takes it back.
+    assert not healthy_before_refresh and routed.router.routable("r0")
+
+
+def test_a_full_replica_spills_to_another_and_all_full_is_queue_full(replicas):
+    clients = replicas(max_waiting_requests=1)
+    routed = RoutedEngineClient(clients, policy="round-robin")
+
+    async def hold(name: str, request_id: str):
+        """Fill a paused replica's one waiting place, bypassing the router."""
+        return asyncio.ensure_future(collect(clients[name].inner.generate(request_id, [1, 2, 3], greedy(2)), 3))
+
+    async def scenario():
+        await clients["r0"].pause("new")
+        fillers = [await hold("r0", "fill-r0")]
+        await asyncio.sleep(0.05)
+        tokens, _ = await collect(routed.generate("spilled", [5] * 20, greedy(8)), 20)
+        for name in ("r1", "r2"):
+            await clients[name].pause("new")
+            fillers.append(await hold(name, f"fill-{name}"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(QueueFullError, match="all 3 replicas"):
+            await anext(routed.generate("refused", [6] * 20, greedy(8)))
+        await routed.resume()
+        await asyncio.gather(*fillers)
+        return tokens, await routed.metrics()
+
+    tokens, metrics = run(scenario())
+    assert tokens == clean_run([5] * 20, 8)
+    assert "spilled" in clients["r0"].ids() and "spilled" in clients["r1"].ids()
+    assert 'pagerail_router_requests_total{model_name="fake",reason="spill",replica="r1"} 1.0' in metrics
+    assert routed.router.in_rotation() == list(NAMES)  # full is not failed
+    assert all(state.in_flight == 0 for state in routed.router.replicas.values())
+
+
+def test_abort_reaches_the_replica_holding_the_request_and_frees_its_blocks(replicas):
+    clients = replicas()
+    routed = RoutedEngineClient(clients)
+
+    async def scenario():
+        stream = routed.generate("long", list(range(1, 40)), greedy(500))
+        tokens, last = [], None
+        async for delta in stream:
+            tokens.extend(delta.token_ids)
+            last = delta
+            if len(tokens) == 3:
+                await routed.abort("long")
+        return last
+
+    last = run(scenario())
+    assert last.finish_reason == "abort"
+    holders = [name for name in NAMES if "long" in clients[name].ids("abort")]
+    assert len(holders) == 1 and "long" in clients[holders[0]].ids()
+    core = clients[holders[0]].inner._engine.engine
+    assert core.block_table.num_free_blocks == core.block_table.num_blocks
+    assert core.scheduler.stats.num_aborted == 1
+    run(routed.abort("unknown"))  # no holder: nothing happens
+
+
+def test_sessions_stay_on_their_replica_and_fail_with_it(replicas):
+    clients = replicas(die_after={"r1": 1})
+    routed = RoutedEngineClient(clients, policy="round-robin")
+
+    async def session(request_id: str, chunks: list[list[int]]):
+        task = asyncio.ensure_future(collect(routed.generate(request_id, [7] * 10, greedy(6), final=False), None))
+        await asyncio.sleep(0)
+        for chunk in chunks:
+            await routed.append_input(request_id, chunk, False)
+        await routed.append_input(request_id, [], True)
+        return await asyncio.gather(task, return_exceptions=True)
+
+    (first,) = run(session("s0", [[8] * 5, [9] * 5]))  # round robin: r0
+    tokens, last = first
+    assert last.finish_reason == "length" and len(tokens) == 6
+    assert [name for name in NAMES if "s0" in clients[name].ids("append")] == ["r0"]
+    # A replica that refuses the session only after some chunks were sent there: they are replayed, in order.
+    clients["r1"].refuse_after_s = 0.05
+    (moved,) = run(session("s-moved", [[8] * 5, [9] * 5, [10] * 3]))
+    tokens, last = moved
+    assert tokens == clean_run([7] * 10 + [8] * 5 + [9] * 5 + [10] * 3, 6) and last.finish_reason == "length"
+    assert "s-moved" in clients["r1"].ids("append") and "s-moved" in clients["r2"].ids("append")
+    clients["r1"].refuse_after_s = None
+    routed.set_in_rotation("r0", False)  # the next session goes to r1 again
+    routed.set_in_rotation("r2", False)
+    (second,) = run(session("s1", [[8] * 5]))  # r1, which dies after its first delta
+    assert isinstance(second, ReplicaFailed) and "session" in str(second)
+    assert [name for name in NAMES if "s1" in clients[name].ids()] == ["r1"]  # no failover for sessions
+    with pytest.raises(ValueError, match="not an open streaming-input session"):
+        run(routed.append_input("s1", [1], True))
+
+
+def test_sibling_choices_share_a_replica_while_any_is_open(replicas):
+    clients = replicas()
+    routed = RoutedEngineClient(clients, policy="round-robin")
+    prompt = [4, 5, 6]  # shorter than a block: only the pin can keep them together
+
+    async def scenario():
+        streams = [collect(routed.generate(f"cmpl-abc-{i}", prompt, greedy(10)), 3) for i in range(4)]
+        other = collect(routed.generate("cmpl-xyz-0", prompt, greedy(10)), 3)
+        return await asyncio.gather(*streams, other), await routed.metrics()
+
+    results, metrics = run(scenario())
+    holders = {name for name in NAMES if clients[name].ids() & {f"cmpl-abc-{i}" for i in range(4)}}
+    assert len(holders) == 1
+    assert f'reason="pinned",replica="{holders.pop()}"}} 3.0' in metrics
+    assert all(tokens == clean_run(prompt, 10) for tokens, _ in results)
+    assert not routed._pins
+
+
+def test_bad_input_passes_through_and_leaves_the_replica_in_rotation(replicas):
+    routed = RoutedEngineClient(replicas())
+
+    async def scenario():
+        with pytest.raises(ValueError, match="prompt token ids"):
+            await anext(routed.generate("bad", [1, VOCAB + 5], greedy(2)))
+        with pytest.raises(ValueError, match="ints"):
+            await anext(routed.generate("bad", ["x"] * 20, greedy(2)))
+        first = routed.generate("dup", [1, 2], greedy(50))
+        await anext(first)
+        with pytest.raises(ValueError, match="already in use"):
+            await anext(routed.generate("dup", [1, 2], greedy(2)))
+        await first.aclose()
+        for name in NAMES:
+            routed.set_in_rotation(name, False)
+        with pytest.raises(NoReplicaError, match="no replica is in rotation"):
+            await anext(routed.generate("none", [1, 2], greedy(2)))
+        return await routed.is_ready()
+
+    assert run(scenario()) is False
+    assert routed.router.in_rotation() == [] and routed.num_failovers == 0
+    assert all(state.in_flight == 0 for state in routed.router.replicas.values())
+
+
+def test_metrics_label_every_engine_sample_with_its_replica_and_parse(replicas):
+    routed = RoutedEngineClient(replicas(), policy="round-robin")
+
+    async def scenario():
+        await asyncio.gather(*(collect(routed.generate(f"m{i}", [i + 1] * 40, greedy(4)), 40) for i in range(3)))
+        await routed.refresh_loads()
+        return await routed.metrics(), await routed.stats()
+
+    text, stats = run(scenario())
+    families = list(text_string_to_metric_families(text))
+    names = [family.name for family in families]
+    assert len(names) == len(set(names)), "a family is declared twice"
+    engine_samples = [s for f in families if not f.name.startswith("pagerail_router_") for s in f.samples]
+    assert engine_samples and all(sample.labels.get("replica") in NAMES for sample in engine_samples)
+    assert {s.labels["replica"] for s in engine_samples} == set(NAMES)
+    router = {f.name: f for f in families if f.name.startswith("pagerail_router_")}
+    assert {
+        "pagerail_router_requests",
+        "pagerail_router_estimated_cached_tokens",
+        "pagerail_router_cached_tokens",
+        "pagerail_router_routing_seconds",
+        "pagerail_router_failovers",
+        "pagerail_router_replicas_in_rotation",
+    } <= set(router)
+    rotation = router["pagerail_router_replicas_in_rotation"].samples
+    assert [sample.value for sample in rotation] == [3.0]
+    assert stats["num_unfinished"] == 0 and set(stats["replicas"]) == set(NAMES)
+    assert stats["router"]["num_in_rotation"] == 3
+
+
+def test_a_caller_that_leaves_early_aborts_the_request_at_its_replica(replicas):
+    clients = replicas()
+    routed = RoutedEngineClient(clients, policy="round-robin")
+
+    async def scenario():
+        stream = routed.generate("gone", list(range(1, 40)), greedy(500))
+        await anext(stream)
+        await stream.aclose()
+        core = clients["r0"].inner._engine.engine
+        for _ in range(200):  # the engine thread applies the abort on its next turn
+            if core.scheduler.stats.num_aborted:
+                break
+            await asyncio.sleep(0.01)
+        return core
+
+    core = run(scenario())
+    assert core.scheduler.stats.num_aborted == 1 and not core.has_unfinished()
+    assert core.block_table.num_free_blocks == core.block_table.num_blocks
+    assert routed.router.replicas["r0"].in_flight == 0 and not routed._open
