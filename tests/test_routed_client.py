@@ -367,3 +367,34 @@ def test_a_caller_that_leaves_early_aborts_the_request_at_its_replica(replicas):
     assert core.scheduler.stats.num_aborted == 1 and not core.has_unfinished()
     assert core.block_table.num_free_blocks == core.block_table.num_blocks
     assert routed.router.replicas["r0"].in_flight == 0 and not routed._open
+
+
+@pytest.mark.parametrize("policy", ["prefix-aware", "round-robin"])
+def test_requests_sharing_a_prefix_find_it_cached_where_the_router_sent_them(replicas, policy):
+    clients = replicas()
+    routed = RoutedEngineClient(clients, policy=policy)
+    system = [11 + i % 200 for i in range(96)]  # six blocks every request shares
+
+    async def scenario():
+        for user in range(6):  # one after another: each finds what the previous ones left
+            await collect(routed.generate(f"u{user}", system + [user + 1] * 9, greedy(3)), 105)
+        return await routed.metrics()
+
+    families = {f.name: f for f in text_string_to_metric_families(run(scenario()))}
+    actual = {
+        s.labels["replica"]: s.value
+        for s in families["pagerail_router_cached_tokens"].samples
+        if s.name.endswith("_total")
+    }
+    estimated = {
+        s.labels["replica"]: s.value
+        for s in families["pagerail_router_estimated_cached_tokens"].samples
+        if s.name.endswith("_total")
+    }
+    if policy == "prefix-aware":
+        # The first request goes anywhere; the five after it follow the prefix and find all six blocks cached.
+        assert sum(actual.values()) == 5 * 96 and len(actual) == 1
+        assert estimated == actual
+    else:
+        # Round robin: only the requests that come back to a replica find it there.
+        assert sum(actual.values()) == 3 * 96

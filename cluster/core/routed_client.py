@@ -157,7 +157,7 @@ class RoutedEngineClient:
             except _Aborted:
                 yield ended(request_id, len(prompt), base, cached, "abort")
                 return
-            except QueueFullError as error:  # every replica left is full, or none is left
+            except (QueueFullError, ValueError) as error:  # every replica left is full, none is left, or one refused
                 if not yielded:
                     raise
                 yield ended(request_id, len(prompt), base, cached, "abort", f"no replica could resume it: {error}")
@@ -239,8 +239,9 @@ class RoutedEngineClient:
             if not replay:  # a session that moves switches under its lock, with the replay of its chunks
                 entry.replica, entry.client = route.replica, client
             self._pin(entry, pin, route.replica)
-            stream = client.generate(entry.request_id, prompt, params, final=final, trace_context=trace_context)
+            stream = None
             try:
+                stream = client.generate(entry.request_id, prompt, params, final=final, trace_context=trace_context)
                 first = await self._first_delta(entry, route.replica, client, stream) if replay else await anext(stream)
             except QueueFullError as error:
                 await self._release(route.replica, stream)
@@ -266,7 +267,7 @@ class RoutedEngineClient:
         retry_after = min(error.retry_after_s for error in full)
         raise QueueFullError(f"all {len(full)} replicas tried are full; retry shortly", retry_after)
 
-    async def _release(self, replica: str, stream: AsyncIterator[RequestDelta]) -> None:
+    async def _release(self, replica: str, stream: AsyncIterator[RequestDelta] | None) -> None:
         await _close(stream)
         self.router.end(replica)
 
@@ -395,7 +396,7 @@ class RoutedEngineClient:
         self.metrics_registry.in_rotation.labels(self.model_name).set(len(self.router.in_rotation()))
 
 
-async def _close(stream: AsyncIterator[RequestDelta]) -> None:
+async def _close(stream: AsyncIterator[RequestDelta] | None) -> None:
     """Close a replica's stream (which aborts the request there if it is still open); a dead one may fail to."""
     close = getattr(stream, "aclose", None)
     if close is None:
