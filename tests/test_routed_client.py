@@ -18,6 +18,7 @@ from cluster.core.failover import ReplicaFailed
 from cluster.core.local_client import LocalEngineClient
 from cluster.core.routed_client import RoutedEngineClient
 from cluster.core.router import NoReplicaError
+from cluster.core.router_metrics import with_label
 from cluster.core.sampling_params import SamplingParams
 from tests.fake_workers import FakeKVWorkers, next_token
 
@@ -398,3 +399,20 @@ def test_requests_sharing_a_prefix_find_it_cached_where_the_router_sent_them(rep
     else:
         # Round robin: only the requests that come back to a replica find it there.
         assert sum(actual.values()) == 3 * 96
+
+
+def test_merged_expositions_declare_each_family_once_with_every_sample_labelled():
+    text = (
+        "# HELP up Whether it runs.\n# TYPE up gauge\nup 1.0\n"
+        '# HELP hits_total Hits.\n# TYPE hits_total counter\nhits_total{kind="a b"} 2.0\nhits_total{} 3.0\n'
+        "# an ordinary comment\nloose_sample 4.0 1700000000000\n"
+    )
+    merged = with_label({"r0": text, "r1": text.replace("1.0", "0.0")})
+    assert merged.count("# TYPE up gauge") == 1 and merged.count("# HELP hits_total") == 1
+    families = {f.name: f for f in text_string_to_metric_families(merged)}
+    assert [(s.labels, s.value) for s in families["up"].samples] == [({"replica": "r0"}, 1.0), ({"replica": "r1"}, 0.0)]
+    assert {"replica": "r1", "kind": "a b"} in [s.labels for s in families["hits"].samples]
+    # The parser reads each untyped sample as a family of its own.
+    loose = [s.labels for f in text_string_to_metric_families(merged) for s in f.samples if s.name == "loose_sample"]
+    assert loose == [{"replica": "r0"}, {"replica": "r1"}]
+    assert with_label({}) == ""
