@@ -54,12 +54,12 @@ async def merged_metrics(clients: dict[str, EngineClient]) -> str:
     return with_label(texts)
 
 
-async def probe(client: EngineClient, timeout_s: float) -> tuple[dict | None, bool]:
+async def probe(name: str, client: EngineClient, timeout_s: float) -> tuple[dict | None, bool]:
     """A replica's stats and readiness; (None, False) when it fails or does not answer within `timeout_s`."""
     try:
         stats, ready = await asyncio.wait_for(asyncio.gather(client.stats(), client.is_ready()), timeout_s)
     except Exception as error:  # a dead or hung replica
-        logger.warning("a replica did not report its load: %r", error)
+        logger.warning("replica %s did not report its load: %r", name, error)
         return None, False
     return stats, ready is True
 

@@ -349,7 +349,7 @@ class RoutedEngineClient:
         `timeout_s`, fails or is not ready leaves the rotation, and one that answers ready again rejoins it."""
 
         async def one(name: str, client: EngineClient) -> None:
-            stats, ready = await probe(client, timeout_s)
+            stats, ready = await probe(name, client, timeout_s)
             if self._clients.get(name) is not client:
                 return  # removed or replaced meanwhile
             if stats is not None:
