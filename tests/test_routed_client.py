@@ -416,3 +416,26 @@ def test_merged_expositions_declare_each_family_once_with_every_sample_labelled(
     loose = [s.labels for f in text_string_to_metric_families(merged) for s in f.samples if s.name == "loose_sample"]
     assert loose == [{"replica": "r0"}, {"replica": "r1"}]
     assert with_label({}) == ""
+
+
+def test_refresh_feeds_reported_load_and_takes_out_a_replica_that_hangs(replicas):
+    clients = replicas()
+    routed = RoutedEngineClient(clients, policy="least-loaded")
+
+    async def hang():
+        await asyncio.sleep(30)
+
+    async def scenario():
+        busy = asyncio.ensure_future(collect(clients["r0"].generate("busy", [1, 2, 3], greedy(400)), 3))
+        await asyncio.sleep(0.05)
+        clients["r2"].stats = hang
+        await routed.refresh_loads(timeout_s=0.2)
+        in_rotation, load = routed.router.in_rotation(), routed.router.replicas["r0"].running
+        del clients["r2"].stats  # it answers again
+        await routed.refresh_loads()
+        busy.cancel()
+        return in_rotation, load
+
+    in_rotation, load = run(scenario())
+    assert in_rotation == ["r0", "r1"] and load == 1
+    assert routed.router.in_rotation() == list(NAMES)
