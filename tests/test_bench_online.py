@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from cluster.bench import online
 from cluster.bench.online import add_serve_arguments, benchmark_serving, run_serve
 from cluster.bench.sweep import add_sweep_arguments, run_sweep
-from cluster.bench.workload import random_workload
+from cluster.bench.workload import random_workload, shared_prefix_workload
 from cluster.frontend.http_app import ServerState, create_app
 from tests.fake_engine import FakeEngineClient
 from tests.http_server import BackgroundServer
@@ -32,6 +32,7 @@ RESULT_KEYS = {
     "output_throughput",
     "total_token_throughput",
     "total_input_tokens",
+    "total_cached_tokens",
     "total_output_tokens",
     "ttft_ms",
     "tpot_ms",
@@ -296,3 +297,30 @@ def test_run_sweep_over_request_rates_prints_a_table(server, tokenizer, tmp_path
     with open(tmp_path / "sweep.csv", newline="") as handle:
         assert [row["load"] for row in csv.DictReader(handle)] == ["50", "inf"]
     assert (tmp_path / "sweep.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_shared_prefix_workload_interleaves_its_prefixes():
+    requests = shared_prefix_workload(12, 3, 40, (5, 9), (2, 4), vocab_size=1000, seed=1)
+    prefixes = [tuple(r.prompt_token_ids[:40]) for r in requests]
+    assert len(set(prefixes)) == 3
+    assert prefixes[:3] == prefixes[3:6] == prefixes[9:12]  # request i uses prefix i % 3
+    assert all(45 <= r.prompt_len <= 49 and 2 <= r.output_len <= 4 for r in requests)
+    # Each request's own part differs, so only the prefix can be served from a cache.
+    assert len({tuple(r.prompt_token_ids[40:]) for r in requests}) == 12
+    with pytest.raises(ValueError, match="--shared-prefix"):
+        shared_prefix_workload(4, 0, 40, (5, 9), (2, 4), vocab_size=1000)
+
+
+def test_cached_prompt_tokens_are_read_from_the_usage(server, workload, monkeypatch):
+    base_url, engine = server
+    original = engine.generate
+
+    async def with_cache_hits(*args, **kwargs):
+        async for delta in original(*args, **kwargs):
+            delta.num_cached_tokens = 3
+            yield delta
+
+    monkeypatch.setattr(engine, "generate", with_cache_hits)
+    results = bench(base_url, workload)
+    assert results["completed"] == len(workload)
+    assert results["total_cached_tokens"] == 3 * len(workload)

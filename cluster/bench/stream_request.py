@@ -23,6 +23,7 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache (usage.prompt_tokens_details)
     output_tokens: int = 0
 
     @property
@@ -110,6 +111,9 @@ async def send_streaming(
                         usage_tokens = int(usage["completion_tokens"])
                     if usage.get("prompt_tokens") is not None:
                         result.prompt_tokens = int(usage["prompt_tokens"])
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        result.cached_tokens = int(details["cached_tokens"])
     except (TimeoutError, httpx.TimeoutException):
         result.error = f"timed out after {timeout:g} s"
         return result

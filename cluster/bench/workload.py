@@ -1,4 +1,5 @@
-"""Benchmark requests: random token prompts with length ranges and a seed, or prompts read from a file."""
+"""Benchmark requests: random token prompts with length ranges and a seed (optionally behind shared prefixes), or
+prompts read from a file."""
 
 from __future__ import annotations
 
@@ -50,6 +51,29 @@ def random_workload(
         prompt = [rng.randrange(margin, vocab_size - margin) for _ in range(length)]
         requests.append(BenchRequest(prompt, rng.randint(*output_len)))
     return requests
+
+
+def shared_prefix_workload(
+    num_requests: int,
+    num_prefixes: int,
+    prefix_len: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab_size: int,
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """Requests that share long prefixes, as users of a few system prompts do: request i starts with prefix
+    i % num_prefixes (so the prefixes interleave), followed by its own random part of `prompt_len` tokens."""
+    if num_prefixes < 1 or prefix_len < 1:
+        raise ValueError(f"--shared-prefix needs NUM >= 1 and LEN >= 1, got {num_prefixes} {prefix_len}")
+    rng = random.Random(seed)
+    margin = min(100, vocab_size // 4)
+    prefixes = [[rng.randrange(margin, vocab_size - margin) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    own = random_workload(num_requests, prompt_len, output_len, vocab_size, seed + 1)
+    return [
+        BenchRequest(prefixes[i % num_prefixes] + request.prompt_token_ids, request.output_len)
+        for i, request in enumerate(own)
+    ]
 
 
 def file_workload(path: str | Path, tokenizer: Any, output_len: tuple[int, int], seed: int = 0) -> list[BenchRequest]:
@@ -120,6 +144,14 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
         "--dataset", default=None, metavar="FILE", help="prompts file (JSON lines with 'prompt', or one per line)"
     )
     workload.add_argument(
+        "--shared-prefix",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("NUM", "LEN"),
+        help="random prompts start with one of NUM shared prefixes of LEN tokens, interleaved (system prompts)",
+    )
+    workload.add_argument(
         "--tokenizer",
         default=None,
         help="tokenizer dir or hub id for --dataset and the vocabulary size (default: the embedded model's tokenizer)",
@@ -142,6 +174,12 @@ def build_workload(args: argparse.Namespace, tokenizer: Any = None) -> list[Benc
     if args.dataset:
         return file_workload(args.dataset, tokenizer, tuple(args.output_len), args.seed)
     vocab_size = args.vocab_size or len(tokenizer)
+    if getattr(args, "shared_prefix", None):
+        num_prefixes, prefix_len = args.shared_prefix
+        return shared_prefix_workload(
+            args.num_requests, num_prefixes, prefix_len, tuple(args.prompt_len), tuple(args.output_len), vocab_size,
+            args.seed,
+        )
     return random_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab_size, args.seed)
 
 
