@@ -9,7 +9,9 @@ import sys
 import threading
 import time
 
+from cluster.core.autoscale import ScalingPolicy
 from cluster.core.config import CacheConfig, EngineConfig, ObservabilityConfig, SchedulerConfig
+from cluster.core.router import POLICIES
 from cluster.frontend.tool_calls import TOOL_CALL_PARSERS
 from common.logs import LOG_FORMAT_ENV, configure_logging
 
@@ -18,6 +20,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="local dir, .gguf file or hub id (default: embedded SmolLM2)")
     parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: derived)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--data-parallel-size", default="1",
+        help='model replicas behind the one frontend, each with --tensor-parallel-size ranks of its own ("auto": '
+        "every GPU Ray sees divided by --tensor-parallel-size; 1 on CPUs)",
+    )
+    parser.add_argument(
+        "--routing-policy", default="prefix-aware", choices=POLICIES,
+        help="how each request picks a replica: the one likely holding its prompt prefix (unless much busier), "
+        "the least loaded, or in turn",
+    )
+    parser.add_argument(
+        "--min-replicas", type=int, default=None,
+        help="idle replicas are drained down to this many (default: data-parallel size)",
+    )
+    parser.add_argument(
+        "--max-replicas", type=int, default=None, help="scale up to this many replicas (default: data-parallel size)"
+    )
+    parser.add_argument(
+        "--target-waiting-per-replica", type=float, default=8.0,
+        help="a replica is added while more requests than this wait per replica",
+    )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     parser.add_argument("--host", default="127.0.0.1")
@@ -117,6 +140,44 @@ def grpc_tls_from_args(args: argparse.Namespace):
     return ServerTls.from_files(args.grpc_tls_cert, args.grpc_tls_key, args.grpc_tls_client_ca)
 
 
+def data_parallel_size(value: str, tensor_parallel_size: int, num_gpus: float, use_gpu: bool) -> int:
+    """The number of replicas from --data-parallel-size: a positive integer, or "auto" (every GPU Ray sees
+    divided by --tensor-parallel-size, at least 1; 1 on CPUs)."""
+    if value == "auto":
+        return max(1, int(num_gpus) // tensor_parallel_size) if use_gpu else 1
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ValueError(f'--data-parallel-size must be a positive integer or "auto", got {value!r}')
+    return size
+
+
+def replica_bounds(args: argparse.Namespace, size: int) -> tuple[int, int]:
+    """(--min-replicas, --max-replicas), both defaulting to the data-parallel size, which lies between them."""
+    low = size if args.min_replicas is None else args.min_replicas
+    high = size if args.max_replicas is None else args.max_replicas
+    if low < 1:
+        raise ValueError(f"--min-replicas must be at least 1, got {low}")
+    if not low <= size <= high:
+        raise ValueError(
+            f"--data-parallel-size ({size}) must lie between --min-replicas ({low}) and --max-replicas ({high})"
+        )
+    # The same checks the frontend's scaling applies, raised here as flag errors before anything starts.
+    try:
+        ScalingPolicy(low, high, args.target_waiting_per_replica)
+    except ValueError as error:
+        raise ValueError(f"--target-waiting-per-replica: {error}") from None
+    return low, high
+
+
+def check_replica_flags(args: argparse.Namespace) -> None:
+    """Reject bad replica flags before Ray starts ("auto" is resolved once Ray reports its GPUs)."""
+    if args.data_parallel_size != "auto":
+        replica_bounds(args, data_parallel_size(args.data_parallel_size, args.tensor_parallel_size, 0, False))
+
+
 def _say(message: str) -> None:
     print(f"pagerail: {message}", flush=True)
 
@@ -126,10 +187,13 @@ def serve(args: argparse.Namespace) -> int:
 
     from cluster.core.sampling_params import SamplingParams
     from cluster.distributed.head import ClusterOptions
-    from cluster.distributed.launcher import connect, start_head
+    from cluster.distributed.launcher import HeadLauncher, connect, start_heads, stop_head
     from cluster.distributed.local_executor import locate_model
     from cluster.frontend.actor import FrontendActor
+    from cluster.frontend.replica_pool import ReplicaSettings
     from cluster.frontend.server import FrontendSettings
+
+    check_replica_flags(args)
 
     config = EngineConfig(
         model=args.model,
@@ -176,11 +240,30 @@ def serve(args: argparse.Namespace) -> int:
         use_gpu=use_gpu, placement_strategy=args.placement_strategy,
         step_timeout_s=args.step_timeout, max_restarts=args.max_worker_restarts,
     )
-    head_name = f"pagerail-head-{os.getpid()}"
-    _say(f"loading {served_name} on {args.tensor_parallel_size} worker(s)")
-    head = start_head(config, options, head_name)
+    size = data_parallel_size(
+        args.data_parallel_size, args.tensor_parallel_size, ray.cluster_resources().get("GPU", 0), use_gpu
+    )
+    min_replicas, max_replicas = replica_bounds(args, size)
+    prefix = f"pagerail-head-{os.getpid()}"
+    routed = size > 1 or max_replicas > 1
+    head_names = [f"{prefix}-{i}" for i in range(size)] if routed else [prefix]
+    workers = f"{args.tensor_parallel_size} worker(s)" + (f" per replica, {size} replicas" if routed else "")
+    _say(f"loading {served_name} on {workers}")
+    heads = start_heads(config, options, head_names)
     _say("warming up")
-    ray.get(head.generate.remote("warmup", [1] * 8, SamplingParams(max_tokens=2, ignore_eos=True)))
+    warmup = SamplingParams(max_tokens=2, ignore_eos=True)
+    ray.get([head.generate.remote("warmup", [1] * 8, warmup) for head in heads])
+    replicas = None
+    if routed:
+        replicas = ReplicaSettings(
+            routing_policy=args.routing_policy,
+            block_size=config.cache.block_size,
+            min_replicas=min_replicas,
+            max_replicas=max_replicas,
+            target_waiting_per_replica=args.target_waiting_per_replica,
+            name_prefix=prefix,
+            launcher=HeadLauncher(config, options) if min_replicas != max_replicas else None,
+        )
     settings = FrontendSettings(
         served_model_name=served_name,
         host=args.host,
@@ -197,7 +280,7 @@ def serve(args: argparse.Namespace) -> int:
     frontend = (
         ray.remote(FrontendActor)
         .options(num_cpus=0, max_concurrency=10_000)
-        .remote(head_name, str(model_dir), settings, ray.get(head.model_info.remote()))
+        .remote(head_names, str(model_dir), settings, ray.get(heads[0].model_info.remote()), replicas)
     )
     ports = ray.get(frontend.start.remote())
     base = f"http://{args.host}:{ports['http_port']}"
@@ -211,9 +294,14 @@ def serve(args: argparse.Namespace) -> int:
         left = ray.get(frontend.drain.remote(args.drain_timeout), timeout=args.drain_timeout + 30)
         if left:
             _say(f"aborting {left} request(s) still running")
+        head_names = ray.get(frontend.head_names.remote(), timeout=60)  # with those scaling added
         ray.get(frontend.stop.remote(), timeout=60)
-        ray.get(head.shutdown.remote(), timeout=60)
-        ray.kill(head, no_restart=True)
+        for name in head_names:
+            try:
+                head = ray.get_actor(name)
+            except ValueError:  # already gone
+                continue
+            stop_head(head, timeout_s=60)
     except (ray.exceptions.RayError, TimeoutError) as error:
         # A signal sent to the whole process group (Ctrl-C) also stops Ray's own processes.
         _say(f"Ray went away while draining ({type(error).__name__}); stopping")

@@ -1,5 +1,5 @@
-"""The frontend's own process: a Ray actor serving HTTP and gRPC for a head actor, so tokenizing and
-detokenizing never stall the head's engine loop."""
+"""The frontend's own process: a Ray actor serving HTTP and gRPC for the head actors of a model's replicas, so
+tokenizing and detokenizing never stall a head's engine loop."""
 
 from __future__ import annotations
 
@@ -10,31 +10,61 @@ from transformers import AutoTokenizer
 
 from cluster.distributed.head_client import HeadEngineClient
 from cluster.distributed.launcher import NAMESPACE
+from cluster.frontend.replica_pool import ReplicaPool, ReplicaSettings
 from cluster.frontend.server import FrontendServer, FrontendSettings, configure_frontend_tracing
 from common import telemetry
 
 
 class FrontendActor:
-    def __init__(self, head_name: str, tokenizer_dir: str, settings: FrontendSettings, model_info: dict) -> None:
+    """`head_names`: one head (served directly, as a single replica) or several, routed between by a ReplicaPool;
+    with `replicas` given, a single head is routed and scaled too."""
+
+    def __init__(
+        self,
+        head_names: str | list[str],
+        tokenizer_dir: str,
+        settings: FrontendSettings,
+        model_info: dict,
+        replicas: ReplicaSettings | None = None,
+    ) -> None:
         configure_frontend_tracing(settings)
-        head = ray.get_actor(head_name, namespace=NAMESPACE)
-        engine = HeadEngineClient(
-            head, settings.served_model_name, model_info["max_model_len"], model_info["vocab_size"]
-        )
+        names = [head_names] if isinstance(head_names, str) else list(head_names)
+        self.pool: ReplicaPool | None = None
+        if len(names) == 1 and replicas is None:
+            head = ray.get_actor(names[0], namespace=NAMESPACE)
+            engine = HeadEngineClient(
+                head, settings.served_model_name, model_info["max_model_len"], model_info["vocab_size"]
+            )
+        else:
+            self.pool = ReplicaPool(names, settings.served_model_name, model_info, replicas or ReplicaSettings())
+            engine = self.pool.engine
+        self._head_names = names
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         self.engine = engine
         self.server = FrontendServer(engine, tokenizer, settings)
 
     async def start(self) -> dict:
+        if self.pool is not None:
+            self.pool.start()
         return await self.server.start()
+
+    def head_names(self) -> list[str]:
+        """The heads serving now or draining: the ones to stop at shutdown."""
+        return self.pool.head_names() if self.pool is not None else list(self._head_names)
 
     async def drain(self, grace_s: float) -> int:
         return await self.server.drain(grace_s)
 
     async def stop(self) -> None:
         await self.server.stop()
-        await self.engine.aclose()  # the head stops streaming to this process
+        if self.pool is not None:
+            await self.pool.aclose()  # no more scaling; the heads stop streaming to this process
+        else:
+            await self.engine.aclose()
         await self.flush_traces()
+
+    async def stats(self) -> dict:
+        return await self.engine.stats()
 
     async def flush_traces(self) -> bool:
         """Export the request spans this process still buffers."""

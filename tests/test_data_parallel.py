@@ -1,0 +1,191 @@
+"""Data-parallel replicas of a tiny model on a local Ray behind one routed client: unique prompts spread evenly,
+and a killed head (restarted by Ray) or a killed worker rank loses and repeats no token of a greedy request."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from tests.requirements import require_module
+
+ray = require_module("ray", "needs Ray")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from cluster.core.config import CacheConfig, EngineConfig  # noqa: E402
+from cluster.core.sampling_params import SamplingParams  # noqa: E402
+from cluster.distributed.head import ClusterOptions  # noqa: E402
+from cluster.distributed.launcher import start_heads, stop_head  # noqa: E402
+from cluster.frontend.replica_pool import ReplicaPool, ReplicaSettings  # noqa: E402
+from tests.test_cluster_failures import _answers, _pid, wait_for  # noqa: E402
+from tests.tiny_models import make_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+NAMES = ["dp-head-0", "dp-head-1"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+PROMPTS = [[(p * 17 + i * 5) % 240 + 3 for i in range(5 + p % 7)] for p in range(12)]
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory):
+    # Two single-rank replicas; spare logical CPUs so a restarted replica's new rank finds room at once.
+    ray.init(num_cpus=4, namespace="pagerail", include_dashboard=False, log_to_driver=False)
+    try:
+        model_dir = make_tiny_model("llama", tmp_path_factory.mktemp("dp") / "llama")
+        config = EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=4, num_gpu_blocks=512))
+        started = start_heads(config, ClusterOptions(), NAMES)
+        yield dict(zip(NAMES, started, strict=True))
+        for head in started:
+            stop_head(head)
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def every_head_ready(heads):
+    wait_for(lambda: all(_answers(head) for head in heads.values()), 120, "every head is ready")
+
+
+def make_pool(policy: str = "prefix-aware") -> ReplicaPool:
+    """A pool over the module's heads, as the frontend actor builds it; made inside the test's event loop."""
+    info = ray.get(ray.get_actor(NAMES[0]).model_info.remote())
+    settings = ReplicaSettings(routing_policy=policy, block_size=4, refresh_interval_s=0.2)
+    return ReplicaPool(NAMES, "tiny", info, settings)
+
+
+async def collect(stream) -> list[int]:
+    tokens = []
+    async for delta in stream:
+        tokens.extend(delta.token_ids)
+    assert delta.finished and delta.finish_reason == "length" and delta.error is None, delta
+    return tokens
+
+
+async def clean_run(pool: ReplicaPool, prefix: str) -> list[list[int]]:
+    streams = [pool.engine.generate(f"{prefix}-{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    return list(await asyncio.gather(*(collect(s) for s in streams)))
+
+
+def routed_counts(text: str) -> dict[str, float]:
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "pagerail_router_requests":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    replica = sample.labels["replica"]
+                    counts[replica] = counts.get(replica, 0) + sample.value
+    return counts
+
+
+async def run_with_incident(pool: ReplicaPool, prefix: str, incident) -> list[list[int]]:
+    """Start every request, hold the replicas once each has its first tokens, and run `incident()`, which lets
+    them go on."""
+    engine = pool.engine
+    streams = [engine.generate(f"{prefix}-{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    firsts = await asyncio.gather(*(anext(s) for s in streams))
+    await engine.pause("all")
+    await incident()
+
+    async def rest(first, stream) -> list[int]:
+        if first.finished:
+            return list(first.token_ids)
+        return list(first.token_ids) + await collect(stream)
+
+    return list(await asyncio.gather(*(rest(f, s) for f, s in zip(firsts, streams, strict=True))))
+
+
+@pytest.mark.parametrize("policy", ["prefix-aware", "least-loaded", "round-robin"])
+def test_unique_prompts_spread_evenly_over_the_replicas(heads, policy):
+    async def scenario():
+        pool = make_pool(policy)
+        pool.start()
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+            prompts = [[(p * 31 + i * 11) % 240 + 3 for i in range(9)] for p in range(40)]
+            for wave in range(4):  # some at once, as a loaded server gets them, in waves
+                batch = prompts[wave * 10 : (wave + 1) * 10]
+                streams = [pool.engine.generate(f"u{wave}-{i}", p, params) for i, p in enumerate(batch)]
+                await asyncio.gather(*(collect(s) for s in streams))
+            return routed_counts(await pool.engine.metrics())
+        finally:
+            await pool.aclose()
+
+    counts = asyncio.run(scenario())
+    assert set(counts) == set(NAMES) and sum(counts.values()) == 40, counts
+    mean = 40 / len(NAMES)
+    assert max(counts.values()) <= 1.3 * mean, counts
+
+
+def test_a_killed_worker_rank_is_recovered_inside_its_replica(heads):
+    async def scenario():
+        pool = make_pool()
+        try:
+            expected = await clean_run(pool, "rank-ref")
+
+            async def kill_a_rank():
+                pid = ray.get(ray.get_actor(f"{NAMES[1]}-rank0").pid.remote())
+                os.kill(pid, signal.SIGKILL)
+                await pool.engine.resume()
+
+            outputs = await run_with_incident(pool, "rank-kill", kill_a_rank)
+            return expected, outputs, pool.engine.num_failovers
+        finally:
+            await pool.aclose()
+
+    before = ray.get(heads[NAMES[1]].stats.remote())["num_restarts"]
+    expected, outputs, failovers = asyncio.run(scenario())
+    assert outputs == expected
+    assert failovers == 0  # the replica's own worker-group restart carried its requests on
+    assert ray.get(heads[NAMES[1]].stats.remote())["num_restarts"] == before + 1
+
+
+def test_a_killed_head_fails_over_and_its_restarted_replica_rejoins(heads):
+    victim = NAMES[0]
+    old_pid = _pid(heads[victim])
+
+    async def scenario():
+        pool = make_pool()
+        pool.start()
+        try:
+            expected = await clean_run(pool, "head-ref")
+
+            async def kill_a_head():
+                assert pool.engine.router.replicas[victim].in_flight > 0  # it holds some of the requests
+                ray.kill(heads[victim], no_restart=False)  # as if its process crashed: Ray starts it again
+                # A call to the restarting head would wait for its new life: only the other one goes on.
+                await pool.engine.replicas[NAMES[1]].resume()
+
+            outputs = await run_with_incident(pool, "head-kill", kill_a_head)
+            metrics = await pool.engine.metrics()
+            # The refresh loop puts the restarted head back once it answers ready.
+            for _ in range(600):
+                if pool.engine.router.routable(victim) and _pid(heads[victim]) not in (None, old_pid):
+                    break
+                await asyncio.sleep(0.2)
+            rejoined = pool.engine.router.routable(victim)
+            before = routed_counts(await pool.engine.metrics()).get(victim, 0)
+            # Requests reach it again through the same client, on a new output channel.
+            fresh = [[(p * 7 + i * 3) % 240 + 3 for i in range(9)] for p in range(100, 106)]
+            after = [await collect(pool.engine.generate(f"after-{i}", p, GREEDY)) for i, p in enumerate(fresh)]
+            routed_after = routed_counts(await pool.engine.metrics()).get(victim, 0) - before
+            return expected, outputs, metrics, rejoined, after, routed_after
+        finally:
+            await pool.aclose()
+
+    expected, outputs, metrics, rejoined, after, routed_after = asyncio.run(scenario())
+    assert outputs == expected
+    failovers = {
+        sample.labels["replica"]: sample.value
+        for family in text_string_to_metric_families(metrics)
+        if family.name == "pagerail_router_failovers"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+    assert failovers.get(victim, 0) >= 1, failovers
+    assert rejoined
+    assert [len(tokens) for tokens in after] == [GREEDY.max_tokens] * 6
+    assert routed_after > 0

@@ -1,0 +1,49 @@
+"""`pagerail serve --data-parallel-size 2`: two replicas behind one endpoint, requests spread between them, metrics
+labelled per replica, and SIGTERM stops both."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.serve_process import start_serve, wait_ready
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_replicas_behind_one_endpoint():
+    process = start_serve("--data-parallel-size", "2", "--routing-policy", "round-robin", "--max-num-seqs", "8")
+    lines: list[str] = []
+    try:
+        base_url, _ = wait_ready(process, lines)
+        assert any("2 replicas" in line for line in lines), lines
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        texts = [
+            client.completions.create(model=model, prompt=f"Count to {n}:", max_tokens=4, temperature=0).choices[0].text
+            for n in range(4)
+        ]
+        assert all(texts)
+        metrics = httpx.get(base_url + "/metrics").text
+        routed: dict[str, float] = {}
+        labelled: set[str] = set()
+        for family in text_string_to_metric_families(metrics):
+            for sample in family.samples:
+                if family.name == "pagerail_router_requests" and sample.name.endswith("_total"):
+                    routed[sample.labels["replica"]] = routed.get(sample.labels["replica"], 0) + sample.value
+                elif "replica" in sample.labels:
+                    labelled.add(sample.labels["replica"])
+        assert sorted(routed.values()) == [2, 2], routed  # round robin over the two replicas
+        assert labelled == set(routed), (labelled, routed)  # engine series of both, each under its own label
+        os.kill(process.pid, signal.SIGTERM)
+        assert process.wait(timeout=120) == 0
+        rest = process.stdout.read()
+        assert "stopped" in rest, rest
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
