@@ -163,6 +163,11 @@ WRONG_VALUES = {
     "utilisation above 1": {"serve": {"gpuMemoryUtilization": 1.2}},
     "unknown service type": {"service": {"type": "ExternalName"}},
     "bad secret name": {"apiKey": {"existingSecret": "Not_A_Name"}},
+    "data parallel 0": {"serve": {"dataParallelSize": 0}},
+    "data parallel as other text": {"serve": {"dataParallelSize": "all"}},
+    "unknown routing policy": {"serve": {"routingPolicy": "random"}},
+    "max replicas 0": {"serve": {"maxReplicas": 0}},
+    "waiting target 0": {"serve": {"targetWaitingPerReplica": 0}},
 }
 
 
@@ -188,6 +193,11 @@ INCONSISTENT_VALUES = {
     "STRICT_SPREAD with too few pods": (
         {"serve": {"tensorParallelSize": 2, "placementStrategy": "STRICT_SPREAD"}, "worker": {"gpus": 2}},
         "STRICT_SPREAD",
+    ),
+    "more replicas than GPUs": ({"serve": {"dataParallelSize": 2}}, "needs 2 GPUs"),
+    "replicas outside their bounds": (
+        {"serve": {"dataParallelSize": 2, "maxReplicas": 1}, "worker": {"replicas": 2}},
+        "must lie between",
     ),
     "two API keys": ({"apiKey": {"value": "sk-1", "existingSecret": "keys"}}, "not both"),
     "KubeRay with per-pod claims": ({"kuberay": {"enabled": True}}, "existingClaim"),
@@ -405,6 +415,24 @@ def test_api_key_and_ray_token_from_existing_secrets():
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     shipped = (CHART / "dashboards" / "pagerail-dashboard.json").read_text()
     assert json.loads(dashboard["data"]["pagerail-dashboard.json"]) == json.loads(shipped)
+
+
+def test_data_parallel_replicas_reach_serve():
+    items = objects("data-parallel")
+    parsed = _serve_parser().parse_args(serve_args(items))
+    assert parsed.data_parallel_size == "2" and parsed.tensor_parallel_size == 2
+    assert parsed.routing_policy == "prefix-aware"
+    assert (parsed.min_replicas, parsed.max_replicas, parsed.target_waiting_per_replica) == (2, 3, 8)
+    # Flags pagerail serve accepts together: the count lies within the bounds.
+    from cluster.entrypoints.serve import check_replica_flags
+
+    check_replica_flags(parsed)
+    notes = render(values_of("data-parallel"))["pagerail/templates/NOTES.txt"]
+    assert "Replicas:          2 (prefix-aware routing, scaling 2 to 3)" in notes
+    defaults = _serve_parser().parse_args(serve_args(objects("default")))
+    assert defaults.data_parallel_size == "1" and (defaults.min_replicas, defaults.max_replicas) == (None, None)
+    auto = _serve_parser().parse_args(serve_args(objects_of(render({"serve": {"dataParallelSize": "auto"}}))))
+    assert auto.data_parallel_size == "auto"
 
 
 def test_tp8_on_one_node():

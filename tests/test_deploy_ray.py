@@ -113,3 +113,25 @@ def test_the_file_says_how_to_start_serving_on_the_head(path):
     # Autoscaled GPU nodes are not there when serve starts, so the device must be given, not detected.
     assert "--device cuda" in text
     assert f"ray down deploy/ray/{path.name}" in text
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda path: path.stem)
+def test_the_replica_flags_shown_are_accepted_and_fit_the_node_limits(path):
+    import argparse
+
+    from cluster.entrypoints.serve import add_serve_arguments, check_replica_flags
+
+    text = path.read_text()
+    (serve_line,) = [line for line in text.splitlines() if "'pagerail serve --ray-address auto" in line]
+    (replica_line,) = [line for line in text.splitlines() if "--data-parallel-size" in line]
+    command = shlex.split(serve_line.split("'")[1].replace("<model>", "model"))[2:]
+    command += shlex.split(replica_line.lstrip("# "))
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_serve_arguments(parser)
+    args = parser.parse_args(command)  # the real parser: a renamed flag fails here
+    check_replica_flags(args)
+    assert args.routing_policy == "prefix-aware" and args.max_replicas > args.min_replicas
+    # The autoscaler may bring a 1-GPU node per replica of tensor parallel 1, up to the most replicas.
+    config = _load(path)
+    one_gpu = [node for node in config["available_node_types"].values() if node["resources"].get("GPU") == 1]
+    assert args.max_replicas * args.tensor_parallel_size <= min(one_gpu[0]["max_workers"], config["max_workers"])

@@ -78,8 +78,22 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and $v.apiKey.value $v.apiKey.existingSecret -}}
 {{- fail "apiKey: set either value or existingSecret, not both" -}}
 {{- end -}}
+{{- $dp := $v.serve.dataParallelSize -}}
+{{- if ne (toString $dp) "auto" -}}
+{{- $low := ternary $dp $v.serve.minReplicas (kindIs "invalid" $v.serve.minReplicas) -}}
+{{- $high := ternary $dp $v.serve.maxReplicas (kindIs "invalid" $v.serve.maxReplicas) -}}
+{{- if or (lt (int $dp) (int $low)) (gt (int $dp) (int $high)) -}}
+{{- fail (printf "serve.dataParallelSize %d must lie between serve.minReplicas %d and serve.maxReplicas %d" (int $dp) (int $low) (int $high)) -}}
+{{- end -}}
+{{- end -}}
 {{- if ne $v.serve.device "cpu" -}}
 {{- $gpus := add $v.head.gpus (mul $v.worker.replicas $v.worker.gpus) -}}
+{{- if ne (toString $dp) "auto" -}}
+{{- $needed := mul $v.serve.tensorParallelSize $dp -}}
+{{- if gt (int $needed) (int $gpus) -}}
+{{- fail (printf "serve.dataParallelSize %d x serve.tensorParallelSize %d needs %d GPUs, but head.gpus + worker.replicas x worker.gpus is %d" (int $dp) (int $v.serve.tensorParallelSize) (int $needed) (int $gpus)) -}}
+{{- end -}}
+{{- end -}}
 {{- if gt (int $v.serve.tensorParallelSize) (int $gpus) -}}
 {{- fail (printf "serve.tensorParallelSize %d needs %d GPUs, but head.gpus + worker.replicas x worker.gpus is %d" (int $v.serve.tensorParallelSize) (int $v.serve.tensorParallelSize) (int $gpus)) -}}
 {{- end -}}
@@ -119,6 +133,20 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 - --tensor-parallel-size
 - {{ $s.tensorParallelSize | quote }}
+- --data-parallel-size
+- {{ $s.dataParallelSize | quote }}
+- --routing-policy
+- {{ $s.routingPolicy }}
+{{- if not (kindIs "invalid" $s.minReplicas) }}
+- --min-replicas
+- {{ $s.minReplicas | int64 | quote }}
+{{- end }}
+{{- if not (kindIs "invalid" $s.maxReplicas) }}
+- --max-replicas
+- {{ $s.maxReplicas | int64 | quote }}
+{{- end }}
+- --target-waiting-per-replica
+- {{ $s.targetWaitingPerReplica | quote }}
 - --placement-strategy
 - {{ $s.placementStrategy }}
 - --device
