@@ -1,5 +1,6 @@
-"""Data-parallel replicas of a tiny model on a local Ray behind one routed client: unique prompts spread evenly,
-and a killed head (restarted by Ray) or a killed worker rank loses and repeats no token of a greedy request."""
+"""Data-parallel replicas of a tiny model on a local Ray behind one routed client: unique prompts spread evenly, a
+queue starts a replica and idleness stops it, and a killed head (restarted by Ray) or a killed worker rank loses
+and repeats no token of a greedy request."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ ray = require_module("ray", "needs Ray")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from cluster.core.config import CacheConfig, EngineConfig  # noqa: E402
+from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from cluster.core.sampling_params import SamplingParams  # noqa: E402
 from cluster.distributed.head import ClusterOptions  # noqa: E402
-from cluster.distributed.launcher import start_heads, stop_head  # noqa: E402
+from cluster.distributed.launcher import HeadLauncher, start_head, start_heads, stop_head  # noqa: E402
 from cluster.frontend.replica_pool import ReplicaPool, ReplicaSettings  # noqa: E402
 from tests.test_cluster_failures import _answers, _pid, wait_for  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
@@ -31,11 +32,15 @@ PROMPTS = [[(p * 17 + i * 5) % 240 + 3 for i in range(5 + p % 7)] for p in range
 
 
 @pytest.fixture(scope="module")
-def heads(tmp_path_factory):
-    # Two single-rank replicas; spare logical CPUs so a restarted replica's new rank finds room at once.
+def model_dir(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("dp") / "llama")
+
+
+@pytest.fixture(scope="module")
+def heads(model_dir):
+    # Two single-rank replicas; spare logical CPUs for a restarted replica's new rank and for a scaled one.
     ray.init(num_cpus=4, namespace="pagerail", include_dashboard=False, log_to_driver=False)
     try:
-        model_dir = make_tiny_model("llama", tmp_path_factory.mktemp("dp") / "llama")
         config = EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=4, num_gpu_blocks=512))
         started = start_heads(config, ClusterOptions(), NAMES)
         yield dict(zip(NAMES, started, strict=True))
@@ -118,6 +123,74 @@ def test_unique_prompts_spread_evenly_over_the_replicas(heads, policy):
     assert set(counts) == set(NAMES) and sum(counts.values()) == 40, counts
     mean = 40 / len(NAMES)
     assert max(counts.values()) <= 1.3 * mean, counts
+
+
+def test_a_queue_above_target_starts_a_replica_and_idleness_stops_it(heads, model_dir):
+    # Two sequences at a time: a handful of requests makes a queue.
+    config = EngineConfig(
+        model=str(model_dir),
+        cache=CacheConfig(block_size=4, num_gpu_blocks=512),
+        scheduler=SchedulerConfig(max_num_seqs=2),
+    )
+    launcher = HeadLauncher(config, ClusterOptions(), ready_timeout_s=120)
+    first = start_head(config, ClusterOptions(), "dp-scale-0")
+    info = ray.get(first.model_info.remote())
+    settings = ReplicaSettings(
+        block_size=4,
+        refresh_interval_s=0.2,
+        min_replicas=1,
+        max_replicas=2,
+        target_waiting_per_replica=1,
+        scale_cooldown_s=0.5,
+        scale_down_idle_s=1.0,
+        name_prefix="dp-scale",
+        launcher=launcher,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+    async def scenario():
+        pool = ReplicaPool(["dp-scale-0"], "tiny", info, settings)
+        pool.start()
+        done: list[list[int]] = []
+        loaded = asyncio.Event()
+
+        async def load():
+            wave = 0
+            while not loaded.is_set():
+                streams = [pool.engine.generate(f"s{wave}-{i}", PROMPTS[i], params) for i in range(6)]
+                done.extend(await asyncio.gather(*(collect(s) for s in streams)))
+                wave += 1
+
+        try:
+            client = asyncio.create_task(load())
+            for _ in range(600):  # the second replica starts while the first has a queue
+                if "dp-scale-1" in pool.engine.replicas:
+                    break
+                await asyncio.sleep(0.2)
+            grown = sorted(pool.engine.replicas)
+            await asyncio.sleep(1.0)  # requests go to both
+            loaded.set()
+            await client
+            for _ in range(300):  # idle now: back to the minimum
+                if pool.scaler.num_removed and not pool.scaler.draining:
+                    break
+                await asyncio.sleep(0.2)
+            return grown, sorted(pool.engine.replicas), pool.head_names(), done, pool.scaler
+        finally:
+            await pool.aclose()
+
+    try:
+        grown, left, head_names, done, scaler = asyncio.run(scenario())
+    finally:
+        for name in ("dp-scale-0", "dp-scale-1"):
+            try:
+                stop_head(ray.get_actor(name))
+            except ValueError:
+                pass  # stopped by the scale-down
+    assert grown == ["dp-scale-0", "dp-scale-1"]
+    assert scaler.num_added == 1 and scaler.num_removed == 1 and scaler.num_failed_starts == 0
+    assert len(left) == 1 and left == head_names  # the drained head was stopped, not only left out
+    assert done and all(len(tokens) == params.max_tokens for tokens in done)
 
 
 def test_a_killed_worker_rank_is_recovered_inside_its_replica(heads):
