@@ -439,3 +439,28 @@ def test_refresh_feeds_reported_load_and_takes_out_a_replica_that_hangs(replicas
     in_rotation, load = run(scenario())
     assert in_rotation == ["r0", "r1"] and load == 1
     assert routed.router.in_rotation() == list(NAMES)
+
+
+def test_the_routing_decision_is_an_event_on_the_request_span(replicas):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from cluster.core.routed_client import ROUTE_CACHED_TOKENS, ROUTE_REASON, ROUTE_REPLICA
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    routed = RoutedEngineClient(replicas(), policy="round-robin")
+    prompt = list(range(3, 40))
+
+    async def main():
+        with tracer.start_as_current_span("request"):
+            await collect(routed.generate("traced", prompt, greedy(3)), len(prompt))
+
+    run(main())
+    (span,) = exporter.get_finished_spans()
+    (event,) = [event for event in span.events if event.name == "routed"]
+    assert event.attributes[ROUTE_REPLICA] in NAMES
+    assert event.attributes[ROUTE_REASON] == "round_robin" and event.attributes[ROUTE_CACHED_TOKENS] == 0

@@ -62,17 +62,20 @@ def shared_prefix_workload(
     vocab_size: int,
     seed: int = 0,
 ) -> list[BenchRequest]:
-    """Requests that share long prefixes, as users of a few system prompts do: request i starts with prefix
-    i % num_prefixes (so the prefixes interleave), followed by its own random part of `prompt_len` tokens."""
+    """Requests that share long prefixes, as users of a few system prompts do: each prefix starts the same number
+    of requests (give or take one), in a seeded random order so that they interleave without a period a
+    round-robin balancer could fall in step with; each request then has its own random part of `prompt_len`."""
     if num_prefixes < 1 or prefix_len < 1:
         raise ValueError(f"--shared-prefix needs NUM >= 1 and LEN >= 1, got {num_prefixes} {prefix_len}")
     rng = random.Random(seed)
     margin = min(100, vocab_size // 4)
     prefixes = [[rng.randrange(margin, vocab_size - margin) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    order = [i % num_prefixes for i in range(num_requests)]
+    rng.shuffle(order)
     own = random_workload(num_requests, prompt_len, output_len, vocab_size, seed + 1)
     return [
-        BenchRequest(prefixes[i % num_prefixes] + request.prompt_token_ids, request.output_len)
-        for i, request in enumerate(own)
+        BenchRequest(prefixes[which] + request.prompt_token_ids, request.output_len)
+        for which, request in zip(order, own, strict=True)
     ]
 
 

@@ -9,6 +9,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, replace
 
+from opentelemetry import trace
+
 from cluster.core.engine_client import EngineClient, RequestDelta
 from cluster.core.errors import QueueFullError
 from cluster.core.failover import ReplicaFailed, continued, ended, remaining_params
@@ -21,6 +23,10 @@ from cluster.core.session_log import SessionLog
 logger = logging.getLogger(__name__)
 
 # The frontend splits a request with n > 1 (and a batch of prompts) into engine requests named `<parent>-<index>`.
+# Attributes of the "routed" event on a request's span.
+ROUTE_REPLICA = "pagerail.route.replica"
+ROUTE_REASON = "pagerail.route.reason"
+ROUTE_CACHED_TOKENS = "pagerail.route.estimated_cached_tokens"
 _CHILD_ID = re.compile(r"(.+)-(\d{1,6})")
 
 
@@ -235,6 +241,11 @@ class RoutedEngineClient:
                 continue  # it left or failed while an earlier replica was being tried
             self.router.begin(route.replica, prompt, hashes)
             self.metrics_registry.routed(route.replica, route.reason, route.cached_tokens)
+            # On the request's span (the caller's current one): where it went and why.
+            trace.get_current_span().add_event(
+                "routed",
+                {ROUTE_REPLICA: route.replica, ROUTE_REASON: route.reason, ROUTE_CACHED_TOKENS: route.cached_tokens},
+            )
             replay = entry.session is not None and bool(full)
             if not replay:  # a session that moves switches under its lock, with the replay of its chunks
                 entry.replica, entry.client = route.replica, client
