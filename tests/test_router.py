@@ -113,6 +113,27 @@ def test_requests_sharing_a_long_prefix_stay_on_one_replica_until_the_balance_th
     assert again.reason == "prefix" and again.cached_tokens == 64
 
 
+def test_prefixes_no_replica_holds_spread_evenly_over_the_caches():
+    router = make_router()  # three replicas
+    # r0 is always the least loaded, yet within the balance threshold the others' small loads do not decide.
+    router.set_load("r1", 2, 0, 0.0)
+    router.set_load("r2", 2, 0, 0.0)
+    rng = random.Random(0)
+    prefixes = [[1000 + 100 * p + i for i in range(64)] for p in range(6)]
+    order = [p for p in range(6) for _ in range(20)]
+    rng.shuffle(order)
+    homes: dict[int, set[str]] = {p: set() for p in range(6)}
+    for number, p in enumerate(order):
+        prompt = prefixes[p] + [number % 50 + 1] * 5
+        decision = router.route(prompt)
+        router.begin(decision.replica, prompt)
+        router.end(decision.replica)
+        homes[p].add(decision.replica)
+    # Each prefix lives on one replica, and each replica holds two of the six.
+    assert all(len(replicas) == 1 for replicas in homes.values())
+    assert sorted(Counter(next(iter(r)) for r in homes.values()).values()) == [2, 2, 2]
+
+
 def test_the_estimate_never_counts_the_last_prompt_token():
     router = make_router(names=("r0",))
     prompt = list(range(16))  # exactly four blocks: the engine recomputes the last one
@@ -271,6 +292,13 @@ class RouterMachine(RuleBasedStateMachine):
     @invariant()
     def the_index_stays_bounded(self):
         assert len(self.router.index) <= self.MAX_ENTRIES
+
+    @invariant()
+    def each_replica_footprint_counts_the_blocks_it_holds(self):
+        index = self.router.index
+        counts = Counter(replica for holders in index._entries.values() for replica in holders)
+        for name in set(counts) | set(self.router.replicas):
+            assert index.held(name) == counts[name]
 
 
 TestRouterMachine = RouterMachine.TestCase

@@ -55,9 +55,15 @@ class PrefixIndex:
         self._key = os.urandom(16)
         # chain hash -> {replica: last time a prompt through this block was sent there}; oldest touched first.
         self._entries: OrderedDict[bytes, dict[str, float]] = OrderedDict()
+        # Blocks each replica holds in this index: its likely cache footprint.
+        self._held: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def held(self, replica: str) -> int:
+        """How many blocks sent to `replica` this index still holds."""
+        return self._held.get(replica, 0)
 
     def block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
         """The chain hash of every full block of `token_ids` (up to max_blocks_per_prompt blocks)."""
@@ -103,6 +109,8 @@ class PrefixIndex:
                 holders = entries[chain_hash] = {}
             else:
                 entries.move_to_end(chain_hash)
+            if replica not in holders:
+                self._held[replica] = self._held.get(replica, 0) + 1
             holders[replica] = now
         self._evict(now)
 
@@ -112,11 +120,12 @@ class PrefixIndex:
             holders = self._entries[chain_hash]
             if holders.pop(replica, None) is not None and not holders:
                 del self._entries[chain_hash]
+        self._held.pop(replica, None)
 
     def _evict(self, now: float) -> None:
         entries = self._entries
         while len(entries) > self.max_entries:
-            entries.popitem(last=False)
+            self._release(entries.popitem(last=False)[1])
         # Entries are ordered by last touch: expired ones sit at the front.
         oldest = now - self.ttl_s
         while entries:
@@ -124,3 +133,8 @@ class PrefixIndex:
             if max(holders.values(), default=oldest - 1) >= oldest:
                 break
             del entries[chain_hash]
+            self._release(holders)
+
+    def _release(self, holders: dict[str, float]) -> None:
+        for replica in holders:
+            self._held[replica] -= 1

@@ -193,8 +193,13 @@ class Router:
         self, names: list[str], loads: dict[str, float], matched: dict[str, int], turn: list[str]
     ) -> tuple[list[str], str]:
         threshold = min(loads.values()) * self.balance_ratio + self.balance_slack
-        # Replicas within the balance threshold first; among them the longest cached prefix, then the lower load.
-        order = sorted(names, key=lambda n: (loads[n] > threshold, -matched.get(n, 0), loads[n], turn.index(n)))
+        # Replicas within the balance threshold first; among them the longest cached prefix, then the smaller cache
+        # footprint (a prefix no replica holds goes where it evicts least, so the hot prefixes spread evenly over
+        # the caches instead of piling onto whichever replica was idle when each first came), then the lower load.
+        held = self.index.held
+        order = sorted(
+            names, key=lambda n: (loads[n] > threshold, -matched.get(n, 0), held(n), loads[n], turn.index(n))
+        )
         best = max(matched.values(), default=0)
         chosen = matched.get(order[0], 0)
         if chosen and chosen == best:
