@@ -32,6 +32,13 @@ class RemoteEngine:
             options = replace(options, use_gpu=True)
         self.head = start_head(config, options, name)
 
+    @classmethod
+    def for_head(cls, head) -> RemoteEngine:
+        """Batches run through a head actor that is already up (one replica of several)."""
+        engine = cls.__new__(cls)
+        engine.head = head
+        return engine
+
     def run(
         self,
         requests: Sequence[tuple[str, list[int], SamplingParams]],

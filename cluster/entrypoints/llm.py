@@ -25,7 +25,8 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    """A model replica in this process (tensor-parallel size 1) behind a batch-generation API."""
+    """A model replica in this process (tensor-parallel size 1), or replicas on Ray (tensor or data parallel),
+    behind a batch-generation API."""
 
     def __init__(
         self,
@@ -51,6 +52,7 @@ class LLM:
         max_sessions: int | None = None,
         async_scheduling: bool | None = None,
         tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         ray_address: str | None = None,
         placement_strategy: str = "PACK",
         head_name: str | None = None,
@@ -98,7 +100,17 @@ class LLM:
         self._ids = itertools.count()
         self._remote = None
         self.engine = None
-        if tensor_parallel_size > 1 or ray_address is not None:
+        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
+        if data_parallel_size > 1:
+            # Data parallel: a head actor per replica on Ray, each batch split between them by prefix-aware routing.
+            from cluster.distributed.data_parallel_engine import DataParallelEngine
+            from cluster.distributed.head import ClusterOptions
+
+            options = ClusterOptions(placement_strategy=placement_strategy)
+            name = head_name or f"pagerail-head-{uuid.uuid4().hex[:8]}"
+            self._remote = DataParallelEngine(self.config, options, ray_address, name, data_parallel_size, device)
+        elif tensor_parallel_size > 1 or ray_address is not None:
             # Tensor parallel (or an existing cluster): a head actor on Ray drives worker actors over gRPC.
             from cluster.distributed.head import ClusterOptions
             from cluster.distributed.remote_engine import RemoteEngine
@@ -168,7 +180,8 @@ class LLM:
 
     @property
     def stats(self):
-        """Scheduler counters (in-process), or the head actor's stats dict (tensor parallel)."""
+        """Scheduler counters (in-process), or the head actor's stats dict (tensor parallel; per replica with data
+        parallel)."""
         if self._remote is not None:
             return self._remote.stats()
         return self.engine.scheduler.stats
