@@ -205,15 +205,24 @@ def test_a_killed_worker_rank_is_recovered_inside_its_replica(heads):
                 await pool.engine.resume()
 
             outputs = await run_with_incident(pool, "rank-kill", kill_a_rank)
-            return expected, outputs, pool.engine.num_failovers
+            return expected, outputs, pool.engine.num_failovers, await pool.engine.metrics()
         finally:
             await pool.aclose()
 
     before = ray.get(heads[NAMES[1]].stats.remote())["num_restarts"]
-    expected, outputs, failovers = asyncio.run(scenario())
+    expected, outputs, failovers, metrics = asyncio.run(scenario())
     assert outputs == expected
     assert failovers == 0  # the replica's own worker-group restart carried its requests on
     assert ray.get(heads[NAMES[1]].stats.remote())["num_restarts"] == before + 1
+    # The restart shows in the metrics, on that replica's series.
+    restarts = {
+        sample.labels["replica"]: sample.value
+        for family in text_string_to_metric_families(metrics)
+        if family.name == "pagerail_worker_restarts"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+    assert restarts[NAMES[1]] == before + 1
 
 
 def test_a_killed_head_fails_over_and_its_restarted_replica_rejoins(heads):
