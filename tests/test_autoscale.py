@@ -37,7 +37,7 @@ class PolicyMachine(RuleBasedStateMachine):
         self.idle: dict[str, float] = {}
         self.last_change: float | None = None
 
-    @rule(seconds=st.floats(0, 100))
+    @rule(seconds=st.floats(0, 100, allow_subnormal=False))
     def time_passes(self, seconds):
         self.now += seconds
 
