@@ -42,8 +42,9 @@ def make_plans(prefix: str) -> list[Plan]:
     plans = []
     for i in range(NUM_STREAMS):
         action = {3: "abort", 6: "drop"}.get(i % 8, "read")
-        # Lengths spread over 1..40 so streams finish at many different steps; those cut short run long.
-        max_tokens = 60 if action != "read" else 1 + (i * 7) % 40
+        # Lengths spread over 1..40 so streams finish at many different steps; those cut short run long enough
+        # that the abort lands first even when the client's event loop gets little of a loaded machine.
+        max_tokens = 120 if action != "read" else 1 + (i * 7) % 40
         prompt = [3 + (i * 13 + j * 7) % (VOCAB - 3) for j in range(3 + i % 9)]
         plans.append(Plan(f"{prefix}-{i}", prompt, max_tokens, action, after=2 + i % 5))
     return plans
@@ -110,7 +111,9 @@ def recording(engine: EngineCore) -> dict[str, Request]:
 
 
 def test_in_process_streams_get_every_token_once_with_one_handoff_per_step():
-    workers = FakeKVWorkers(2048, 16, VOCAB)
+    # A millisecond per step, as a fast accelerator takes: instant ranks would let the engine thread run a stream
+    # to its end before the client's abort, on a loaded machine, gets its turn.
+    workers = FakeKVWorkers(2048, 16, VOCAB, step_delay_s=0.001)
     config = EngineConfig(
         cache=CacheConfig(block_size=16),
         scheduler=SchedulerConfig(max_num_seqs=NUM_STREAMS, max_num_batched_tokens=4096),
