@@ -141,10 +141,7 @@ class ConstraintMatchers:
 
     def _ready(self, state: RequestState) -> _Matcher | None:
         """The request's matcher, waiting for its compilation if needed; None when it could not be built."""
-        entry = self._matchers.get(state.handle)
-        if entry is None:  # restarted without start() (not expected): compile now
-            self.start([state])
-            entry = self._matchers[state.handle]
+        entry = self._matchers[state.handle]  # mask() only asks for handles start() registered
         if isinstance(entry, _Pending):
             try:
                 matcher = entry.future.result()
