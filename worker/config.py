@@ -21,6 +21,11 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None
     max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    # Longest context a request may reach; None: the model's max_position_embeddings.
+    max_model_len: int | None = None
+    # True: never capture CUDA graphs (every step runs eagerly).
+    enforce_eager: bool = False
     # Torch intra-op threads; None: every core this process may run on.
     num_threads: int | None = None
     # OTLP collector for this rank's spans; None: tracing off.

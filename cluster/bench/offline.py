@@ -44,6 +44,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
 
 
 def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,6 +91,7 @@ def build_llm(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=args.enforce_eager,
     )
 
 

@@ -125,6 +125,8 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
+    # Run every step eagerly; False lets CUDA ranks replay captured CUDA graphs for decode-only steps.
+    enforce_eager: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)

@@ -34,6 +34,9 @@ def worker_config(config: EngineConfig, model_dir: Path) -> WorkerConfig:
         gpu_memory_utilization=cache.gpu_memory_utilization,
         num_blocks=cache.num_gpu_blocks,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_model_len=config.scheduler.max_model_len,
+        enforce_eager=config.enforce_eager,
         otlp_traces_endpoint=config.observability.otlp_traces_endpoint,
         trace_sampling_ratio=config.observability.trace_sampling_ratio,
     )

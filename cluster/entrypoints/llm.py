@@ -52,6 +52,7 @@ class LLM:
         max_sessions: int | None = None,
         async_scheduling: bool | None = None,
         tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
         data_parallel_size: int = 1,
         ray_address: str | None = None,
         placement_strategy: str = "PACK",
@@ -68,6 +69,7 @@ class LLM:
             load_format=load_format,
             seed=seed,
             tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=enforce_eager,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,

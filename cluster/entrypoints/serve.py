@@ -95,6 +95,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="schedule and send step N+1 while step N runs on the ranks (--no-async-scheduling: strictly serial "
         "steps); default: on when the ranks run on GPUs, off on CPUs, whose cores the head would share",
     )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every step eagerly: no CUDA graphs for decode steps on GPU ranks",
+    )
     parser.add_argument("--log-format", default="text", choices=("text", "json"), help="json: one object per line")
     parser.add_argument(
         "--otlp-traces-endpoint",
@@ -201,6 +206,7 @@ def serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
+        enforce_eager=args.enforce_eager,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
