@@ -63,11 +63,17 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_blocks_per_seq: int = 64,
         tokenizer_dir: str | None = None,
+        enforce_eager: bool = True,
+        scratch_block: int | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         self.tp = tp
+        # Decode-only steps on CUDA may replay captured graphs unless eager execution is enforced; padded rows of
+        # a captured batch write their K/V into `scratch_block`, a cache block the head never hands out.
+        self.enforce_eager = enforce_eager
+        self.scratch_block = scratch_block
         # Collectives run where the process group's backend lives: NCCL on the GPU, gloo on the CPU.
         self.tp_device = device
         self.states = RequestStates(device, on_drop=self._forget)

@@ -65,9 +65,10 @@ class Worker:
             model_dir, tp, self.dtype, self.device, load_format=config.load_format, seed=config.seed
         )
         self.num_blocks = self._size_cache()
+        # One block past those the head hands out: padded rows of a captured decode batch write their K/V there.
         caches = allocate_kv_caches(
             self.model.num_layers,
-            self.num_blocks,
+            self.num_blocks + 1,
             config.block_size,
             self.model.num_kv_heads_per_rank,
             self.model.head_dim,
@@ -76,7 +77,19 @@ class Worker:
         )
         for layer, cache in zip(self.model.attention_layers(), caches, strict=True):
             layer.kv_cache = cache
-        self.runner = ModelRunner(self.model, config.block_size, self.device, tp, tokenizer_dir=str(model_dir))
+        max_model_len = config.max_model_len or self.model.config.max_position_embeddings
+        self.runner = ModelRunner(
+            self.model,
+            config.block_size,
+            self.device,
+            tp,
+            max_num_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_blocks_per_seq=-(-max_model_len // config.block_size),
+            tokenizer_dir=str(model_dir),
+            enforce_eager=config.enforce_eager,
+            scratch_block=self.num_blocks,
+        )
         torch.manual_seed(config.seed)
 
     def _size_cache(self) -> int:
