@@ -14,6 +14,7 @@ from torch import nn
 
 from worker.default_model import cache_root, convert_gguf, default_model_dir
 from worker.layers.cpu_matmul import attach_onednn_weights
+from worker.layers.lazy_tensor import LazyTensor
 from worker.models.registry import model_class
 from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
@@ -123,7 +124,8 @@ def load_model(
     if load_format == "dummy":
         _fill_dummy(model, cls, config, device, seed)
     else:
-        model.load_weights(iter_safetensors(model_dir))
+        # Lazy tensors: each weight loader reads only its rank's slice, so tp ranks share the file's bytes.
+        model.load_weights(iter_lazy_safetensors(model_dir))
     if device.type == "cpu":
         attach_onednn_weights(model)
     return model.eval()
@@ -144,12 +146,18 @@ def checkpoint_files(model_dir: str | os.PathLike[str]) -> list[Path]:
 
 def iter_safetensors(model_dir: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) pairs read one tensor at a time, so the checkpoint is never held in memory twice."""
+    for name, lazy in iter_lazy_safetensors(model_dir):
+        yield name, lazy.full()
+
+
+def iter_lazy_safetensors(model_dir: str | os.PathLike[str]) -> Iterator[tuple[str, LazyTensor]]:
+    """(name, lazy tensor) pairs: nothing is read until a weight loader asks for its slice."""
     from safetensors import safe_open
 
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                yield name, LazyTensor.from_safetensors(handle, name)
 
 
 def _fill_dummy(model: nn.Module, cls: type[nn.Module], config: Any, device: torch.device, seed: int) -> None:

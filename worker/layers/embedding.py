@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.layers.cpu_matmul import linear
+from worker.layers.lazy_tensor import LazyTensor
 from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
 
@@ -41,7 +42,7 @@ class VocabParallelEmbedding(nn.Module):
         )
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor | LazyTensor, shard_id: object = None) -> None:
         # Checkpoints sometimes pad their own vocab; accept any table at least as long as the configured vocab.
         if full.dim() != 2 or full.shape[0] < self.num_embeddings or full.shape[1] != self.embedding_dim:
             raise ValueError(
@@ -49,7 +50,9 @@ class VocabParallelEmbedding(nn.Module):
                 f"{self.embedding_dim})"
             )
         real = max(self.vocab_end - self.vocab_start, 0)
-        param.data[:real].copy_(full[self.vocab_start : self.vocab_end])
+        if real:
+            # narrow, not indexing: a lazy checkpoint tensor then reads only this rank's vocabulary rows.
+            param.data[:real].copy_(full.narrow(0, self.vocab_start, real))
         param.data[real:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

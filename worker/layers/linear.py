@@ -1,4 +1,8 @@
-"""Tensor-parallel linear layers whose weight loaders cut this rank's slice out of full checkpoint tensors."""
+"""Tensor-parallel linear layers whose weight loaders cut this rank's slice out of full checkpoint tensors.
+
+The loaders take real tensors or `LazyTensor`s; they only use shape, `narrow` and `split`, so a lazy checkpoint
+tensor is read just for the rows or columns this rank keeps.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,11 @@ import torch
 from torch import nn
 
 from worker.layers.cpu_matmul import linear
+from worker.layers.lazy_tensor import LazyTensor, materialize
 from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
 
-def _check_shape(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+def _check_shape(param: torch.Tensor, loaded: torch.Tensor | LazyTensor, name: str) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(
             f"checkpoint tensor for {name} has shape {tuple(loaded.shape)}, expected {tuple(param.shape)} on this rank"
@@ -41,7 +46,7 @@ class _ParallelLinear(nn.Module):
         # A oneDNN copy of the weight for small CPU batches, made after loading (see cpu_matmul).
         self.onednn_weight: torch.Tensor | None = None
 
-    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor | LazyTensor, shard_id: object = None) -> None:
         raise NotImplementedError
 
     def extra_repr(self) -> str:
@@ -62,7 +67,7 @@ class ColumnParallelLinear(_ParallelLinear):
         super().__init__(input_size, tp.shard(output_size, "output_size"), bias, tp, dtype)
         self.output_size = output_size
 
-    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor | LazyTensor, shard_id: object = None) -> None:
         if full.shape[0] != self.output_size:
             raise ValueError(f"checkpoint tensor has {full.shape[0]} output rows, expected {self.output_size}")
         rows = param.shape[0]
@@ -89,11 +94,11 @@ class RowParallelLinear(_ParallelLinear):
         super().__init__(tp.shard(input_size, "input_size"), output_size, bias, tp, dtype)
         self.input_size = input_size
 
-    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor | LazyTensor, shard_id: object = None) -> None:
         if param.dim() == 1:
             # The bias is replicated: every rank holds all of it but only adds it after the reduce.
             _check_shape(param, full, "row-parallel bias")
-            param.data.copy_(full)
+            param.data.copy_(materialize(full))
             return
         if full.dim() != 2 or full.shape[1] != self.input_size:
             raise ValueError(f"checkpoint tensor has shape {tuple(full.shape)}, expected {self.input_size} columns")
@@ -129,7 +134,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         self.local_sizes = local_sizes
 
-    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor | LazyTensor, shard_id: object = None) -> None:
         if shard_id is None:
             # An already fused checkpoint tensor: split it into its parts and load each.
             if full.shape[0] != self.output_size:
@@ -192,7 +197,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.kv_size = kv_per_rank * head_dim
         self.output_size = (num_heads + 2 * num_kv_heads) * head_dim
 
-    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor | LazyTensor, shard_id: object = None) -> None:
         q_full = self.num_heads * self.head_dim
         kv_full = self.num_kv_heads * self.head_dim
         if shard_id is None:
