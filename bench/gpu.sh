@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# One H200: pagerail with Llama-3.1-8B-shaped random weights in bf16, two standard workloads.
+# One H200: pagerail with Llama-3.1-8B-shaped random weights in bf16, two standard workloads, CUDA graphs on and off.
 #
-# Reports output tokens/s and the typical decode step next to its HBM-bandwidth bound (every weight and
-# live KV byte read once at 4.8 TB/s), plus the in-run matmul roofline. Results land in $OUT as JSON.
-# Usage: bench/gpu.sh            (PYTHON=... to pick the interpreter, OUT=... for the results folder)
+# Reports output tokens/s and the typical decode step next to its HBM-bandwidth bound (every weight and live KV
+# byte read once at 4.8 TB/s), plus the in-run matmul roofline. Results land in $OUT as JSON, one file per run.
+# Usage: bench/gpu.sh   (PYTHON=... picks the interpreter, OUT=... the results folder, WORKLOADS="small long"
+#                        and MODES="graphs eager" pick the runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-bench-results/gpu}
 HBM_GBS=${HBM_GBS:-4800}
-MODEL_DIR="$OUT/llama-3.1-8b-shape"
-mkdir -p "$MODEL_DIR"
+WORKLOADS=${WORKLOADS:-"small long"}
+MODES=${MODES:-"graphs eager"}
+MODEL_DIR=${MODEL_DIR:-/tmp/pagerail-llama-3.1-8b-shape}
+mkdir -p "$OUT" "$MODEL_DIR"
 
 # The architecture of Llama 3.1 8B (no weights: the engine fills them with --load-format dummy).
 "$PYTHON" - "$MODEL_DIR" <<'PY'
@@ -42,8 +45,21 @@ ours, step = r["pagerail"], r["pagerail"]["decode_step"]
 print(f"output {ours['output_tokens_per_s']:.0f} tok/s, total {ours['total_tokens_per_s']:.0f} tok/s, "
       f"{ours['seconds']:.1f} s; roofline share {r['figures']['share_of_roofline']:.2f}")
 print(f"decode step, {step['sequences']} sequences / {step['context_tokens']} context tokens: "
-      f"{1000 * step['seconds']:.2f} ms vs HBM bound {1000 * step['memory_bound_seconds']:.2f} ms")
+      f"{1000 * step['seconds']:.2f} ms vs HBM bound {1000 * step['memory_bound_seconds']:.2f} ms "
+      f"({step['seconds'] / step['memory_bound_seconds']:.2f}x)")
 PY
 }
-run 1000x128x128 --num-requests 1000 --prompt-len 128 128 --output-len 128 128
-run 500x1000x1000 --num-requests 500 --prompt-len 1000 1000 --output-len 1000 1000
+for workload in $WORKLOADS; do
+  case $workload in
+    small) shape=(--num-requests 1000 --prompt-len 128 128 --output-len 128 128); label=1000x128x128 ;;
+    long) shape=(--num-requests 200 --prompt-len 1000 1000 --output-len 1000 1000); label=200x1000x1000 ;;
+    *) echo "unknown workload $workload (small, long)" >&2; exit 2 ;;
+  esac
+  for mode in $MODES; do
+    case $mode in
+      graphs) run "$label-graphs" "${shape[@]}" ;;
+      eager) run "$label-eager" "${shape[@]}" --enforce-eager ;;
+      *) echo "unknown mode $mode (graphs, eager)" >&2; exit 2 ;;
+    esac
+  done
+done

@@ -1,0 +1,263 @@
+"""Greedy parity on a GPU: pagerail in bf16 (CUDA graphs on and off) against transformers in fp32 and bf16.
+
+Half-precision greedy decoding drifts from the fp32 result after some tokens even in transformers itself, so
+the yardstick is transformers' own bf16 run: for each prompt, `stable` is the number of leading tokens where
+transformers bf16 equals transformers fp32. pagerail passes a prompt when it equals the fp32 tokens for at
+least those `stable` tokens, or when its first divergence inside them is a near-tie (each side's token is in
+the other's top 5). The report shows, per model and mode, how many prompts pass and where each diverges.
+
+Models: a tiny random-weight Qwen3 (q/k norms, untied head), and the embedded SmolLM2-135M-Instruct when its
+package is installed, else a random checkpoint of SmolLM2's shape. Runs on the CPU too (fp32, for a dry run).
+
+    python bench/gpu_parity.py [--device cuda] [--dtype bfloat16] [--new-tokens 32] [--json parity.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+TOP = 5
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# SmolLM2-135M's architecture, for a random checkpoint of its shape when the embedded weights are absent.
+_SMOLLM2_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def random_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
+    """A random-weight checkpoint whose logits are peaked enough for greedy decoding to mean something."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    if kind == "qwen3":
+        config = Qwen3Config(
+            vocab_size=4096,
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    else:
+        config = LlamaConfig(**_SMOLLM2_SHAPE)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            # Wider than the default init, norms away from 1: every weight moves the logits.
+            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.05 * noise)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def embedded_or_shaped(workdir: Path) -> tuple[str, Path]:
+    """The embedded SmolLM2 when its package is installed, else a random checkpoint of its shape."""
+    try:
+        from worker.model_loader import resolve_model_dir
+
+        return "smollm2-135m-instruct", resolve_model_dir(None)
+    except Exception as exc:  # the weights ship in an optional package; without it the shape still runs
+        print(f"embedded model unavailable ({type(exc).__name__}: {exc}); using a random SmolLM2-shaped checkpoint")
+        return "smollm2-shaped-random", random_checkpoint("smollm2", workdir / "smollm2-shaped")
+
+
+def make_prompts(vocab_size: int, count: int, seed: int) -> list[list[int]]:
+    """Token-id prompts of varied lengths (short, several blocks, a partial last block)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [5, 16, 33, 64, 100, 150, 200, 257][:count]
+    return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def transformers_greedy(model_dir: Path, prompts, new_tokens: int, dtype: torch.dtype, device: str):
+    """Greedy tokens and the top-5 ids at each step from transformers' generate."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+    model.generation_config.eos_token_id = None
+    results = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model.generate(
+                torch.tensor([prompt], device=device),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+            tokens = out.sequences[0, len(prompt) :].tolist()
+            tops = [set(score[0].float().topk(TOP).indices.tolist()) for score in out.scores]
+            results.append((tokens, tops))
+    del model
+    _free(device)
+    return results
+
+
+def pagerail_greedy(model_dir: Path, prompts, new_tokens: int, dtype: str, device: str, enforce_eager: bool):
+    """Greedy tokens and top-5 ids from the in-process engine, every prompt in one batch; and its graph counts."""
+    from cluster import LLM, SamplingParams
+
+    llm = LLM(
+        str(model_dir),
+        device=device,
+        dtype=dtype,
+        enforce_eager=enforce_eager,
+        gpu_memory_utilization=0.5,
+        kv_cache_memory_bytes=None if device == "cuda" else 256 << 20,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=TOP)
+    outputs = llm.generate(prompts, params)
+    results = [(o.outputs[0].token_ids, [set(lp) for lp in o.outputs[0].logprobs]) for o in outputs]
+    graphs = graph_counts(llm)
+    llm.shutdown()
+    del llm
+    _free(device)
+    return results, graphs
+
+
+def graph_counts(llm) -> dict | None:
+    """How many steps replayed a CUDA graph and how many ran eagerly, when the runner counts them."""
+    engine = getattr(llm, "engine", None)
+    worker = getattr(getattr(getattr(engine, "executor", None), "worker", None), "runner", None)
+    counts = getattr(worker, "graph_stats", None)
+    if counts is None:
+        return None
+    return dict(counts) if isinstance(counts, dict) else {"stats": str(counts)}
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return index
+    return min(len(a), len(b))
+
+
+def judge(ours, fp32, bf16_reference) -> dict:
+    """Per prompt: where transformers bf16 and pagerail leave the fp32 tokens, and whether pagerail passes."""
+    prompts = []
+    for (our_tokens, our_tops), (ref_tokens, ref_tops), (half_tokens, _) in zip(
+        ours, fp32, bf16_reference, strict=True
+    ):
+        stable = first_divergence(half_tokens, ref_tokens)
+        diverges = first_divergence(our_tokens, ref_tokens)
+        near_tie = diverges < len(ref_tokens) and (
+            our_tokens[diverges] in ref_tops[diverges] and ref_tokens[diverges] in our_tops[diverges]
+        )
+        prompts.append(
+            {"stable": stable, "diverges": diverges, "near_tie": near_tie, "passes": diverges >= stable or near_tie}
+        )
+    return {"passed": sum(p["passes"] for p in prompts), "prompts": prompts}
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def check_model(name: str, model_dir: Path, args: argparse.Namespace) -> dict:
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(str(model_dir)).vocab_size
+    prompts = make_prompts(vocab, args.prompts, args.seed)
+    started = time.perf_counter()
+    fp32 = transformers_greedy(model_dir, prompts, args.new_tokens, torch.float32, args.device)
+    half = transformers_greedy(model_dir, prompts, args.new_tokens, _DTYPES[args.dtype], args.device)
+    report: dict = {"model": name, "prompts": len(prompts), "new_tokens": args.new_tokens}
+    same = sum(first_divergence(h[0], f[0]) == args.new_tokens for h, f in zip(half, fp32, strict=True))
+    report["transformers_" + args.dtype] = {"identical_to_fp32": same}
+    modes = [("eager", True)] + ([("cuda_graphs", False)] if args.device == "cuda" else [])
+    tokens = {}
+    for mode, eager in modes:
+        ours, graphs = pagerail_greedy(model_dir, prompts, args.new_tokens, args.dtype, args.device, eager)
+        tokens[mode] = [t for t, _ in ours]
+        report[mode] = {**judge(ours, fp32, half), "graph_steps": graphs}
+    if "cuda_graphs" in tokens:
+        report["graphs_equal_eager"] = sum(a == b for a, b in zip(tokens["eager"], tokens["cuda_graphs"], strict=True))
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    return report
+
+
+def print_report(report: dict, dtype: str) -> None:
+    n = report["prompts"]
+    print(f"== {report['model']}: {n} prompts x {report['new_tokens']} greedy tokens ({report['seconds']} s)")
+    same = report["transformers_" + dtype]["identical_to_fp32"]
+    print(f"   transformers {dtype} identical to fp32 throughout: {same}/{n}")
+    for mode in ("eager", "cuda_graphs"):
+        if mode in report:
+            row = report[mode]
+            where = " ".join(f"{p['diverges']}/{p['stable']}{'~' if p['near_tie'] else ''}" for p in row["prompts"])
+            print(f"   pagerail {dtype} {mode}: {row['passed']}/{n} pass   diverges/stable per prompt: {where}")
+            if row["graph_steps"] is not None:
+                print(f"   steps: {row['graph_steps']}")
+    if "graphs_equal_eager" in report:
+        print(f"   CUDA graphs vs eager, identical tokens: {report['graphs_equal_eager']}/{n}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    parser.add_argument("--dtype", default=None, choices=tuple(_DTYPES), help="default: bfloat16 on CUDA, else float32")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=8, help="at most 8")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--models", nargs="+", default=["qwen3", "smollm2"], choices=("qwen3", "smollm2"))
+    parser.add_argument("--json", default=None, help="write the report here")
+    args = parser.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    reports = []
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        for kind in args.models:
+            if kind == "qwen3":
+                name, model_dir = "tiny-qwen3-random", random_checkpoint("qwen3", workdir / "qwen3")
+            else:
+                name, model_dir = embedded_or_shaped(workdir)
+            report = check_model(name, model_dir, args)
+            print_report(report, args.dtype)
+            reports.append(report)
+    if args.json:
+        summary = {"device": args.device, "dtype": args.dtype, "models": reports}
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    failed = [
+        f"{r['model']} {mode}"
+        for r in reports
+        for mode in ("eager", "cuda_graphs")
+        if mode in r and r[mode]["passed"] < r["prompts"]
+    ]
+    print("parity: " + ("PASS" if not failed else "FAIL (" + ", ".join(failed) + ")"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
