@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -9,6 +10,14 @@ import torch
 from common.telemetry import get_tracer, traced
 from proto import step_pb2
 from worker.constraints import ConstraintMatchers
+from worker.cuda_graphs import (
+    DEFAULT_MAX_CAPTURE_SIZE,
+    CapturePlan,
+    CudaGraphBackend,
+    DecodeGraphs,
+    GraphBackend,
+    StaticDecodeInputs,
+)
 from worker.input_batch import FlatBatch, GatherWorkspace
 from worker.input_buffers import InputBuffers
 from worker.layers.attention import decode_path
@@ -17,6 +26,7 @@ from worker.penalty_state import PenaltyState
 from worker.request_state import RequestState, RequestStates
 from worker.sampler import Sampler, SamplingRow
 
+logger = logging.getLogger(__name__)
 _tracer = get_tracer("pagerail.worker")
 
 
@@ -50,6 +60,10 @@ class ModelRunner:
 
     The input buffers start sized for `max_num_tokens` tokens and `max_num_seqs` requests of up to
     `max_blocks_per_seq` blocks, and grow when a step needs more.
+
+    Unless `enforce_eager`, decode-only steps on CUDA (or on any device, given a `graph_backend`) replay a graph
+    captured here for up to `max_capture_size` sequences; `num_replayed_steps` and `num_eager_steps` count how
+    the forward passes ran.
     """
 
     def __init__(
@@ -65,6 +79,8 @@ class ModelRunner:
         tokenizer_dir: str | None = None,
         enforce_eager: bool = True,
         scratch_block: int | None = None,
+        max_capture_size: int | None = DEFAULT_MAX_CAPTURE_SIZE,
+        graph_backend: GraphBackend | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -96,8 +112,46 @@ class ModelRunner:
             max_num_seqs=max_num_seqs,
             max_blocks_per_seq=max_blocks_per_seq,
             build_decode_mask=torch_decode,
+            mixed_attention=decode_path_of(model, device, dtype) == "triton",
             workspace=self.workspace,
         )
+        self.num_replayed_steps = 0
+        self.num_eager_steps = 0
+        self.graphs: DecodeGraphs | None = None
+        if not enforce_eager:
+            self.graphs = self._capture_graphs(
+                graph_backend, CapturePlan.for_limits(max_num_seqs, max_capture_size), max_blocks_per_seq, dtype
+            )
+
+    def _capture_graphs(
+        self, backend: GraphBackend | None, plan: CapturePlan, max_blocks_per_seq: int, dtype: torch.dtype
+    ) -> DecodeGraphs | None:
+        """Capture the decode graphs, or None (every step eager) where capturing is not possible or not safe."""
+        if backend is None:
+            if self.device.type != "cuda":
+                return None  # nothing to gain on the CPU: kernel launches cost little next to the kernels
+            if self.tp.size > 1:
+                # A captured NCCL all-reduce needs every rank to replay the same graph in lockstep and a
+                # registered buffer; not worth the risk of a hang while eager decode works.
+                logger.info("rank %d: tensor-parallel size %d, decode steps run eagerly", self.tp.rank, self.tp.size)
+                return None
+            backend = CudaGraphBackend(self.device)
+        if self.scratch_block is None:
+            logger.warning("no scratch KV block for padded rows: decode steps run eagerly")
+            return None
+        with torch.inference_mode():
+            inputs = StaticDecodeInputs(
+                plan.max_size,
+                max_blocks_per_seq,
+                self.model.config.hidden_size,
+                dtype,
+                self.device,
+                self.block_size,
+                self.scratch_block,
+            )
+            graphs = DecodeGraphs(self.model, plan, inputs, backend)
+            graphs.capture()
+        return graphs
 
     def prepare(self, batch: step_pb2.StepBatch) -> FlatBatch | None:
         """Apply the step's deltas to the request states and the input buffers; the model's inputs, if any."""
@@ -116,7 +170,7 @@ class ModelRunner:
         if flat is not None:
             forward_started = time.perf_counter()
             with traced(_tracer, "forward"):
-                hidden = self.model(flat.input_ids, flat.positions, flat.attention)
+                hidden = self._forward(flat)
                 logits = None
                 if flat.sample_states:
                     # Every rank sends its vocabulary slice; only rank 0 receives the logits, samples and answers.
@@ -134,6 +188,16 @@ class ModelRunner:
                 state.num_computed_tokens += state.num_scheduled_tokens
         result.compute_seconds = time.perf_counter() - started
         return result
+
+    def _forward(self, flat: FlatBatch) -> torch.Tensor:
+        """Final hidden states of the step's rows: a graph replay for a decode-only step that fits one, else eager."""
+        if self.graphs is not None:
+            hidden = self.graphs.run(flat)
+            if hidden is not None:
+                self.num_replayed_steps += 1
+                return hidden
+        self.num_eager_steps += 1
+        return self.model(flat.input_ids, flat.positions, flat.attention)
 
     def _keep_sampled(self, states: list[RequestState], token_ids: list[int] | None) -> None:
         """Every rank appends the step's sampled tokens to its requests: the next step's inputs, which the head
