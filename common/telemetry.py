@@ -9,8 +9,18 @@ from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from urllib.parse import urlsplit
 
-from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
+try:
+    from opentelemetry import context as otel_context
+    from opentelemetry import propagate, trace
+
+    OTEL_AVAILABLE = True
+except ImportError:
+    # Tracing is optional: a bare inference machine runs without the package and tracing simply stays off.
+    from common import otel_noop as trace
+    from common.otel_noop import context as otel_context
+    from common.otel_noop import propagate
+
+    OTEL_AVAILABLE = False
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +62,11 @@ def configure_tracing(
         return True
     if endpoint is None and exporter is None:
         return False
+    if not OTEL_AVAILABLE:
+        raise ImportError(
+            f"tracing to endpoint={endpoint!r} needs the opentelemetry-sdk and opentelemetry-exporter-otlp "
+            "packages, which are not installed (pip install opentelemetry-sdk opentelemetry-exporter-otlp)"
+        )
     # Imported here: a process with tracing off never loads the SDK or an exporter.
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import SpanLimits, TracerProvider

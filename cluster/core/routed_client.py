@@ -9,8 +9,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, replace
 
-from opentelemetry import trace
-
 from cluster.core.engine_client import EngineClient, RequestDelta
 from cluster.core.errors import QueueFullError
 from cluster.core.failover import ReplicaFailed, continued, ended, remaining_params
@@ -19,6 +17,7 @@ from cluster.core.router import NoReplicaError, Route, Router, check_replica_nam
 from cluster.core.router_metrics import RouterMetrics
 from cluster.core.sampling_params import SamplingParams
 from cluster.core.session_log import SessionLog
+from common.telemetry import trace
 
 logger = logging.getLogger(__name__)
 

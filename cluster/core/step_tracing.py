@@ -18,12 +18,11 @@ import functools
 import time
 from contextlib import AbstractContextManager, nullcontext
 
-from opentelemetry import trace
-from opentelemetry.trace import Link, SpanContext
-
 from cluster.core.request import Request
 from cluster.core.scheduler_output import SchedulerOutput
-from common.telemetry import extract_carrier, get_tracer, tracing_enabled
+
+# `trace` is OpenTelemetry's, or a no-op stand-in when the package is missing (tracing is then always off).
+from common.telemetry import extract_carrier, get_tracer, trace, tracing_enabled
 from proto import step_pb2
 
 REQUEST_IDS = "pagerail.request_ids"
@@ -32,13 +31,13 @@ _tracer = get_tracer("pagerail.engine")
 
 
 @functools.lru_cache(maxsize=4096)
-def _parse(traceparent: str, tracestate: str) -> SpanContext:
+def _parse(traceparent: str, tracestate: str) -> trace.SpanContext:
     # Cached: a request is linked from every step it runs in, its carrier parsed once.
     carrier = {"traceparent": traceparent, "tracestate": tracestate} if tracestate else {"traceparent": traceparent}
     return trace.get_current_span(extract_carrier(carrier)).get_span_context()
 
 
-def request_span_context(request: Request) -> SpanContext | None:
+def request_span_context(request: Request) -> trace.SpanContext | None:
     """The request span a request was sent from, or None for an untraced request."""
     carrier = request.trace_context
     if not carrier or "traceparent" not in carrier:
@@ -53,7 +52,7 @@ def start_step_span(out: SchedulerOutput, started_ns: int) -> trace.Span:
         return trace.INVALID_SPAN
     scheduled_ns = time.time_ns()
     # The distinct request spans of this step's requests, keyed by (trace id, span id).
-    sources: dict[tuple[int, int], SpanContext] = {}
+    sources: dict[tuple[int, int], trace.SpanContext] = {}
     for item in out.scheduled:
         context = request_span_context(item.request)
         if context is not None:
@@ -61,7 +60,7 @@ def start_step_span(out: SchedulerOutput, started_ns: int) -> trace.Span:
     parent = None
     if len(sources) == 1:
         parent = trace.set_span_in_context(trace.NonRecordingSpan(next(iter(sources.values()))))
-    links = [Link(context) for context in sources.values() if context.trace_flags.sampled]
+    links = [trace.Link(context) for context in sources.values() if context.trace_flags.sampled]
     span = _tracer.start_span(
         "engine.step",
         context=parent,
