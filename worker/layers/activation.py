@@ -6,10 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers import triton_fused
+
 
 class SiluAndMul(nn.Module):
     """[..., 2*d] holding [gate | up] → silu(gate) * up of shape [..., d]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_fused.fused_available(x):
+            return triton_fused.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # in place: one fewer activation-sized temporary

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker.layers import triton_fused
+
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight over the last dimension; the weight is replicated on every rank."""
@@ -20,7 +22,22 @@ class RMSNorm(nn.Module):
             raise ValueError(f"checkpoint norm weight has shape {tuple(full.shape)}, expected {tuple(param.shape)}")
         param.data.copy_(full)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`, (norm(residual + x), residual + x), the sum rounded in x's dtype.
+
+        On CUDA one Triton kernel does the add and the norm and updates `residual` in place; elsewhere the
+        sum is a new tensor, so CPU results are exactly those of adding and norming separately.
+        """
+        if triton_fused.norm_fits(x, self.weight):
+            return triton_fused.rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from worker.layers import triton_fused
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -87,10 +89,15 @@ class RotaryEmbedding(nn.Module):
     def apply(
         self, q: torch.Tensor, k: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if triton_fused.fused_available(q, k, *tables):
+            return triton_fused.rotary_embedding(q, k, tables[0], tables[1], self.head_dim)
         cos, sin = (t.to(q.dtype) for t in tables)  # [T, 1, D/2] broadcasts over heads
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if triton_fused.fused_available(q, k, self.cos_cache) and positions.device == q.device:
+            # The kernel reads the cache rows itself, skipping the gather into per-step tables.
+            return triton_fused.rotary_embedding(q, k, self.cos_cache, self.sin_cache, self.head_dim, positions)
         return self.apply(q, k, self.tables(positions))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

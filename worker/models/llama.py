@@ -102,7 +102,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """Pre-norm residual block: x + attn(norm(x)), then h + mlp(norm(h)).
+
+    The residual stream travels beside the hidden states, so each add lands in the following norm: on CUDA
+    one fused kernel adds and normalises; on CPU the same add and norm as the plain formulation run, in order.
+    """
 
     def __init__(self, config: Any, rotary: RotaryEmbedding, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
@@ -111,9 +115,25 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, tp, dtype)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, meta: AttentionMetadata):
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the previous layer's MLP output, the residual stream before it) → the same pair for the next layer.
+
+        The first layer gets (embeddings, None). The residual stream is x in `x + attn(norm(x))`.
+        """
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -132,9 +152,13 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions)
+        residual = None
         for layer in self.layers:
-            hidden = layer(rope, hidden, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, meta)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
 
 class LlamaForCausalLM(nn.Module):
