@@ -15,14 +15,12 @@ def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_siz
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
 
-def memory_budget(device: torch.device, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float) -> int:
-    """Bytes this rank may spend on its KV cache."""
+def memory_budget(device: torch.device, kv_cache_memory_bytes: int | None) -> int | None:
+    """Bytes this rank may spend on its KV cache; None on a GPU, whose budget a profiling forward measures."""
     if kv_cache_memory_bytes is not None:
         return kv_cache_memory_bytes
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        # Keep (1 - utilisation) of the card for activations, the allocator and other tenants.
-        return max(0, int(free - total * (1.0 - gpu_memory_utilization)))
+        return None  # see worker.memory_profile
     return DEFAULT_CPU_KV_BYTES
 
 

@@ -12,11 +12,15 @@ from proto import step_pb2
 from worker.config import WorkerConfig
 from worker.host_memory import keep_freed_memory
 from worker.kv_cache import allocate_kv_caches, bytes_per_block, memory_budget
+from worker.memory_profile import KvCacheProfile, memory_probe, profile_kv_cache
 from worker.model_loader import load_model, resolve_model_dir
 from worker.model_runner import ModelRunner
 from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
 logger = logging.getLogger(__name__)
+
+# Cache blocks past those the head hands out: padded rows of a captured decode batch write their K/V there.
+SCRATCH_BLOCKS = 1
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -64,11 +68,14 @@ class Worker:
         self.model = load_model(
             model_dir, tp, self.dtype, self.device, load_format=config.load_format, seed=config.seed
         )
-        self.num_blocks = self._size_cache()
-        # One block past those the head hands out: padded rows of a captured decode batch write their K/V there.
+        max_model_len = config.max_model_len or self.model.config.max_position_embeddings
+        # Every number behind the cache size when a profiling forward chose it.
+        self.kv_profile: KvCacheProfile | None = None
+        # The blocks the head may hand out; the cache holds SCRATCH_BLOCKS more, numbered from num_blocks.
+        self.num_blocks = self._size_cache(max_model_len)
         caches = allocate_kv_caches(
             self.model.num_layers,
-            self.num_blocks + 1,
+            self.num_blocks + SCRATCH_BLOCKS,
             config.block_size,
             self.model.num_kv_heads_per_rank,
             self.model.head_dim,
@@ -77,7 +84,6 @@ class Worker:
         )
         for layer, cache in zip(self.model.attention_layers(), caches, strict=True):
             layer.kv_cache = cache
-        max_model_len = config.max_model_len or self.model.config.max_position_embeddings
         self.runner = ModelRunner(
             self.model,
             config.block_size,
@@ -92,14 +98,35 @@ class Worker:
         )
         torch.manual_seed(config.seed)
 
-    def _size_cache(self) -> int:
+    def _size_cache(self, max_model_len: int) -> int:
+        """Blocks for the head: config.num_blocks, else an explicit byte budget, else a profiling forward on a GPU,
+        else the CPU default budget."""
         config = self.config
         if config.num_blocks is not None:
             return config.num_blocks
         per_block = bytes_per_block(
             self.model.num_layers, self.model.num_kv_heads_per_rank, self.model.head_dim, config.block_size, self.dtype
         )
-        budget = memory_budget(self.device, config.kv_cache_memory_bytes, config.gpu_memory_utilization)
+        probe = memory_probe(self.device) if config.kv_cache_memory_bytes is None else None
+        if probe is not None:
+            self.kv_profile = profile = profile_kv_cache(
+                self.model,
+                probe,
+                block_size=config.block_size,
+                dtype=self.dtype,
+                device=self.device,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=config.gpu_memory_utilization,
+                enforce_eager=config.enforce_eager,
+                scratch_blocks=SCRATCH_BLOCKS,
+            )
+            logger.info("rank %d: KV cache sized by a profiling forward: %s", self.tp.rank, profile.summary())
+            return profile.num_blocks
+        budget = memory_budget(self.device, config.kv_cache_memory_bytes)
+        if budget is None:
+            raise ValueError(f"device {self.device} has no memory probe; set kv_cache_memory_bytes or num_blocks")
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"KV cache budget of {budget} bytes is below one block ({per_block} bytes)")
