@@ -223,6 +223,8 @@ class DecodeGraphs:
         n = flat.input_ids.shape[0]
         if meta.prefills or meta.num_decodes != n or meta.decode_block_table is None:
             return None
+        if getattr(meta, "mixed_query_starts", None) is not None:
+            return None  # laid out for the mixed-batch kernel, which only steps with prefill rows take
         if meta.decode_block_table.shape[1] > self.inputs.max_blocks_per_seq:
             return None
         size = self.plan.padded_size(n)

@@ -119,9 +119,9 @@ class ModelRunner:
         self.num_eager_steps = 0
         self.graphs: DecodeGraphs | None = None
         if not enforce_eager:
-            self.graphs = self._capture_graphs(
-                graph_backend, CapturePlan.for_limits(max_num_seqs, max_capture_size), max_blocks_per_seq, dtype
-            )
+            # The scheduler never runs more decodes in a step than it has tokens for.
+            plan = CapturePlan.for_limits(max(1, min(max_num_seqs, max_num_tokens)), max_capture_size)
+            self.graphs = self._capture_graphs(graph_backend, plan, max_blocks_per_seq, dtype)
 
     def _capture_graphs(
         self, backend: GraphBackend | None, plan: CapturePlan, max_blocks_per_seq: int, dtype: torch.dtype
