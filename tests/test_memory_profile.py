@@ -13,7 +13,7 @@ import worker.worker as worker_module
 from tests.tiny_models import make_tiny_model
 from worker.config import WorkerConfig
 from worker.kv_cache import DEFAULT_CPU_KV_BYTES, bytes_per_block
-from worker.memory_profile import GRAPH_FIXED_RESERVE, memory_probe, profile_kv_cache
+from worker.memory_profile import GRAPH_FIXED_RESERVE, largest_capture, memory_probe, profile_kv_cache
 from worker.model_loader import load_model
 from worker.worker import Worker
 
@@ -209,6 +209,15 @@ def test_enforce_eager_drops_the_graph_reserve_and_the_decode_profile(model, mon
     assert "enforce_eager" in result.graph_reserve_kind
     assert result.num_blocks == expected_blocks(model, 0.9, 96, 8, eager=True)
     assert result.num_blocks > expected_blocks(model, 0.9, 96, 8, eager=False)
+
+
+def test_decode_profile_runs_the_largest_captured_batch(model, monkeypatch):
+    assert (largest_capture(20), largest_capture(600)) == (20, 512)  # the model runner captures at most 512
+    probe = FakeProbe()
+    recorder = Recorder(model, probe, monkeypatch)
+    result = profile(model, probe, tokens=600, seqs=600, max_model_len=256)
+    assert [seen["decodes"] for seen in recorder.forwards] == [0, 512]
+    assert result.graph_reserve == PER_TOKEN * 512 + GRAPH_FIXED_RESERVE
 
 
 def test_too_little_memory_names_gpu_memory_utilization(model, monkeypatch):

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from worker.cuda_graphs import DEFAULT_MAX_CAPTURE_SIZE, capture_sizes
 from worker.kv_cache import allocate_kv_caches, bytes_per_block
 from worker.layers.attention import AttentionMetadata, PrefillSpan, decode_path
 from worker.sampler import Sampler, SamplingRow
-
-logger = logging.getLogger(__name__)
 
 # Kept free on top of the profiled decode peak when CUDA graphs will be captured: the graphs' executable objects
 # and kernel parameters live in driver memory the profile never sees, and the input buffers, penalty state and
@@ -139,7 +137,7 @@ def _prefill_step(
     SDPA falls back to its math kernel), so the tokens go into spans as long as a request may be: max_model_len.
     The logits ([rows, vocab] float32) and the sampler's copies of them grow with the sampled rows, and a step
     samples at most one row per request: min(max_num_seqs, tokens). Chunks that attend over a cached prefix
-    gather their context and are not profiled; the graph reserve's fixed part is their margin.
+    (their context gathered on the SDPA path) are not profiled.
     """
     # Positions index the rotary tables, which stop at max_position_embeddings.
     longest = min(max_model_len, getattr(model.config, "max_position_embeddings", max_model_len))
@@ -214,8 +212,14 @@ def _profile_steps(
     decode_peak = 0
     if with_decode:
         max_blocks_per_seq = -(-max_model_len // block_size)
-        decode_peak = _measure(probe, _decode_step(model, device, block_size, num_seqs, max_blocks_per_seq))
+        size = largest_capture(num_seqs)
+        decode_peak = _measure(probe, _decode_step(model, device, block_size, size, max_blocks_per_seq))
     return prefill_peak, decode_peak
+
+
+def largest_capture(num_seqs: int) -> int:
+    """The largest decode batch the model runner captures a graph for (see cuda_graphs)."""
+    return capture_sizes(num_seqs, DEFAULT_MAX_CAPTURE_SIZE)[-1]
 
 
 @torch.inference_mode()
@@ -272,7 +276,7 @@ def profile_kv_cache(
     else:
         # The captures share one private pool that keeps the largest capture's activations for good.
         graph_reserve = decode_peak + GRAPH_FIXED_RESERVE
-        kind = f"decode peak at {num_seqs} seqs + {GRAPH_FIXED_RESERVE} fixed"
+        kind = f"decode peak at {largest_capture(num_seqs)} seqs + {GRAPH_FIXED_RESERVE} fixed"
     activation_peak = max(prefill_peak, decode_peak)
     usable = int(total * gpu_memory_utilization) - (weights + activation_peak + non_torch + graph_reserve)
     profile = KvCacheProfile(
