@@ -12,10 +12,9 @@ from contextlib import nullcontext
 from typing import Any
 
 import grpc
-from opentelemetry.trace import SpanKind
 
 from common.auth import AUTH_METADATA_KEY, SCHEME, check_token
-from common.telemetry import RANK_ATTRIBUTE, extract_carrier, extract_metadata, get_tracer, tracing_enabled
+from common.telemetry import RANK_ATTRIBUTE, extract_carrier, extract_metadata, get_tracer, trace, tracing_enabled
 from common.tls import TlsConfig
 from proto import step_pb2, worker_pb2, worker_pb2_grpc
 from worker.kv_cache import bytes_per_block
@@ -113,7 +112,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return _tracer.start_as_current_span(
             "ExecuteStep",
             context=parent,
-            kind=SpanKind.SERVER,
+            kind=trace.SpanKind.SERVER,
             attributes={
                 "rpc.system": "grpc",
                 "rpc.service": "pagerail.worker.WorkerService",
