@@ -39,8 +39,12 @@ class InputBuffers:
     Staging: every per-step index is written into one flat int64 host buffer (pinned on CUDA) and crosses to
     the device in a single non-blocking copy; the tensors the model reads are views of the device copy:
 
-        | input_ids T | positions T | slot_mapping T | decode rows n | context lens n | sample rows S | table
-        writes: flat index K | value K |
+        | input_ids T | positions T | slot_mapping T | table rows R | context lens R | query starts | sample rows |
+        table writes: flat index K | value K |
+
+    R counts the decodes, or on the mixed path (one Triton kernel for the whole step, taken when a step has a
+    prefill chunk) every scheduled sequence, which then also stages its R + 1 query starts; the mixed path builds
+    no dense mask and copies no context, the kernel reads the table rows staged here.
 
     On the CPU the host buffer is the device buffer and the table is written in place, so there is no copy
     (unless in_place=False). The host work per step is proportional to the scheduled requests, tokens and
@@ -56,11 +60,14 @@ class InputBuffers:
         max_num_seqs: int = 256,
         max_blocks_per_seq: int = 64,
         build_decode_mask: bool = False,
+        mixed_attention: bool = False,
         workspace: GatherWorkspace | None = None,
         in_place: bool | None = None,
     ) -> None:
         self.block_size = block_size
         self.device = torch.device(device)
+        # Attention runs the Triton kernels: steps with prefill rows get the mixed-batch kernel's metadata.
+        self.mixed_attention = mixed_attention
         # Only the torch decode path reads a dense key mask; the kernels read the context lengths.
         self.build_decode_mask = build_decode_mask
         self.workspace = workspace
@@ -106,10 +113,13 @@ class InputBuffers:
         num_tokens = n + sum(s.num_scheduled_tokens for s in prefills)
         sample_states = [s for s in ordered if not s.skip_sampling]
         num_writes = len(writes[0])
+        mixed = self.mixed_attention and bool(prefills)
+        num_seqs = len(ordered) if mixed else n  # sequences whose table row and context length are staged
         # Offsets of the sections of the staging buffer (see the class docstring).
         pos_at, slot_at, rows_at = num_tokens, 2 * num_tokens, 3 * num_tokens
-        lens_at = rows_at + n
-        sample_at = lens_at + n
+        lens_at = rows_at + num_seqs
+        starts_at = lens_at + num_seqs
+        sample_at = starts_at + (num_seqs + 1 if mixed else 0)
         write_at = sample_at + len(sample_states)
         end = write_at + 2 * num_writes
         self._grow_staging(end)
@@ -126,12 +136,20 @@ class InputBuffers:
             buf[rows_at : rows_at + n] = rows[:n]
             buf[lens_at : lens_at + n] = buf[pos_at : pos_at + n] + 1
             sample_rows = [i for i, s in enumerate(decodes) if not s.skip_sampling]
+        if mixed:
+            # Decodes own one row each; each prefill's end is appended as its span is laid out below.
+            buf[starts_at : starts_at + n + 1] = np.arange(n + 1)
+            max_context = max(positions) + 1 if n else 0
 
         spans: list[tuple[PrefillSpan, int, int]] = []  # with the span's table row and cached-prefix length
         row = n
-        for state, table_row in zip(prefills, rows[n:], strict=True):
+        for index, (state, table_row) in enumerate(zip(prefills, rows[n:], strict=True), start=n):
             start, count = state.num_computed_tokens, state.num_scheduled_tokens
             stop = start + count
+            if mixed:
+                buf[rows_at + index], buf[lens_at + index] = table_row, stop
+                buf[starts_at + index + 1] = row + count
+                max_context = max(max_context, stop)
             buf[row : row + count] = state.token_ids[start:stop]
             buf[pos_at + row : pos_at + row + count] = np.arange(start, stop)
             first_block = start // bs
@@ -153,16 +171,15 @@ class InputBuffers:
             flat_table = self.block_table.view(-1)
             flat_table.index_copy_(0, staged[write_at : write_at + num_writes], staged[write_at + num_writes : end])
         meta = AttentionMetadata(slot_mapping=staged[slot_at:rows_at], block_size=bs, num_decodes=n)
-        if n:
-            max_blocks = -(-(max(positions) + 1) // bs)
-            if self._in_place:
-                # numpy's gather: one small single-threaded copy, no parallel region for a few kilobytes.
-                table = torch.from_numpy(self._table_np[:, :max_blocks][buf[rows_at:lens_at]])
-            else:
-                table = self.block_table[:, :max_blocks].index_select(0, staged[rows_at:lens_at])
-            self._add_decode_context(meta, table, staged[lens_at:sample_at])
+        if mixed:
+            meta.mixed_block_table = self._gather_rows(buf, staged, rows_at, lens_at, -(-max_context // bs))
+            meta.mixed_context_lens = staged[lens_at:starts_at]
+            meta.mixed_query_starts = staged[starts_at:sample_at]
+        elif n:
+            table = self._gather_rows(buf, staged, rows_at, lens_at, -(-(max(positions) + 1) // bs))
+            self._add_decode_context(meta, table, staged[lens_at:starts_at])
         for span, table_row, start in spans:
-            if start > 0:
+            if start > 0 and not mixed:
                 # Part of the context is already cached: attend over all of it, causally offset.
                 stop = start + span.end - span.start
                 span.context_blocks = self.block_table[table_row, : -(-stop // bs)]
@@ -178,6 +195,13 @@ class InputBuffers:
             sample_states=sample_states,
             sample_rows=staged[sample_at:write_at],
         )
+
+    def _gather_rows(self, buf: np.ndarray, staged: torch.Tensor, rows_at: int, end: int, width: int) -> torch.Tensor:
+        """The block-table rows whose indices sit at rows_at:end of the staging buffer, `width` entries each."""
+        if self._in_place:
+            # numpy's gather: one small single-threaded copy, no parallel region for a few kilobytes.
+            return torch.from_numpy(self._table_np[:, :width][buf[rows_at:end]])
+        return self.block_table[:, :width].index_select(0, staged[rows_at:end])
 
     def _add_decode_context(self, meta: AttentionMetadata, table: torch.Tensor, context_lens: torch.Tensor) -> None:
         """The decodes' [n, max_blocks] block table and context lengths, and what the torch decode path reads."""

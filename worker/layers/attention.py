@@ -10,6 +10,7 @@ from torch import nn
 
 from worker.layers.cpu_paged_attention import native_kernel
 from worker.layers.triton_attention import paged_decode_attention, triton_available
+from worker.layers.triton_mixed_attention import paged_mixed_attention
 
 
 @dataclass
@@ -52,6 +53,13 @@ class AttentionMetadata:
     decode_key_buffer: torch.Tensor | None = None
     decode_value_buffer: torch.Tensor | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # The mixed-batch kernel's view of a step with prefill rows on the Triton path: every sequence in row order
+    # (decodes, then prefill chunks), one launch per layer. Set, they replace the decode fields and the spans'
+    # context_blocks/mask, which are then not built. Sequence s owns rows mixed_query_starts[s]:[s + 1], the
+    # last positions of its mixed_context_lens[s] tokens.
+    mixed_query_starts: torch.Tensor | None = None  # [S + 1]
+    mixed_context_lens: torch.Tensor | None = None  # [S]
+    mixed_block_table: torch.Tensor | None = None  # [S, max_blocks], rows of the persistent table
 
 
 class Attention(nn.Module):
@@ -80,6 +88,20 @@ class Attention(nn.Module):
         key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
         key_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         value_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+
+        if meta.mixed_query_starts is not None:
+            # Decodes and prefill chunks alike read their context in place through the block table.
+            out = paged_mixed_attention(
+                q,
+                key_cache.transpose(0, 1),  # the kernel takes [slots, kv_heads, head_dim] through strides
+                value_cache.transpose(0, 1),
+                meta.mixed_block_table,
+                meta.mixed_query_starts,
+                meta.mixed_context_lens,
+                meta.block_size,
+                self.scale,
+            )
+            return out.view(num_tokens, self.num_heads * self.head_dim)
 
         out = torch.empty_like(q)
         n = meta.num_decodes
