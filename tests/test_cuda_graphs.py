@@ -3,8 +3,12 @@ re-run the captured forward from the static buffers, against eager execution ste
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,16 +16,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import worker.layers.attention as attention
+import worker.layers.triton_attention as triton_attention
 from proto import step_pb2
+from tests.requirements import TRITON_REQUIRED, require, require_module
 from tests.tiny_models import make_tiny_model
 from worker.cuda_graphs import CapturePlan, DecodeGraphs, StaticDecodeInputs, capture_sizes
 from worker.input_batch import FlatBatch
 from worker.kv_cache import allocate_kv_caches
 from worker.layers.attention import AttentionMetadata, PrefillSpan
 from worker.model_loader import load_model
-from worker.model_runner import ModelRunner
+from worker.model_runner import ModelRunner, decode_path_of
 from worker.parallel_state import SINGLE_RANK
 
+ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4
 NUM_BLOCKS = 160  # the head's pool; the scratch block is one past it
@@ -249,7 +256,7 @@ def model_dir(tmp_path_factory):
     return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
-def make_runner(model_dir, backend: CountingBackend | None) -> ModelRunner:
+def make_runner(model_dir, max_num_seqs: int, backend: CountingBackend | None) -> ModelRunner:
     model = load_model(model_dir)
     caches = allocate_kv_caches(
         model.num_layers, NUM_BLOCKS + 1, BLOCK_SIZE, model.num_kv_heads_per_rank, model.head_dim, torch.float32, CPU
@@ -262,7 +269,7 @@ def make_runner(model_dir, backend: CountingBackend | None) -> ModelRunner:
         CPU,
         SINGLE_RANK,
         max_num_tokens=256,
-        max_num_seqs=MAX_NUM_SEQS,
+        max_num_seqs=max_num_seqs,
         max_blocks_per_seq=MAX_BLOCKS_PER_SEQ,
         enforce_eager=backend is None,
         scratch_block=SCRATCH,
@@ -270,54 +277,81 @@ def make_runner(model_dir, backend: CountingBackend | None) -> ModelRunner:
     )
 
 
-@pytest.mark.parametrize("decode_path", ["torch", "native"])
+@dataclass
+class Stage:
+    """Handles finished, then requests added, then `steps` steps; `decode_rows` set: decode-only steps of that size."""
+
+    finish: list[int]
+    add: int
+    steps: int
+    decode_rows: int | None
+
+
+# Captured sizes 1, 2, 4, 8, 16, 24: decode steps of 3 → 4, 5 → 8, 17 → 24, 9 → 16 and 2 (exact), with requests
+# joining in mixed steps (eager) and leaving between steps.
+STAGES = [
+    Stage([], 3, 1, None),
+    Stage([], 0, 2, 3),
+    Stage([], 2, 1, None),
+    Stage([], 0, 2, 5),
+    Stage([1], 13, 1, None),
+    Stage([], 0, 3, 17),
+    Stage([0, 2, 5, 7, 9, 11, 13, 15], 0, 2, 9),
+    Stage([3, 4, 6, 8, 10, 12, 14], 0, 2, 2),
+]
+# The interpreted Triton kernels are slow: captured sizes 1, 2, 4, 8 and a shorter run.
+SHORT_STAGES = [
+    Stage([], 3, 1, None),
+    Stage([], 0, 2, 3),
+    Stage([], 2, 1, None),
+    Stage([], 0, 2, 5),
+    Stage([0, 2], 0, 2, 3),
+]
+
+
+@pytest.mark.parametrize("decode_path", ["torch", "native", "triton"])
 def test_replayed_decodes_match_eager(model_dir, decode_path, monkeypatch):
-    if decode_path == "torch":
-        monkeypatch.setattr(attention, "native_kernel", lambda: None)
-    elif attention.native_kernel() is None:
-        pytest.skip("the native CPU attention kernel is not available here")
+    if decode_path == "triton":
+        # Run by test_replayed_decodes_match_eager_through_interpreted_triton, under the interpreter.
+        if not triton_attention._INTERPRETED:
+            pytest.skip("runs under TRITON_INTERPRET=1 only")
+    else:
+        if triton_attention._INTERPRETED:
+            pytest.skip("the interpreter puts every decode on the Triton path")
+        if decode_path == "torch":
+            monkeypatch.setattr(attention, "native_kernel", lambda: None)
+        else:
+            require(attention.native_kernel() is not None, "needs the native CPU attention kernel (a C compiler)")
+    stages, max_num_seqs = (SHORT_STAGES, 8) if decode_path == "triton" else (STAGES, MAX_NUM_SEQS)
     backend = CountingBackend()
-    replayed, eager = make_runner(model_dir, backend), make_runner(model_dir, None)
+    replayed, eager = make_runner(model_dir, max_num_seqs, backend), make_runner(model_dir, max_num_seqs, None)
     assert eager.graphs is None and replayed.graphs is not None
-    assert backend.captured == [24, 16, 8, 4, 2, 1]
+    assert backend.captured == sorted(CapturePlan.for_limits(max_num_seqs).sizes, reverse=True)
+    assert decode_path_of(replayed.model, CPU, torch.float32) == decode_path
     rng = random.Random(3)
     head = Head()
-
-    def add(handles) -> None:
-        for handle in handles:
+    next_handle = 0
+    for stage in stages:
+        for handle in stage.finish:
+            head.finish(handle)
+        for handle in range(next_handle, next_handle + stage.add):
             head.add(handle, [rng.randrange(3, 250) for _ in range(rng.randint(3, 14))])
-
-    def steps(count: int, decode_rows: int | None = None) -> None:
-        for _ in range(count):
+        next_handle += stage.add
+        for _ in range(stage.steps):
             batch = head.batch()
             ours, theirs = replayed.execute(batch), eager.execute(batch)
-            if decode_rows is not None:
-                assert len(batch.new_requests) == 0 and len(ours.handles) == decode_rows
+            if stage.decode_rows is not None:
+                assert len(batch.new_requests) == 0 and len(ours.handles) == stage.decode_rows
             assert list(ours.handles) == list(theirs.handles)
             assert list(ours.token_ids) == list(theirs.token_ids), f"step {batch.step_id}"
             torch.testing.assert_close(list(ours.logprobs), list(theirs.logprobs), atol=1e-5, rtol=0)
             head.keep(ours)
 
-    add(range(3))
-    steps(1)  # prefill only: eager
-    steps(2, decode_rows=3)  # pads to 4
-    add([3, 4])
-    steps(1)  # 3 decodes and 2 prefills: eager
-    steps(2, decode_rows=5)  # pads to 8
-    head.finish(1)
-    add(range(5, 18))
-    steps(1)
-    steps(3, decode_rows=17)  # pads to 24
-    for handle in [0, 2, 5, 7, 9, 11, 13, 15]:
-        head.finish(handle)
-    steps(2, decode_rows=9)  # pads to 16
-    for handle in [3, 4, 6, 8, 10, 12, 14]:
-        head.finish(handle)
-    steps(2, decode_rows=2)  # a captured size, no padding
-
-    assert (replayed.num_replayed_steps, replayed.num_eager_steps) == (11, 3)
-    assert (eager.num_replayed_steps, eager.num_eager_steps) == (0, 14)
-    assert backend.replays == 11
+    num_replays = sum(stage.steps for stage in stages if stage.decode_rows is not None)
+    num_eager = sum(stage.steps for stage in stages if stage.decode_rows is None)
+    assert (replayed.num_replayed_steps, replayed.num_eager_steps) == (num_replays, num_eager)
+    assert (eager.num_replayed_steps, eager.num_eager_steps) == (0, num_replays + num_eager)
+    assert backend.replays == num_replays
 
     # The padded rows wrote into the scratch block's first slot and nowhere else.
     scratch = slice(SCRATCH * BLOCK_SIZE, (SCRATCH + 1) * BLOCK_SIZE)
@@ -329,3 +363,13 @@ def test_replayed_decodes_match_eager(model_dir, decode_path, monkeypatch):
         assert not ours.kv_cache[:, :, scratch.start + 1 : scratch.stop].any()
         paged = ours.kv_cache.view(2, ours.num_kv_heads, -1, BLOCK_SIZE, ours.head_dim)
         assert not paged[:, :, unused].any()
+
+
+def test_replayed_decodes_match_eager_through_interpreted_triton():
+    """The Triton decode kernel (and fused ops) the GPU captures, reading the static full-width table, on the CPU."""
+    require_module("triton", "needs Triton", required_in_ci=TRITON_REQUIRED)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "match_eager[triton]"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "1 passed" in result.stdout

@@ -150,7 +150,12 @@ class ModelRunner:
                 self.scratch_block,
             )
             graphs = DecodeGraphs(self.model, plan, inputs, backend)
-            graphs.capture()
+            try:
+                graphs.capture()
+            except Exception:
+                # A kernel that cannot be captured costs speed, not correctness: serve eagerly and say why.
+                logger.exception("rank %d: capturing decode graphs failed; decode steps run eagerly", self.tp.rank)
+                return None
         return graphs
 
     def prepare(self, batch: step_pb2.StepBatch) -> FlatBatch | None:
