@@ -180,6 +180,8 @@ class DecodeGraphs:
 
     `run` replays the smallest graph that fits a decode-only step and returns its hidden states; any other step
     (prefills, more rows than the largest graph, a block table wider than the static one) is left to the caller.
+    A graph holds the addresses of the weights and of the KV caches bound at capture: rebinding a layer's cache
+    afterwards needs a new capture.
     """
 
     def __init__(
