@@ -146,13 +146,13 @@ def pagerail_greedy(model_dir: Path, prompts, new_tokens: int, dtype: str, devic
 
 
 def graph_counts(llm) -> dict | None:
-    """How many steps replayed a CUDA graph and how many ran eagerly, when the runner counts them."""
+    """How many steps replayed a CUDA graph and how many ran eagerly on the in-process rank."""
     engine = getattr(llm, "engine", None)
-    worker = getattr(getattr(getattr(engine, "executor", None), "worker", None), "runner", None)
-    counts = getattr(worker, "graph_stats", None)
-    if counts is None:
+    worker = getattr(getattr(engine, "executor", None), "worker", None)
+    runner = getattr(worker, "runner", None)
+    if runner is None:
         return None
-    return dict(counts) if isinstance(counts, dict) else {"stats": str(counts)}
+    return {"replayed": runner.num_replayed_steps, "eager": runner.num_eager_steps}
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:

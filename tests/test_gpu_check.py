@@ -117,4 +117,6 @@ def test_parity_dry_run_on_cpu(tmp_path):
     assert model["transformers_float32"]["identical_to_fp32"] == 3
     assert model["eager"]["passed"] == 3
     assert all(p["diverges"] == 8 for p in model["eager"]["prompts"])
+    steps = model["eager"]["graph_steps"]
+    assert steps["replayed"] == 0 and steps["eager"] > 0  # no graphs on the CPU
     assert "parity: PASS" in done.stdout
