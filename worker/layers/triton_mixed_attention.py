@@ -13,10 +13,6 @@ if triton is not None:
 
 __all__ = ["paged_mixed_attention", "triton_available"]
 
-# Query rows (query tokens x query heads of one KV head) one program holds; 64 keeps the fp32 accumulator of a
-# 128-wide head in registers with four warps.
-_ROWS = 64
-
 
 if triton is not None:
 
@@ -30,15 +26,12 @@ if triton is not None:
         kv_end,
         query_pos,
         seq,
-        kv_head,
-        key_cache_ptr,
-        value_cache_ptr,
+        key_base,
+        value_base,
         block_tables_ptr,
         qk_scale,
         stride_k_slot,
-        stride_k_head,
         stride_v_slot,
-        stride_v_head,
         stride_table_seq,
         dims,
         dim_mask,
@@ -50,19 +43,20 @@ if triton is not None:
     ):
         # One K/V tile folded into the online softmax of every query row of the program.
         positions = tile_start + tl.arange(0, TILE_N)
-        if MASKED:
-            valid = positions < kv_end
-        else:
-            valid = positions >= 0  # the unmasked loop only visits keys every row may see
         # Each key finds its slot through the block table, so a tile may span several blocks and its size does
         # not depend on block_size. int64 keeps slot * stride from overflowing on large caches.
-        block_ids = tl.load(
-            block_tables_ptr + seq * stride_table_seq + positions // BLOCK_SIZE, mask=valid, other=0
-        ).to(tl.int64)
+        table_row = block_tables_ptr + seq * stride_table_seq
+        if MASKED:
+            valid = positions < kv_end
+            block_ids = tl.load(table_row + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            kv_mask = valid[:, None] & dim_mask[None, :]
+        else:
+            # Every key of an unmasked tile is in the context: only the head_dim padding is masked.
+            block_ids = tl.load(table_row + positions // BLOCK_SIZE).to(tl.int64)
+            kv_mask = dim_mask[None, :]
         slots = block_ids * BLOCK_SIZE + positions % BLOCK_SIZE
-        kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(
-            key_cache_ptr + slots[:, None] * stride_k_slot + kv_head * stride_k_head + dims[None, :],
+            key_base + slots[:, None] * stride_k_slot + dims[None, :],
             mask=kv_mask,
             other=0.0,
         ).to(DOT_DTYPE)
@@ -78,7 +72,7 @@ if triton is not None:
         probs = tl.exp2(scores - shift[:, None])
         row_sum = row_sum * rescale + tl.sum(probs, axis=1)
         v = tl.load(
-            value_cache_ptr + slots[:, None] * stride_v_slot + kv_head * stride_v_head + dims[None, :],
+            value_base + slots[:, None] * stride_v_slot + dims[None, :],
             mask=kv_mask,
             other=0.0,
         ).to(DOT_DTYPE)
@@ -160,21 +154,22 @@ if triton is not None:
         # Keys below the first query's position are visible to every row: those whole tiles skip the masks.
         full_end = (first_pos + 1) // TILE_N * TILE_N
 
+        # In int64: kv_head * stride of a head-major cache passes 2**31 elements on large caches.
+        key_base = key_cache_ptr + kv_head.to(tl.int64) * stride_k_head
+        value_base = value_cache_ptr + kv_head.to(tl.int64) * stride_v_head
         row_max = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
         for tile_start in range(0, full_end, TILE_N):
             acc, row_max, row_sum = _attend_tile(
-                q, acc, row_max, row_sum, tile_start, kv_end, query_pos, seq, kv_head,
-                key_cache_ptr, value_cache_ptr, block_tables_ptr, qk_scale,
-                stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_table_seq,
+                q, acc, row_max, row_sum, tile_start, kv_end, query_pos, seq, key_base, value_base,
+                block_tables_ptr, qk_scale, stride_k_slot, stride_v_slot, stride_table_seq,
                 dims, dim_mask, BLOCK_SIZE, TILE_N, False, DOT_DTYPE, DOT_PRECISION,
             )  # fmt: skip
         for tile_start in range(full_end, kv_end, TILE_N):
             acc, row_max, row_sum = _attend_tile(
-                q, acc, row_max, row_sum, tile_start, kv_end, query_pos, seq, kv_head,
-                key_cache_ptr, value_cache_ptr, block_tables_ptr, qk_scale,
-                stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_table_seq,
+                q, acc, row_max, row_sum, tile_start, kv_end, query_pos, seq, key_base, value_base,
+                block_tables_ptr, qk_scale, stride_k_slot, stride_v_slot, stride_table_seq,
                 dims, dim_mask, BLOCK_SIZE, TILE_N, True, DOT_DTYPE, DOT_PRECISION,
             )  # fmt: skip
 
@@ -247,6 +242,20 @@ def _check_inputs(
         raise ValueError(f"a context of {max(lens)} tokens exceeds the block table's {capacity} slots per sequence")
 
 
+def _tile_shape(dtype: torch.dtype, head_dim_pad: int, group_pad: int) -> tuple[int, int]:
+    """(query tokens per program, keys per K/V tile), from register budgets of four warps on sm_90.
+
+    A program holds rows = query tokens x group_pad query heads: 64 rows and 64 keys keep a 128-wide fp16/bf16
+    head in registers; wider heads get half of both. fp32 runs its dots as exact FMAs, which need far more
+    registers: it gets the smallest tiles (16 rows, 32 keys). The interpreter runs the same shapes as a GPU.
+    """
+    rows, keys = (64, 64) if head_dim_pad <= 128 else (32, 32)
+    if dtype == torch.float32:
+        rows, keys = 16, 32
+    # tl.dot needs at least 16 rows; a group wider than that gets one query token per program.
+    return max(1, rows // group_pad, 16 // group_pad), keys
+
+
 def paged_mixed_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -284,16 +293,15 @@ def paged_mixed_attention(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    # tl.dot needs at least 16 rows; a group wider than _ROWS gets one query token per program.
-    block_q = max(1, _ROWS // group_pad)
-    if block_q * group_pad < 16:
-        block_q = 16 // group_pad
-    tile_n = 64 if head_dim_pad <= 128 else 32
+    block_q, tile_n = _tile_shape(key_cache.dtype, head_dim_pad, group_pad)
     dot_dtype = key_cache.dtype
     if _INTERPRETED and dot_dtype == torch.bfloat16:
         # The interpreter keeps bf16 as raw uint16 bits and its tl.dot multiplies those bits, so it gets fp32.
         dot_dtype = torch.float32
-    # Sized from host-known counts only (see the kernel), so the launch never reads the device.
+    # (query tile, KV head) programs, tiles numbered across all sequences (see the kernel). A (sequence, tile,
+    # head) grid would be sized by the longest chunk, so one long prefill beside hundreds of decodes would launch
+    # hundreds of idle programs per tile; a host-built tile map would tie the input buffers to this kernel's tile
+    # size. This grid needs only T and S, known on the host: no device read, and at most S idle programs.
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_mixed_kernel[grid](
         out,
