@@ -98,6 +98,9 @@ if triton is not None:
         row_sum = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
 
+        # A KV head's offset in a cache of more than 2**31 elements overflows int32.
+        key_head_offset = kv_head.to(tl.int64) * stride_k_head
+        value_head_offset = kv_head.to(tl.int64) * stride_v_head
         offsets = tl.arange(0, TILE)
         for tile_start in range(start, end, TILE):
             positions = tile_start + offsets
@@ -111,7 +114,7 @@ if triton is not None:
             kv_mask = valid[:, None] & dim_mask[None, :]
 
             k = tl.load(
-                key_cache_ptr + slots[:, None] * stride_k_slot + kv_head * stride_k_head + dims[None, :],
+                key_cache_ptr + slots[:, None] * stride_k_slot + key_head_offset + dims[None, :],
                 mask=kv_mask,
                 other=0.0,
             ).to(DOT_DTYPE)
@@ -125,7 +128,7 @@ if triton is not None:
             row_sum = row_sum * rescale + tl.sum(probs, axis=1)
 
             v = tl.load(
-                value_cache_ptr + slots[:, None] * stride_v_slot + kv_head * stride_v_head + dims[None, :],
+                value_cache_ptr + slots[:, None] * stride_v_slot + value_head_offset + dims[None, :],
                 mask=kv_mask,
                 other=0.0,
             ).to(DOT_DTYPE)
