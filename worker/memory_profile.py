@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -149,6 +150,11 @@ def _prefill_step(
         block_size=block_size,
         prefills=[PrefillSpan(s, min(s + span, num_tokens)) for s in starts],
     )
+    dtype = next(model.parameters()).dtype
+    if decode_path(device, model.num_heads_per_rank, model.num_kv_heads_per_rank, model.head_dim, dtype) == "triton":
+        # Real prefill steps on this path go through the mixed-batch kernel, whose working memory is far below
+        # SDPA's; profiling SDPA would hold back KV memory that no step uses.
+        _add_mixed_layout(meta, list(starts), span, num_tokens, block_size, device)
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     sample_rows = torch.arange(num_tokens - num_seqs, num_tokens, device=device)
     vocab_size = model.config.vocab_size
@@ -164,6 +170,21 @@ def _prefill_step(
             Sampler()(logits, [row] * num_seqs)
 
     return run
+
+
+def _add_mixed_layout(
+    meta: AttentionMetadata, starts: list[int], span: int, num_tokens: int, block_size: int, device: torch.device
+) -> None:
+    """The mixed-batch kernel's view of the profile's spans: each a fresh prefill over slots it wrote itself."""
+    lengths = [min(span, num_tokens - s) for s in starts]
+    num_blocks = -(-num_tokens // block_size)  # the temporary cache holds exactly these
+    width = -(-span // block_size) + 1
+    table = torch.tensor(
+        [[min(s // block_size + j, num_blocks - 1) for j in range(width)] for s in starts], dtype=torch.long
+    )
+    meta.mixed_block_table = table.to(device)
+    meta.mixed_context_lens = torch.tensor(lengths, dtype=torch.long, device=device)
+    meta.mixed_query_starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.long, device=device)
 
 
 def _decode_step(
