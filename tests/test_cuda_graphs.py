@@ -3,10 +3,7 @@ re-run the captured forward from the static buffers, against eager execution ste
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,8 +15,9 @@ from hypothesis import strategies as st
 import worker.layers.attention as attention
 import worker.layers.triton_attention as triton_attention
 from proto import step_pb2
-from tests.requirements import TRITON_REQUIRED, require, require_module
+from tests.requirements import require
 from tests.tiny_models import make_tiny_model
+from tests.triton_interpreter import run_interpreted
 from worker.cuda_graphs import CapturePlan, DecodeGraphs, StaticDecodeInputs, capture_sizes
 from worker.input_batch import FlatBatch
 from worker.kv_cache import allocate_kv_caches
@@ -367,9 +365,7 @@ def test_replayed_decodes_match_eager(model_dir, decode_path, monkeypatch):
 
 def test_replayed_decodes_match_eager_through_interpreted_triton():
     """The Triton decode kernel (and fused ops) the GPU captures, reading the static full-width table, on the CPU."""
-    require_module("triton", "needs Triton", required_in_ci=TRITON_REQUIRED)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "match_eager[triton]"]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    command = ["-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "match_eager[triton]"]
+    result = run_interpreted(command, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "1 passed" in result.stdout

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from tests.requirements import TRITON_REQUIRED, require_module
+from tests.triton_interpreter import run_interpreted
 
 require_module("triton", "needs Triton", required_in_ci=TRITON_REQUIRED)
 
@@ -20,15 +18,9 @@ FIRST = SHARED + [7, 8, 9]
 PROMPTS = [SHARED + [30 + i] * (i + 2) for i in range(3)] + [list(range(40, 77))]
 
 
-def _interpreted(code: str, timeout: int) -> subprocess.CompletedProcess:
-    """Run `code` in a separate interpreter: TRITON_INTERPRET must be set before triton is first imported."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run(code, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def test_engine_parity_through_triton_kernel():
-    result = _interpreted(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_engine_tiny.py", "-k", "llama"],
+    result = run_interpreted(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_engine_tiny.py", "-k", "llama"],
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -93,8 +85,8 @@ def test_chunked_prefill_and_prefix_hits_through_mixed_kernel(tmp_path):
     from tests.tiny_models import make_tiny_model
 
     model_dir = str(make_tiny_model("llama", tmp_path / "llama"))
-    result = _interpreted(
-        [sys.executable, "-c", f"from tests.test_engine_triton import _mixed_report; _mixed_report({model_dir!r})"],
+    result = run_interpreted(
+        ["-c", f"from tests.test_engine_triton import _mixed_report; _mixed_report({model_dir!r})"],
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

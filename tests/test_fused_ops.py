@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.requirements import TRITON_REQUIRED, require_module
 from tests.tiny_models import tiny_config
+from tests.triton_interpreter import interpreted_report
 from worker.layers.attention import AttentionMetadata, PrefillSpan
 from worker.parallel_state import SINGLE_RANK
 
@@ -176,20 +176,7 @@ def _report() -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_errors() -> dict[str, float]:
-    require_module("triton", "needs Triton", required_in_ci=TRITON_REQUIRED)
-    # triton fixes interpreted-vs-compiled when a kernel is decorated, so the interpreter runs in its own
-    # process; this one, and every other test in it, never sees TRITON_INTERPRET.
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PAGERAIL_FUSED_OPS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", "from tests.test_fused_ops import _report; _report()"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return interpreted_report("tests.test_fused_ops", env={"PAGERAIL_FUSED_OPS": "1"})
 
 
 @pytest.mark.parametrize("op", ["norm", "add", "rope", "silu"])

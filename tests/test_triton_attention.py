@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.requirements import TRITON_REQUIRED, require_module
+from tests.triton_interpreter import interpreted_report
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -122,20 +121,7 @@ def _report() -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_errors() -> dict[str, float]:
-    require_module("triton", "needs Triton", required_in_ci=TRITON_REQUIRED)
-    # triton fixes interpreted-vs-compiled when a kernel is decorated, so the interpreter runs in its
-    # own process; this one, and every other test in it, never sees TRITON_INTERPRET.
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", "from tests.test_triton_attention import _report; _report()"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return interpreted_report("tests.test_triton_attention")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -14,6 +11,7 @@ import torch
 
 from proto import step_pb2
 from tests.requirements import TRITON_REQUIRED, require_module
+from tests.triton_interpreter import interpreted_report
 from worker.input_buffers import InputBuffers
 from worker.request_state import RequestState
 
@@ -133,20 +131,7 @@ def _report() -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_errors() -> dict[str, float]:
-    require_module("triton", "needs Triton", required_in_ci=TRITON_REQUIRED)
-    # triton fixes interpreted-vs-compiled when a kernel is decorated, so the interpreter runs in its own
-    # process; this one, and every other test in it, never sees TRITON_INTERPRET.
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", "from tests.test_triton_mixed_attention import _report; _report()"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return interpreted_report("tests.test_triton_mixed_attention")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
