@@ -33,6 +33,17 @@ def triton_available(device: torch.device | str) -> bool:
     return _INTERPRETED or torch.device(device).type == "cuda"
 
 
+def dot_operands(cache_dtype: torch.dtype) -> dict[str, object]:
+    """The DOT_DTYPE and DOT_PRECISION kernel arguments for K/V stored as `cache_dtype`.
+
+    tl.dot wants both operands in one dtype, so K/V feed it as stored. The interpreter keeps bf16 as raw uint16
+    bits and its tl.dot multiplies those bits, so there bf16 goes through fp32. fp32 operands ask for full
+    precision instead of silently dropping to TF32 on tensor cores.
+    """
+    dot_dtype = torch.float32 if _INTERPRETED and cache_dtype == torch.bfloat16 else cache_dtype
+    return {"DOT_DTYPE": _TL_DTYPES[dot_dtype], "DOT_PRECISION": "ieee" if dot_dtype == torch.float32 else None}
+
+
 if triton is not None:
 
     @triton.jit
@@ -275,10 +286,6 @@ def paged_decode_attention(
         raise ValueError(f"partition_size must be a positive multiple of {tile}, got {partition_size}")
     num_partitions = 1 if partition_size is None else max(1, -(-max_context // partition_size))
     split = num_partitions > 1
-    dot_dtype = key_cache.dtype
-    if _INTERPRETED and dot_dtype == torch.bfloat16:
-        # The interpreter keeps bf16 as raw uint16 bits and its tl.dot multiplies those bits, so it gets fp32.
-        dot_dtype = torch.float32
     if split:
         part_max = torch.empty((num_seqs, num_heads, num_partitions), dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
@@ -316,9 +323,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         TILE=tile,
         SPLIT=split,
-        DOT_DTYPE=_TL_DTYPES[dot_dtype],
-        # fp32 operands keep full precision instead of silently dropping to TF32 on tensor cores.
-        DOT_PRECISION="ieee" if dot_dtype == torch.float32 else None,
+        **dot_operands(key_cache.dtype),
     )
     if split:
         _reduce_partitions_kernel[(num_seqs, num_heads)](

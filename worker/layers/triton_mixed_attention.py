@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from worker.layers.triton_attention import _INTERPRETED, _TL_DTYPES, triton, triton_available
+from worker.layers.triton_attention import _TL_DTYPES, dot_operands, triton, triton_available
 
 if triton is not None:
     import triton.language as tl
@@ -294,10 +294,6 @@ def paged_mixed_attention(
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     block_q, tile_n = _tile_shape(key_cache.dtype, head_dim_pad, group_pad)
-    dot_dtype = key_cache.dtype
-    if _INTERPRETED and dot_dtype == torch.bfloat16:
-        # The interpreter keeps bf16 as raw uint16 bits and its tl.dot multiplies those bits, so it gets fp32.
-        dot_dtype = torch.float32
     # (query tile, KV head) programs, tiles numbered across all sequences (see the kernel). A (sequence, tile,
     # head) grid would be sized by the longest chunk, so one long prefill beside hundreds of decodes would launch
     # hundreds of idle programs per tile; a host-built tile map would tie the input buffers to this kernel's tile
@@ -329,9 +325,7 @@ def paged_mixed_attention(
         BLOCK_Q=block_q,
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
-        DOT_DTYPE=_TL_DTYPES[dot_dtype],
-        # fp32 operands keep full precision instead of silently dropping to TF32 on tensor cores.
-        DOT_PRECISION="ieee" if dot_dtype == torch.float32 else None,
+        **dot_operands(key_cache.dtype),
         num_warps=4,
         # Double-buffered K/V tiles fit shared memory for every dtype and head size up to 256.
         num_stages=2,
