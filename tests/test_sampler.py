@@ -262,3 +262,37 @@ def test_batched_penalties_are_bit_identical_to_row_by_row(seed: int) -> None:
         got = torch.full((vocab,), float("nan"))
         got[torch.tensor(out.top_ids[i])] = torch.tensor(out.top_logprobs[i])
         assert torch.equal(got, want[i]), f"row {i}: {rows[i]}"
+
+
+@pytest.mark.parametrize(
+    "fields, fast",
+    [
+        (dict(temperature=0.0), True),
+        (dict(temperature=0.0, top_k=5, top_p=0.5, min_p=0.1, seed=3), True),  # filters never change an argmax
+        (dict(temperature=0.0, repetition_penalty=1.0, min_tokens=4), True),  # nothing to ban without stop ids
+        (dict(temperature=0.7), False),
+        (dict(temperature=0.0, repetition_penalty=1.2), False),
+        (dict(temperature=0.0, presence_penalty=0.5), False),
+        (dict(temperature=0.0, frequency_penalty=0.5), False),
+        (dict(temperature=0.0, num_logprobs=0), False),
+        (dict(temperature=0.0, min_tokens=4, stop_token_ids=[3]), False),
+    ],
+)
+def test_argmax_only_requests_sample_the_argmax(fields, fast):
+    """The rank's argmax shortcut is taken exactly for requests whose sampler path is a plain argmax."""
+    from proto import step_pb2
+    from worker.model_runner import sampling_row
+    from worker.request_state import RequestState, argmax_only
+
+    sampling = step_pb2.SamplingParams(**fields)
+    assert argmax_only(sampling) is fast
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 50, generator=generator)
+    logits[0, 3] = logits.max() + 1.0  # the stop token is the argmax, so a ban would show
+    state = RequestState(1, [5, 6], 2, sampling, [0], 2, None)
+    row = sampling_row(state)
+    if fast:
+        assert Sampler()(logits, [row]).token_ids == [3]
+        assert not row.has_penalties and not row.banned_token_ids and row.num_logprobs is None
+    else:
+        assert not row.greedy or row.has_penalties or row.banned_token_ids or row.num_logprobs is not None

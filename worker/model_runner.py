@@ -224,6 +224,17 @@ class ModelRunner:
             self.constraints.release(state)
 
     def _sample(self, logits: torch.Tensor, states: list[RequestState], result: step_pb2.StepResult) -> list[int]:
+        constraints = self.constraints
+        constraints.seconds = 0.0
+        if all(state.argmax_only for state in states):
+            # The common greedy step: no per-row settings to build, one argmax after the constraint masks.
+            constraints.mask(logits, states)
+            token_ids = logits.argmax(dim=-1).tolist()
+            result.constraint_done.extend(constraints.advance(states, token_ids))
+            result.constraint_seconds = constraints.seconds
+            result.handles.extend(state.handle for state in states)
+            result.token_ids.extend(token_ids)
+            return token_ids
         rows = [sampling_row(state) for state in states]
         history = None
         penalized = [row for row in rows if row.has_penalties]
@@ -235,8 +246,6 @@ class ModelRunner:
                 seen=any(row.penalizes_repetition for row in penalized),
                 output_counts=any(row.penalizes_outputs for row in penalized),
             )
-        constraints = self.constraints
-        constraints.seconds = 0.0
         constraints.mask(logits, states)
         sampled = self.sampler(logits, rows, history)
         result.constraint_done.extend(constraints.advance(states, sampled.token_ids))

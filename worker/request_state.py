@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from proto import step_pb2
+from worker.sampler import GREEDY_TEMPERATURE
 
 
 @dataclass
@@ -27,6 +28,9 @@ class RequestState:
     # Counts replacements of block_ids (preemption, resumption), so copies of it kept elsewhere (the persistent
     # block table) know to rewrite rather than append.
     block_epoch: int = 0
+    # Every token is the argmax of the (masked) logits: greedy, no penalties, no logprobs, no banned tokens.
+    # Fixed for the request's life, so a step of such requests skips building per-row sampling settings.
+    argmax_only: bool = False
 
     def seeded_generator(self) -> torch.Generator | None:
         """The generator for this request's next token, reseeded from (seed, output position).
@@ -39,6 +43,18 @@ class RequestState:
         position = len(self.token_ids) - self.num_prompt_tokens
         self.generator.manual_seed((self.sampling.seed * 0x9E3779B97F4A7C15 + position) & 0xFFFFFFFFFFFFFFFF)
         return self.generator
+
+
+def argmax_only(sampling: step_pb2.SamplingParams) -> bool:
+    """True when every token of the request is the argmax of its logits, whatever its outputs so far."""
+    return (
+        sampling.temperature < GREEDY_TEMPERATURE
+        and sampling.repetition_penalty in (0.0, 1.0)
+        and sampling.presence_penalty == 0.0
+        and sampling.frequency_penalty == 0.0
+        and not sampling.HasField("num_logprobs")
+        and (sampling.min_tokens == 0 or not sampling.stop_token_ids)
+    )
 
 
 class RequestStates:
@@ -73,6 +89,7 @@ class RequestStates:
                 generator=self._generator(new.sampling),
                 num_scheduled_tokens=new.num_scheduled_tokens,
                 skip_sampling=new.skip_sampling,
+                argmax_only=argmax_only(new.sampling),
             )
             self._drop(states.get(new.handle))
             states[new.handle] = state
