@@ -15,9 +15,17 @@ from worker.request_state import RequestState
 
 
 def build_flat_batch(
-    scheduled: list[RequestState], block_size: int, device: torch.device, workspace: GatherWorkspace | None = None
+    scheduled: list[RequestState],
+    block_size: int,
+    device: torch.device,
+    workspace: GatherWorkspace | None = None,
+    mixed: bool = False,
 ) -> FlatBatch:
-    """Lay out decodes first so one batched attention call covers them all, then each prefill chunk."""
+    """Lay out decodes first so one batched attention call covers them all, then each prefill chunk.
+
+    `mixed`: attention runs the Triton kernels, so a step with prefill chunks gets the mixed-batch kernel's
+    per-sequence layout instead of decode tables and prefill masks.
+    """
     decodes = [s for s in scheduled if s.num_scheduled_tokens == 1]
     prefills = [s for s in scheduled if s.num_scheduled_tokens > 1]
     input_ids: list[int] = []
@@ -35,6 +43,7 @@ def build_flat_batch(
             sample_states.append(state)
             sample_rows.append(row)
 
+    mixed = mixed and bool(prefills)
     spans: list[PrefillSpan] = []
     row = len(decodes)
     for state in prefills:
@@ -47,7 +56,7 @@ def build_flat_batch(
         slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
         slot_mapping.extend(slots[start_pos:end_pos].tolist())
         span = PrefillSpan(row, row + count)
-        if start_pos > 0:
+        if start_pos > 0 and not mixed:
             # Part of the context is already cached: attend over all of it, causally offset.
             span.context_blocks = blocks.to(device)
             span.context_len = end_pos
@@ -65,7 +74,9 @@ def build_flat_batch(
         num_decodes=len(decodes),
         prefills=spans,
     )
-    if decodes:
+    if mixed:
+        _add_mixed_layout(meta, decodes + prefills, block_size, device)
+    elif decodes:
         _add_decode_context(meta, decodes, block_size, device)
         if workspace is not None:
             meta.decode_key_buffer, meta.decode_value_buffer = workspace.buffers(meta.decode_block_table.numel())
@@ -94,3 +105,16 @@ def _add_decode_context(
     meta.decode_block_table = torch.tensor(padded, dtype=torch.long, device=device)
     meta.decode_context_lens = lens.to(device)
     meta.decode_mask = mask[:, None, None, :].to(device)
+
+
+def _add_mixed_layout(meta: AttentionMetadata, ordered: list[RequestState], block_size: int, device: torch.device):
+    """Every sequence's query rows, context length and zero-padded block-table row, in row order."""
+    context_lens = [s.num_computed_tokens + s.num_scheduled_tokens for s in ordered]
+    starts = [0]
+    for state in ordered:
+        starts.append(starts[-1] + state.num_scheduled_tokens)
+    width = -(-max(context_lens) // block_size)
+    padded = [s.block_ids[:width] + [0] * (width - len(s.block_ids[:width])) for s in ordered]
+    meta.mixed_block_table = torch.tensor(padded, dtype=torch.long, device=device)
+    meta.mixed_context_lens = torch.tensor(context_lens, dtype=torch.long, device=device)
+    meta.mixed_query_starts = torch.tensor(starts, dtype=torch.long, device=device)

@@ -51,10 +51,15 @@ class InputBuffersMachine(RuleBasedStateMachine):
         capacity=st.tuples(st.integers(1, 4), st.integers(1, 3), st.integers(1, 8)),
         torch_decode=st.booleans(),
         in_place=st.booleans(),
+        mixed=st.booleans(),
     )
-    def setup(self, block_size: int, capacity: tuple[int, int, int], torch_decode: bool, in_place: bool) -> None:
-        """`in_place` False runs the device path on the CPU: table writes staged, then applied by index."""
+    def setup(
+        self, block_size: int, capacity: tuple[int, int, int], torch_decode: bool, in_place: bool, mixed: bool
+    ) -> None:
+        """`in_place` False runs the device path on the CPU: table writes staged, then applied by index. `mixed`:
+        steps with prefill chunks are laid out for the mixed-batch Triton kernel."""
         self.block_size = block_size
+        self.mixed = mixed and not torch_decode  # the mixed kernel runs where the decode path is Triton's
         self.torch_decode = torch_decode
         num_seqs, blocks_per_seq, num_tokens = capacity
         # Tiny starting sizes, so every buffer has to grow along the way.
@@ -66,6 +71,7 @@ class InputBuffersMachine(RuleBasedStateMachine):
             max_blocks_per_seq=blocks_per_seq,
             build_decode_mask=torch_decode,
             workspace=self._workspace(),
+            mixed_attention=self.mixed,
             in_place=in_place if self.device.type == "cpu" else None,
         )
         self.ours = RequestStates(self.device, on_drop=self.buffers.release)
@@ -132,7 +138,9 @@ class InputBuffersMachine(RuleBasedStateMachine):
         reference_states = self.reference.apply(self.batch)
         reference = None
         if any(s.num_scheduled_tokens > 0 for s in reference_states):
-            reference = build_flat_batch(reference_states, self.block_size, self.device, self.reference_workspace)
+            reference = build_flat_batch(
+                reference_states, self.block_size, self.device, self.reference_workspace, mixed=self.mixed
+            )
         self._compare(ours, reference)
         if ours is not None:
             self._finish_step(ours, reference)
@@ -205,8 +213,9 @@ class InputBuffersMachine(RuleBasedStateMachine):
         assert [s.handle for s in ours.sample_states] == [s.handle for s in reference.sample_states]
         got, want = ours.attention, reference.attention
         _same(got.slot_mapping, want.slot_mapping, "slot_mapping")
+        _same(got.mixed_query_starts, want.mixed_query_starts, "mixed_query_starts")
         assert (got.block_size, got.num_decodes) == (want.block_size, want.num_decodes)
-        for name in ("decode_block_table", "decode_context_lens"):
+        for name in ("decode_block_table", "decode_context_lens", "mixed_block_table", "mixed_context_lens"):
             _same(getattr(got, name), getattr(want, name), name)
         if self.torch_decode:
             _same(got.decode_mask, want.decode_mask, "decode_mask")
