@@ -5,7 +5,7 @@
 # byte read once at 4.8 TB/s), plus the in-run matmul roofline. Results land in $OUT as JSON, one file per run.
 # Usage: bench/gpu.sh   (PYTHON=... picks the interpreter, OUT=... the results folder, WORKLOADS="small long"
 #                        and MODES="graphs eager" pick the runs)
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-bench-results/gpu}
@@ -13,7 +13,8 @@ HBM_GBS=${HBM_GBS:-4800}
 WORKLOADS=${WORKLOADS:-"small long"}
 MODES=${MODES:-"graphs eager"}
 MODEL_DIR=${MODEL_DIR:-/tmp/pagerail-llama-3.1-8b-shape}
-mkdir -p "$OUT" "$MODEL_DIR"
+mkdir -p "$OUT" "$MODEL_DIR" || exit 1
+failed=0
 
 # The architecture of Llama 3.1 8B (no weights: the engine fills them with --load-format dummy).
 "$PYTHON" - "$MODEL_DIR" <<'PY'
@@ -28,6 +29,7 @@ LlamaConfig(
     bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False, rope_parameters=rope,
 ).save_pretrained(sys.argv[1])
 PY
+[ $? -eq 0 ] || exit 1
 
 common=(
   --model "$MODEL_DIR" --load-format dummy --device cuda --dtype bfloat16 --vocab-size 128256
@@ -37,7 +39,8 @@ common=(
 run() {
   local name=$1; shift
   echo "== $name"
-  "$PYTHON" -m cluster.cli bench throughput "${common[@]}" "$@" --json > "$OUT/$name.json"
+  # A failed run is reported and the others still run: each answers a different question.
+  "$PYTHON" -m cluster.cli bench throughput "${common[@]}" "$@" --json > "$OUT/$name.json" || { failed=1; return; }
   "$PYTHON" - "$OUT/$name.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -57,9 +60,10 @@ for workload in $WORKLOADS; do
   esac
   for mode in $MODES; do
     case $mode in
-      graphs) run "$label-graphs" "${shape[@]}" ;;
-      eager) run "$label-eager" "${shape[@]}" --enforce-eager ;;
+      graphs) run "$label-graphs" "${shape[@]}" || failed=1 ;;
+      eager) run "$label-eager" "${shape[@]}" --enforce-eager || failed=1 ;;
       *) echo "unknown mode $mode (graphs, eager)" >&2; exit 2 ;;
     esac
   done
 done
+exit $failed
