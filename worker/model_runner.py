@@ -226,34 +226,32 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, states: list[RequestState], result: step_pb2.StepResult) -> list[int]:
         constraints = self.constraints
         constraints.seconds = 0.0
+        sampled = None
         if all(state.argmax_only for state in states):
             # The common greedy step: no per-row settings to build, one argmax after the constraint masks.
             constraints.mask(logits, states)
             token_ids = logits.argmax(dim=-1).tolist()
-            result.constraint_done.extend(constraints.advance(states, token_ids))
-            result.constraint_seconds = constraints.seconds
-            result.handles.extend(state.handle for state in states)
-            result.token_ids.extend(token_ids)
-            return token_ids
-        rows = [sampling_row(state) for state in states]
-        history = None
-        penalized = [row for row in rows if row.has_penalties]
-        if penalized:
-            if self.penalties is None:
-                self.penalties = PenaltyState(logits.shape[1], logits.device)
-            history = self.penalties.history(
-                [state for state, row in zip(states, rows, strict=True) if row.has_penalties],
-                seen=any(row.penalizes_repetition for row in penalized),
-                output_counts=any(row.penalizes_outputs for row in penalized),
-            )
-        constraints.mask(logits, states)
-        sampled = self.sampler(logits, rows, history)
-        result.constraint_done.extend(constraints.advance(states, sampled.token_ids))
+        else:
+            rows = [sampling_row(state) for state in states]
+            history = None
+            penalized = [row for row in rows if row.has_penalties]
+            if penalized:
+                if self.penalties is None:
+                    self.penalties = PenaltyState(logits.shape[1], logits.device)
+                history = self.penalties.history(
+                    [state for state, row in zip(states, rows, strict=True) if row.has_penalties],
+                    seen=any(row.penalizes_repetition for row in penalized),
+                    output_counts=any(row.penalizes_outputs for row in penalized),
+                )
+            constraints.mask(logits, states)
+            sampled = self.sampler(logits, rows, history)
+            token_ids = sampled.token_ids
+        result.constraint_done.extend(constraints.advance(states, token_ids))
         result.constraint_seconds = constraints.seconds
         result.handles.extend(state.handle for state in states)
-        result.token_ids.extend(sampled.token_ids)
-        if any(row.num_logprobs is not None for row in rows):
+        result.token_ids.extend(token_ids)
+        if sampled is not None and any(row.num_logprobs is not None for row in rows):
             result.logprobs.extend(lp if lp is not None else 0.0 for lp in sampled.logprobs)
             for ids, lps in zip(sampled.top_ids, sampled.top_logprobs, strict=True):
                 result.top_logprobs.add(token_ids=ids, logprobs=lps)
-        return sampled.token_ids
+        return token_ids
