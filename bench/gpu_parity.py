@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 TOP = 5
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
 # SmolLM2-135M's architecture, for a random checkpoint of its shape when the embedded weights are absent.
 _SMOLLM2_SHAPE = dict(
@@ -188,11 +188,13 @@ def _free(device: str) -> None:
 def check_model(name: str, model_dir: Path, args: argparse.Namespace) -> dict:
     from transformers import AutoConfig
 
+    from worker.model_loader import resolve_dtype
+
     vocab = AutoConfig.from_pretrained(str(model_dir)).vocab_size
     prompts = make_prompts(vocab, args.prompts, args.seed)
     started = time.perf_counter()
     fp32 = transformers_greedy(model_dir, prompts, args.new_tokens, torch.float32, args.device)
-    half = transformers_greedy(model_dir, prompts, args.new_tokens, _DTYPES[args.dtype], args.device)
+    half = transformers_greedy(model_dir, prompts, args.new_tokens, resolve_dtype(args.dtype), args.device)
     report: dict = {"model": name, "prompts": len(prompts), "new_tokens": args.new_tokens}
     same = sum(first_divergence(h[0], f[0]) == args.new_tokens for h, f in zip(half, fp32, strict=True))
     report["transformers_" + args.dtype] = {"identical_to_fp32": same}
@@ -227,7 +229,7 @@ def print_report(report: dict, dtype: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
-    parser.add_argument("--dtype", default=None, choices=tuple(_DTYPES), help="default: bfloat16 on CUDA, else float32")
+    parser.add_argument("--dtype", default=None, choices=_DTYPE_NAMES, help="default: bfloat16 on CUDA, else float32")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=8, help="at most 8")
     parser.add_argument("--seed", type=int, default=0)
