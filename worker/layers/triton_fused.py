@@ -17,15 +17,9 @@ import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs never reach the kernels; the modules keep their torch code.
-    triton = None
-    tl = None
-
-# triton decides at decoration time whether a kernel is compiled or interpreted, so record it once, here.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+# One triton import guard, interpreter flag and dtype table for every kernel module: CPU-only installs have no
+# triton, and the modules then keep their torch code.
+from worker.layers.triton_attention import _INTERPRETED, _TL_DTYPES, tl, triton
 
 ENABLED = os.environ.get("PAGERAIL_FUSED_OPS", "1").strip().lower() not in ("0", "false", "off", "no")
 
@@ -41,10 +35,6 @@ def fused_available(*tensors: torch.Tensor) -> bool:
     if not ENABLED or triton is None:
         return False
     return all(t.dtype in _SUPPORTED_DTYPES and (_INTERPRETED or t.is_cuda) for t in tensors)
-
-
-def _tl_dtype(dtype: torch.dtype):
-    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
 
 
 def _num_warps(elements: int) -> int:
@@ -227,7 +217,7 @@ def rms_norm(
             BLOCK_ROWS=block_rows,
             BLOCK_COLS=block_cols,
             HAS_RESIDUAL=residual is not None,
-            OUT_DTYPE=_tl_dtype(out_dtype),
+            OUT_DTYPE=_TL_DTYPES[out_dtype],
             num_warps=_num_warps(block_rows * block_cols),
         )
     return out if residual is None else (out, residual)
