@@ -67,7 +67,8 @@ def server_command(server: str, model: Path, name: str, port: int, args: argpars
     if server == "pagerail":
         flags = ["--served-model-name", name, "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes"]
         flags += [kv_bytes, "--max-num-batched-tokens", str(TOKEN_BUDGET), "--max-num-seqs", str(MAX_NUM_SEQS)]
-        return pagerail_serve_command(args.pagerail_python, model, port, *flags, "--max-model-len", str(MAX_MODEL_LEN))
+        flags += ["--max-model-len", str(MAX_MODEL_LEN), *args.pagerail_flags]
+        return pagerail_serve_command(args.pagerail_python, model, port, *flags)
     command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     command += ["--served-model-name", name, "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS)]
@@ -153,6 +154,9 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="vLLM's interpreter")
+    parser.add_argument(
+        "--pagerail-flags", nargs="+", default=[], metavar="FLAG", help="more flags for pagerail serve (e.g. =--x)"
+    )
     parser.add_argument("--pagerail-python", default=sys.executable, help="pagerail's interpreter (default: this)")
     parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache of each server (default 4 GiB)")
     parser.add_argument("--start-timeout", type=float, default=1200.0, help="seconds a server may take to start")

@@ -53,6 +53,9 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="overlapped steps on or off (offline and serve); default: the engine's (on for GPUs, off on CPUs)",
     )
+    engine.add_argument(
+        "--cpus-per-worker", type=float, default=None, help="passed to each pagerail serve (default: the server's)"
+    )
     parts = parser.add_argument_group("parts")
     parts.add_argument("--skip-serve", action="store_true", help="only the ceiling and the offline LLM")
     parts.add_argument("--skip-tp2", action="store_true", help="no tensor-parallel 2 server")
@@ -75,6 +78,7 @@ class RunSettings:
     max_num_seqs: int
     async_scheduling: bool | None
     timeout: float
+    cpus_per_worker: float | None = None
 
 
 def run_offline(settings: RunSettings) -> dict[str, Any]:
@@ -143,6 +147,8 @@ def run_served(settings: RunSettings, tensor_parallel_size: int, users: int, log
         "--max-num-seqs", str(settings.max_num_seqs),
         "--kv-cache-memory-bytes", str(settings.num_blocks * per_block),
     ]  # fmt: skip
+    if settings.cpus_per_worker is not None:
+        flags += ["--cpus-per-worker", f"{settings.cpus_per_worker:g}"]
     if settings.async_scheduling is not None:
         flags.append("--async-scheduling" if settings.async_scheduling else "--no-async-scheduling")
     port = free_port()
@@ -219,6 +225,7 @@ def run_overhead(args: argparse.Namespace) -> int:
             max_num_seqs=max(args.num_requests, args.users),
             async_scheduling=args.async_scheduling,
             timeout=args.timeout,
+            cpus_per_worker=args.cpus_per_worker,
         )
         parts: dict[str, Any] = {
             "ceiling": measure_forward_ceiling(

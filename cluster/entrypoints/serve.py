@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -14,6 +15,28 @@ from cluster.core.config import CacheConfig, EngineConfig, ObservabilityConfig, 
 from cluster.core.router import POLICIES
 from cluster.frontend.tool_calls import TOOL_CALL_PARSERS
 from common.logs import LOG_FORMAT_ENV, configure_logging
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def cpus_per_worker(requested: float | None, use_gpu: bool, cluster_cpus: float, num_ranks: int) -> float:
+    """The CPUs each rank reserves: as asked, else 1 beside a GPU, else an equal share of the cluster's CPUs.
+
+    A CPU rank computes with as many torch threads as it reserves, so on a CPU-only node one rank takes every
+    core rather than one (the head and the frontend reserve none and run in the gaps of the forward pass).
+    """
+    if requested is not None:
+        if not requested > 0:
+            raise ValueError(f"--cpus-per-worker must be > 0, got {requested:g}")
+        return requested
+    if use_gpu:
+        return 1.0
+    return float(max(1, int(cluster_cpus) // max(1, num_ranks)))
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +66,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
+    parser.add_argument(
+        "--cpus-per-worker", type=_positive_float, default=None,
+        help="CPUs Ray reserves for each rank, and on CPUs its torch thread count (default: 1 with GPUs; on CPUs "
+        "the cluster's CPUs shared out among every rank of every replica)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: any free port)")
@@ -250,6 +278,10 @@ def serve(args: argparse.Namespace) -> int:
         args.data_parallel_size, args.tensor_parallel_size, ray.cluster_resources().get("GPU", 0), use_gpu
     )
     min_replicas, max_replicas = replica_bounds(args, size)
+    cpus = cpus_per_worker(
+        args.cpus_per_worker, use_gpu, ray.cluster_resources().get("CPU", 1), args.tensor_parallel_size * max_replicas
+    )
+    options = dataclasses.replace(options, cpus_per_worker=cpus)
     prefix = f"pagerail-head-{os.getpid()}"
     routed = size > 1 or max_replicas > 1
     head_names = [f"{prefix}-{i}" for i in range(size)] if routed else [prefix]
