@@ -27,6 +27,12 @@ def test_cpu_ranks_share_the_clusters_cpus_equally_and_never_below_one(cluster_c
     assert cpus_per_worker(None, False, cluster_cpus, num_ranks) == expected
 
 
+def test_a_share_never_exceeds_the_largest_node_so_the_bundle_fits_somewhere():
+    assert cpus_per_worker(None, False, 16, 1, largest_node_cpus=8) == 8.0
+    assert cpus_per_worker(None, False, 16, 4, largest_node_cpus=8) == 4.0
+    assert cpus_per_worker(None, False, 16, 1, largest_node_cpus=0.5) == 1.0
+
+
 def test_a_gpu_rank_reserves_one_cpu_and_an_explicit_value_wins():
     assert cpus_per_worker(None, True, 64, 1) == 1.0
     assert cpus_per_worker(3, False, 2, 1) == 3

@@ -24,8 +24,11 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def cpus_per_worker(requested: float | None, use_gpu: bool, cluster_cpus: float, num_ranks: int) -> float:
-    """The CPUs each rank reserves: as asked, else 1 beside a GPU, else an equal share of the cluster's CPUs.
+def cpus_per_worker(
+    requested: float | None, use_gpu: bool, cluster_cpus: float, num_ranks: int, largest_node_cpus: float | None = None
+) -> float:
+    """The CPUs each rank reserves: as asked, else 1 beside a GPU, else an equal share of the cluster's CPUs
+    (no more than its largest node has, so that a rank's bundle fits on some node).
 
     A CPU rank computes with as many torch threads as it reserves, so on a CPU-only node one rank takes every
     core rather than one (the head and the frontend reserve none and run in the gaps of the forward pass).
@@ -36,7 +39,10 @@ def cpus_per_worker(requested: float | None, use_gpu: bool, cluster_cpus: float,
         return requested
     if use_gpu:
         return 1.0
-    return float(max(1, int(cluster_cpus) // max(1, num_ranks)))
+    share = int(cluster_cpus) // max(1, num_ranks)
+    if largest_node_cpus is not None:
+        share = min(share, int(largest_node_cpus))
+    return float(max(1, share))
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -278,9 +284,11 @@ def serve(args: argparse.Namespace) -> int:
         args.data_parallel_size, args.tensor_parallel_size, ray.cluster_resources().get("GPU", 0), use_gpu
     )
     min_replicas, max_replicas = replica_bounds(args, size)
+    node_cpus = [node["Resources"].get("CPU", 0) for node in ray.nodes() if node.get("Alive")]
     cpus = cpus_per_worker(
-        args.cpus_per_worker, use_gpu, ray.cluster_resources().get("CPU", 1), args.tensor_parallel_size * max_replicas
-    )
+        args.cpus_per_worker, use_gpu, ray.cluster_resources().get("CPU", 1), args.tensor_parallel_size * max_replicas,
+        max(node_cpus, default=None),
+    )  # fmt: skip
     options = dataclasses.replace(options, cpus_per_worker=cpus)
     prefix = f"pagerail-head-{os.getpid()}"
     routed = size > 1 or max_replicas > 1
