@@ -7,9 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from worker.penalty_state import PenaltyState
-from worker.sampler import Sampler, SamplingRow, TokenHistory
+from worker.sampler import Sampler, SamplingRow, TokenHistory, row_argmax
 
 GREEDY = 0.0
 
@@ -296,3 +298,25 @@ def test_argmax_only_requests_sample_the_argmax(fields, fast):
         assert not row.has_penalties and not row.banned_token_ids and row.num_logprobs is None
     else:
         assert not row.greedy or row.has_penalties or row.banned_token_ids or row.num_logprobs is not None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    vocab=st.integers(1, 40),
+    values=st.lists(
+        st.sampled_from([0.0, 1.0, 2.0, -1.0, float("-inf"), float("inf"), float("nan")]), min_size=480, max_size=480
+    ),
+    strided=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_row_argmax_picks_the_same_index_as_torch(rows, vocab, values, strided, dtype):
+    # Few distinct values, so ties, infinities and NaNs are common: the first maximum (or NaN) must win.
+    logits = torch.tensor(values[: rows * vocab * 2], dtype=dtype).reshape(rows, vocab * 2)
+    logits = logits[:, ::2] if strided else logits[:, :vocab]
+    assert row_argmax(logits) == logits.argmax(dim=-1).tolist()
+
+
+def test_row_argmax_of_half_precision_logits_goes_through_torch():
+    logits = torch.tensor([[0.5, 2.0, 2.0], [3.0, -1.0, 3.0]], dtype=torch.bfloat16)
+    assert row_argmax(logits) == [1, 0]

