@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from cluster.bench.sse_client import SseClient
 from cluster.bench.stats import format_table, summarize
 from cluster.bench.stream_request import RequestResult, build_payload, send_streaming
 from cluster.bench.workload import BenchRequest, add_request_arguments, build_workload
@@ -121,19 +122,18 @@ async def benchmark_serving(
     if request_rate is not None and not request_rate > 0:
         raise ValueError(f"request rate must be > 0, got {request_rate}")
 
-    url = f"{base_url.rstrip('/')}/v1/completions"
     headers = _headers(api_key)
-    # Enough connections that the pool never queues requests the load pattern meant to be in flight.
-    connections = concurrency or len(requests)
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     results: list[RequestResult | None] = [None] * len(requests)
 
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout)) as client:
+    # One keep-alive connection per request in flight, so the load pattern alone decides what is in flight.
+    async with SseClient(base_url) as client:
 
         async def run_one(index: int) -> None:
             request = requests[index]
             payload = build_payload(model, request, ignore_eos)
-            results[index] = await send_streaming(client, url, headers, payload, request.prompt_len, timeout)
+            results[index] = await send_streaming(
+                client, "/v1/completions", headers, payload, request.prompt_len, timeout
+            )
 
         start = time.perf_counter()
         if request_rate is None:

@@ -8,8 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
+from cluster.bench.sse_client import SseClient
 from cluster.bench.workload import BenchRequest
 
 
@@ -68,8 +67,8 @@ def _error_text(body: str) -> str:
 
 
 async def send_streaming(
-    client: httpx.AsyncClient,
-    url: str,
+    client: SseClient,
+    path: str,
     headers: dict[str, str],
     payload: dict[str, Any],
     prompt_len: int,
@@ -82,7 +81,7 @@ async def send_streaming(
     start = last = time.perf_counter()
     try:
         async with asyncio.timeout(timeout):
-            async with client.stream("POST", url, json=payload, headers=headers) as response:
+            async with client.stream(path, payload, headers) as response:
                 if response.status_code != 200:
                     body = (await response.aread()).decode(errors="replace")
                     result.error = f"HTTP {response.status_code}: {_error_text(body)}"
@@ -114,7 +113,7 @@ async def send_streaming(
                     details = usage.get("prompt_tokens_details") or {}
                     if details.get("cached_tokens") is not None:
                         result.cached_tokens = int(details["cached_tokens"])
-    except (TimeoutError, httpx.TimeoutException):
+    except TimeoutError:
         result.error = f"timed out after {timeout:g} s"
         return result
     except Exception as error:  # one broken request is a failure to count, not a reason to stop the run
