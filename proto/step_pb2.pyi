@@ -79,7 +79,7 @@ class CachedRequest(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., resumed: _Optional[bool] = ..., num_computed_tokens: _Optional[int] = ..., skip_sampling: _Optional[bool] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "finished", "preempted", "trace_context")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "finished", "preempted", "trace_context", "decode_handles")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -93,13 +93,15 @@ class StepBatch(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_HANDLES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
     finished: _containers.RepeatedScalarFieldContainer[int]
     preempted: _containers.RepeatedScalarFieldContainer[int]
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., preempted: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    decode_handles: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., preempted: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., decode_handles: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")

@@ -32,6 +32,7 @@ class FakeGroup:
         self.calls += 1
         self.poisoned |= {new.handle for new in batch.new_requests if POISON in new.token_ids}
         handles = {new.handle for new in batch.new_requests} | {delta.handle for delta in batch.cached_requests}
+        handles |= set(batch.decode_handles)
         self.batches.append(handles)
         if self.calls in self.failures:
             raise WorkerGroupError("rank 1 is gone")
@@ -46,6 +47,8 @@ class FakeGroup:
         for delta in batch.cached_requests:
             self.tokens[delta.handle].extend(delta.new_token_ids)
             self._sample(delta.handle, delta.skip_sampling, result)
+        for handle in batch.decode_handles:
+            self._sample(handle, False, result)
         return result
 
     def _sample(self, handle: int, skip: bool, result: step_pb2.StepResult) -> None:

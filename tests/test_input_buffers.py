@@ -189,6 +189,11 @@ class InputBuffersMachine(RuleBasedStateMachine):
         delta.num_scheduled_tokens = count
         partial = request.computed + count < len(request.tokens)
         delta.skip_sampling = count == 0 or partial or rng.random() < 0.2
+        plain = count == 1 and not (delta.skip_sampling or delta.resumed or chunk or delta.new_block_ids)
+        if plain and rng.random() < 0.7:
+            # A plain decode travels as a bare handle, as the head's step builder sends it.
+            del self.batch.cached_requests[-1]
+            self.batch.decode_handles.append(request.handle)
 
     def _finish_step(self, ours: FlatBatch, reference: FlatBatch) -> None:
         """What the runner does after the forward: append sampled tokens, advance the computed counts."""

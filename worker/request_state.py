@@ -109,6 +109,12 @@ class RequestStates:
             state.num_scheduled_tokens = delta.num_scheduled_tokens
             state.skip_sampling = delta.skip_sampling
             scheduled.append(state)
+        for handle in batch.decode_handles:
+            # A CachedRequest with only its handle and one token to compute and sample.
+            state = states[handle]
+            state.num_scheduled_tokens = 1
+            state.skip_sampling = False
+            scheduled.append(state)
         return scheduled
 
     def _drop(self, state: RequestState | None) -> None:

@@ -89,8 +89,7 @@ class _Replay:
             done = [h for h in targets if h not in forgotten and self.produced.get(h, 0) >= targets[h]]
             batch.finished.extend(done)
             forgotten.update(done)
-            for handle in running:
-                batch.cached_requests.add(handle=handle, num_scheduled_tokens=1)
+            batch.decode_handles.extend(running)  # as the engine sends a plain decode
             self._execute(batch, decode=True)
         return sum(self.produced.values())
 
@@ -107,7 +106,7 @@ class _Replay:
         if decode:
             self.decode_forwards.append(result.forward_seconds)
             self.counts["decode_steps"] += 1
-            self.counts["max_decode_batch"] = max(self.counts["max_decode_batch"], len(batch.cached_requests))
+            self.counts["max_decode_batch"] = max(self.counts["max_decode_batch"], len(batch.decode_handles))
         else:
             self.counts["prefill_steps"] += 1
 

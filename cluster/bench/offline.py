@@ -120,10 +120,11 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
 
     def timed_submit(batch):
         decodes = batch.cached_requests
-        decode = bool(decodes) and not batch.new_requests and all(d.num_scheduled_tokens == 1 for d in decodes)
+        num_decodes = len(decodes) + len(batch.decode_handles)
+        decode = bool(num_decodes) and not batch.new_requests and all(d.num_scheduled_tokens == 1 for d in decodes)
         # Read when the step is submitted: with overlapped steps the scheduler has already moved past it later.
         context = sum(r.next_position for r in engine.scheduler.running) if decode else 0
-        return _TimedStep(submit(batch), timing, len(decodes) if decode else 0, context)
+        return _TimedStep(submit(batch), timing, num_decodes if decode else 0, context)
 
     engine.executor.submit = timed_submit
     try:

@@ -94,4 +94,5 @@ def _handles(batch: step_pb2.StepBatch | None) -> list[int]:
     """The requests a step ran, new and known ones."""
     if batch is None:
         return []
-    return [new.handle for new in batch.new_requests] + [delta.handle for delta in batch.cached_requests]
+    handles = [new.handle for new in batch.new_requests] + [delta.handle for delta in batch.cached_requests]
+    return handles + list(batch.decode_handles)

@@ -66,9 +66,17 @@ class StepMessageBuilder:
         for request in out.preempted:
             if request.handle in known:
                 batch.preempted.append(request.handle)
+        decode_handles: list[int] = []
         for item in out.scheduled:
             request = item.request
             num_known = known.get(request.handle)
+            if num_known is not None and item.num_tokens == 1 and not (
+                item.skip_sampling or item.new_block_ids or item.resync or request.num_tokens > num_known
+            ):
+                # The common decode: nothing but "compute your next token" — sent as a bare handle.
+                decode_handles.append(request.handle)
+                known[request.handle] = num_known + 1
+                continue
             if num_known is None:
                 batch.new_requests.append(
                     step_pb2.NewRequest(
@@ -100,4 +108,6 @@ class StepMessageBuilder:
                     delta.skip_sampling = True
             # The ranks will hold this step's sampled token once it ran.
             known[request.handle] = max(num_known or 0, request.num_tokens) + (0 if item.skip_sampling else 1)
+        if decode_handles:
+            batch.decode_handles.extend(decode_handles)
         return batch
