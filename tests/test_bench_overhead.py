@@ -125,6 +125,7 @@ def test_serve_parts_stream_to_the_server_and_read_its_step_metrics(tmp_path, ca
     out = tmp_path / "report.json"
     argv = ["bench", "overhead", "--num-requests", "6", "--prompt-len", "8", "--output-len", "5", "--users", "3"]
     argv += [*SMALL_FLAGS, "--device", "cpu", "--json", str(out), "--work-dir", str(tmp_path / "work")]
+    argv += ["--cpus-per-worker", "1.5"]
     assert main(argv) == 0
     table = capsys.readouterr().out
     report = _report(out)
@@ -146,6 +147,7 @@ def test_serve_parts_stream_to_the_server_and_read_its_step_metrics(tmp_path, ca
     flags = [dict(zip(command[::2], command[1::2], strict=False)) for command in commands]
     assert [f["--tensor-parallel-size"] for f in flags] == ["1", "2"]
     assert all(f["--max-num-seqs"] == "6" and f["--device"] == "cpu" for f in flags)
+    assert all(f["--cpus-per-worker"] == "1.5" for f in flags)
     # K and V x 2 layers x 16 tokens x 16 dims x 4 bytes per KV head; TP 2 holds half the KV heads on each rank.
     per_head_block = 2 * 2 * 16 * 16 * 4
     blocks = int(flags[0]["--kv-cache-memory-bytes"]) // (2 * per_head_block)
