@@ -45,7 +45,7 @@ TINY_CONFIG = {
 }
 
 
-def dispatch_figures(tp: int, sizes: list[int], max_tokens: int) -> list[dict]:
+def dispatch_figures(tp: int, sizes: list[int], max_tokens: int, async_scheduling: bool | None = None) -> list[dict]:
     model_dir = Path(tempfile.mkdtemp()) / "tiny"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(TINY_CONFIG))
@@ -53,7 +53,7 @@ def dispatch_figures(tp: int, sizes: list[int], max_tokens: int) -> list[dict]:
     # ray_address: a head actor and worker ranks over gRPC even at tensor-parallel size 1.
     llm = LLM(
         str(model_dir), load_format="dummy", tensor_parallel_size=tp, num_gpu_blocks=8192, max_num_seqs=512,
-        ray_address="auto",
+        ray_address="auto", async_scheduling=async_scheduling,
     )
     head = llm._remote.head
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -132,9 +132,16 @@ def main() -> None:
     parser.add_argument("--embedded-requests", type=int, default=32)
     parser.add_argument("--embedded-steps", type=int, default=20)
     parser.add_argument("--skip-embedded", action="store_true", help="only part 1 (dispatch over gRPC)")
+    parser.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="overlapped steps on or off (default: the engine's, off on CPUs)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    report = {"dispatch": [row for tp in args.tp for row in dispatch_figures(tp, list(args.sizes), args.max_tokens)]}
+    rows = []
+    for tp in args.tp:
+        rows += dispatch_figures(tp, list(args.sizes), args.max_tokens, args.async_scheduling)
+    report = {"dispatch": rows}
     if not args.skip_embedded:
         report["embedded_tp1"] = outside_forward_share(args.embedded_requests, args.embedded_steps)
     if args.json:
