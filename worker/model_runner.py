@@ -23,30 +23,11 @@ from worker.input_buffers import InputBuffers
 from worker.layers.attention import decode_path
 from worker.parallel_state import TensorParallelGroup
 from worker.penalty_state import PenaltyState
-from worker.request_state import RequestState, RequestStates
-from worker.sampler import Sampler, SamplingRow, row_argmax
+from worker.request_state import RequestState, RequestStates, sampling_row
+from worker.sampler import Sampler, row_argmax
 
 logger = logging.getLogger(__name__)
 _tracer = get_tracer("pagerail.worker")
-
-
-def sampling_row(state: RequestState) -> SamplingRow:
-    """The sampler's view of one request; its token history, for penalties, is kept apart (PenaltyState)."""
-    params = state.sampling
-    num_outputs = len(state.token_ids) - state.num_prompt_tokens
-    banned = tuple(params.stop_token_ids) if num_outputs < params.min_tokens else ()
-    return SamplingRow(
-        temperature=params.temperature,
-        top_p=params.top_p if params.top_p > 0 else 1.0,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty if params.repetition_penalty > 0 else 1.0,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        num_logprobs=params.num_logprobs if params.HasField("num_logprobs") else None,
-        generator=state.seeded_generator(),
-        banned_token_ids=banned,
-    )
 
 
 def decode_path_of(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from proto import step_pb2
-from worker.sampler import GREEDY_TEMPERATURE
+from worker.sampler import SamplingRow
 
 
 @dataclass
@@ -45,15 +45,36 @@ class RequestState:
         return self.generator
 
 
+def sampling_row(state: RequestState) -> SamplingRow:
+    """The sampler's view of one request; its token history, for penalties, is kept apart (PenaltyState)."""
+    params = state.sampling
+    num_outputs = len(state.token_ids) - state.num_prompt_tokens
+    banned = tuple(params.stop_token_ids) if num_outputs < params.min_tokens else ()
+    return _row_settings(params, state.seeded_generator(), banned)
+
+
 def argmax_only(sampling: step_pb2.SamplingParams) -> bool:
     """True when every token of the request is the argmax of its logits, whatever its outputs so far."""
-    return (
-        sampling.temperature < GREEDY_TEMPERATURE
-        and sampling.repetition_penalty in (0.0, 1.0)
-        and sampling.presence_penalty == 0.0
-        and sampling.frequency_penalty == 0.0
-        and not sampling.HasField("num_logprobs")
-        and (sampling.min_tokens == 0 or not sampling.stop_token_ids)
+    row = _row_settings(sampling)
+    # Stop tokens are banned until min_tokens outputs exist: the one setting that changes with the outputs.
+    banned_some_time = sampling.min_tokens > 0 and bool(sampling.stop_token_ids)
+    return row.greedy and not row.has_penalties and row.num_logprobs is None and not banned_some_time
+
+
+def _row_settings(
+    params: step_pb2.SamplingParams, generator: torch.Generator | None = None, banned: tuple[int, ...] = ()
+) -> SamplingRow:
+    return SamplingRow(
+        temperature=params.temperature,
+        top_p=params.top_p if params.top_p > 0 else 1.0,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty if params.repetition_penalty > 0 else 1.0,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        num_logprobs=params.num_logprobs if params.HasField("num_logprobs") else None,
+        generator=generator,
+        banned_token_ids=banned,
     )
 
 
