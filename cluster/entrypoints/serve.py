@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import signal
 import sys
@@ -276,10 +275,6 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     use_gpu = args.device == "cuda" or (args.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-    options = ClusterOptions(
-        use_gpu=use_gpu, placement_strategy=args.placement_strategy,
-        step_timeout_s=args.step_timeout, max_restarts=args.max_worker_restarts,
-    )
     size = data_parallel_size(
         args.data_parallel_size, args.tensor_parallel_size, ray.cluster_resources().get("GPU", 0), use_gpu
     )
@@ -289,7 +284,10 @@ def serve(args: argparse.Namespace) -> int:
         args.cpus_per_worker, use_gpu, ray.cluster_resources().get("CPU", 1), args.tensor_parallel_size * max_replicas,
         max(node_cpus, default=None),
     )  # fmt: skip
-    options = dataclasses.replace(options, cpus_per_worker=cpus)
+    options = ClusterOptions(
+        use_gpu=use_gpu, placement_strategy=args.placement_strategy, cpus_per_worker=cpus,
+        step_timeout_s=args.step_timeout, max_restarts=args.max_worker_restarts,
+    )
     prefix = f"pagerail-head-{os.getpid()}"
     routed = size > 1 or max_replicas > 1
     head_names = [f"{prefix}-{i}" for i in range(size)] if routed else [prefix]
