@@ -311,10 +311,10 @@ SHORT_STAGES = [
 def test_replayed_decodes_match_eager(model_dir, decode_path, monkeypatch):
     if decode_path == "triton":
         # Run by test_replayed_decodes_match_eager_through_interpreted_triton, under the interpreter.
-        if not triton_attention._INTERPRETED:
+        if not triton_attention.INTERPRETED:
             pytest.skip("runs under TRITON_INTERPRET=1 only")
     else:
-        if triton_attention._INTERPRETED:
+        if triton_attention.INTERPRETED:
             pytest.skip("the interpreter puts every decode on the Triton path")
         if decode_path == "torch":
             monkeypatch.setattr(attention, "native_kernel", lambda: None)

@@ -16,21 +16,21 @@ except ImportError:  # CPU-only installs never reach this path; the SDPA gather 
     tl = None
 
 # triton decides at decoration time whether a kernel is compiled or interpreted, so record it once, here.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 # Context tokens one split program covers before its partial result is merged by the reduce kernel.
 _DEFAULT_PARTITION_SIZE = 512
 # More partitions than this would make the reduce kernel hold too large a [partitions, head_dim] tile.
 _MAX_PARTITIONS = 64
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if tl else {}
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if tl else {}
 
 
 def triton_available(device: torch.device | str) -> bool:
     """True when the kernel can run on `device`: triton imports and the device is CUDA, or the interpreter is on."""
     if triton is None:
         return False
-    return _INTERPRETED or torch.device(device).type == "cuda"
+    return INTERPRETED or torch.device(device).type == "cuda"
 
 
 def dot_operands(cache_dtype: torch.dtype) -> dict[str, object]:
@@ -40,8 +40,8 @@ def dot_operands(cache_dtype: torch.dtype) -> dict[str, object]:
     bits and its tl.dot multiplies those bits, so there bf16 goes through fp32. fp32 operands ask for full
     precision instead of silently dropping to TF32 on tensor cores.
     """
-    dot_dtype = torch.float32 if _INTERPRETED and cache_dtype == torch.bfloat16 else cache_dtype
-    return {"DOT_DTYPE": _TL_DTYPES[dot_dtype], "DOT_PRECISION": "ieee" if dot_dtype == torch.float32 else None}
+    dot_dtype = torch.float32 if INTERPRETED and cache_dtype == torch.bfloat16 else cache_dtype
+    return {"DOT_DTYPE": TL_DTYPES[dot_dtype], "DOT_PRECISION": "ieee" if dot_dtype == torch.float32 else None}
 
 
 if triton is not None:
@@ -258,7 +258,7 @@ def paged_decode_attention(
     if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
         raise ValueError("block_tables and context_lens need one row per sequence")
 
-    if key_cache.dtype not in _TL_DTYPES or value_cache.dtype != key_cache.dtype:
+    if key_cache.dtype not in TL_DTYPES or value_cache.dtype != key_cache.dtype:
         raise ValueError(f"unsupported cache dtypes {key_cache.dtype}/{value_cache.dtype}")
     # The kernels index the last dimension with unit stride.
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:

@@ -17,9 +17,9 @@ import os
 
 import torch
 
-# One triton import guard, interpreter flag and dtype table for every kernel module: CPU-only installs have no
+# One triton import guard, availability rule and dtype table for every kernel module: CPU-only installs have no
 # triton, and the modules then keep their torch code.
-from worker.layers.triton_attention import _INTERPRETED, _TL_DTYPES, tl, triton
+from worker.layers.triton_attention import TL_DTYPES, tl, triton, triton_available
 
 ENABLED = os.environ.get("PAGERAIL_FUSED_OPS", "1").strip().lower() not in ("0", "false", "off", "no")
 
@@ -32,9 +32,7 @@ _TILE_ELEMENTS = 4096
 
 def fused_available(*tensors: torch.Tensor) -> bool:
     """True when the fused kernels should handle these tensors: enabled, triton present, CUDA (or interpreter)."""
-    if not ENABLED or triton is None:
-        return False
-    return all(t.dtype in _SUPPORTED_DTYPES and (_INTERPRETED or t.is_cuda) for t in tensors)
+    return ENABLED and all(t.dtype in _SUPPORTED_DTYPES and triton_available(t.device) for t in tensors)
 
 
 def _num_warps(elements: int) -> int:
@@ -217,7 +215,7 @@ def rms_norm(
             BLOCK_ROWS=block_rows,
             BLOCK_COLS=block_cols,
             HAS_RESIDUAL=residual is not None,
-            OUT_DTYPE=_TL_DTYPES[out_dtype],
+            OUT_DTYPE=TL_DTYPES[out_dtype],
             num_warps=_num_warps(block_rows * block_cols),
         )
     return out if residual is None else (out, residual)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from worker.layers.triton_attention import _TL_DTYPES, dot_operands, triton, triton_available
+from worker.layers.triton_attention import TL_DTYPES, dot_operands, triton, triton_available
 
 if triton is not None:
     import triton.language as tl
@@ -204,7 +204,7 @@ def _check_inputs(
         raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads")
     if block_size <= 0 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
-    if key_cache.dtype not in _TL_DTYPES or value_cache.dtype != key_cache.dtype or q.dtype != key_cache.dtype:
+    if key_cache.dtype not in TL_DTYPES or value_cache.dtype != key_cache.dtype or q.dtype != key_cache.dtype:
         dtypes = f"{q.dtype}/{key_cache.dtype}/{value_cache.dtype}"
         raise ValueError(f"q, key_cache and value_cache must share one dtype of fp32/fp16/bf16, got {dtypes}")
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
