@@ -50,6 +50,17 @@ def check_invariants(table: BlockTable) -> None:
     for h, entry in table._cached.items():
         assert table._block_hashes[entry.block_id] == h
     assert sum(h is not None for h in table._block_hashes) == len(table._cached)
+    check_lookups(table)
+
+
+def check_lookups(table: EngineBlockTable) -> None:
+    """The scheduler's per-step shortcuts agree with the request block lists they summarise."""
+    bs = table.block_size
+    assert dict(table.slots_owned) == {rid: len(r.block_ids) * bs for rid, r in table._requests.items()}
+    if table._enable_prefix_caching:
+        assert dict(table.hash_due_at) == {rid: (r.num_hashed + 1) * bs for rid, r in table._requests.items()}
+    else:
+        assert not table.hash_due_at
 
 
 @pytest.mark.parametrize("num_blocks, block_size", [(0, 16), (-1, 16), (8, 0), (8, -4)])

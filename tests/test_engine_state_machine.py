@@ -20,6 +20,7 @@ from cluster.core.request import RequestStatus
 from cluster.core.sampling_params import SamplingParams
 from cluster.core.scheduler_output import PauseMode
 from tests.fake_workers import FakeKVWorkers, fingerprint, next_token
+from tests.test_block_table import check_lookups
 
 VOCAB = 50
 EOS = 49
@@ -160,6 +161,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert len(free) + len(set(held)) == table.num_blocks == table.num_free_blocks + table.num_used_blocks
         for h, entry in table._cached.items():
             assert table._block_hashes[entry.block_id] == h
+        check_lookups(table)
 
     @invariant()
     def every_findable_block_holds_its_tokens_kv(self) -> None:

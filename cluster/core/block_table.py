@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 # Parent hash of the first block of every sequence. Any fixed value works; it only has to be the same for
@@ -69,6 +69,11 @@ class BlockTable:
         # O(1) removal of an arbitrary block when a cached one is attached again.
         self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(self._num_blocks))
         self._requests: dict[str, _RequestBlocks] = {}
+        # Token slots each request's blocks hold (blocks × block size), for the scheduler's per-step look.
+        self._slots: dict[str, int] = {}
+        # The computed-token count at which each request's next block becomes full, so commit_computed has
+        # work; only kept with prefix caching on.
+        self._hash_due: dict[str, int] = {}
 
     # ------------------------------------------------------------------ sizes
 
@@ -94,6 +99,20 @@ class BlockTable:
         return self.num_used_blocks / self._num_blocks
 
     # ------------------------------------------------------------------ queries
+
+    @property
+    def slots_owned(self) -> Mapping[str, int]:
+        """request id → token slots its blocks hold; read it, never write it. A request absent owns none.
+
+        The scheduler reads it once per running request per step: a decode whose next token still fits needs
+        no allocate_slots call."""
+        return self._slots
+
+    @property
+    def hash_due_at(self) -> Mapping[str, int]:
+        """request id → the computed-token count from which commit_computed has a block to hash; read it, never
+        write it. A request absent has nothing to hash (or prefix caching is off): commit_computed would return."""
+        return self._hash_due
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -171,11 +190,14 @@ class BlockTable:
             # Attached blocks are already hashed; continue the chain from the last one.
             req.num_hashed = len(cached_block_ids)
             req.last_hash = last_cached_hash
+        if self._enable_prefix_caching:
+            self._hash_due[request_id] = (req.num_hashed + 1) * self._block_size
 
         new_ids = [self._pop_free_block() for _ in range(num_new)]
         for block_id in new_ids:
             self._ref_counts[block_id] = 1
         req.block_ids.extend(new_ids)
+        self._slots[request_id] = len(req.block_ids) * self._block_size
         return new_ids
 
     def commit_computed(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
@@ -189,12 +211,15 @@ class BlockTable:
         if num_computed_tokens < (req.num_hashed + 1) * self._block_size:
             return  # no block became full since the last commit
         self._hash_full_blocks(req, token_ids, min(num_computed_tokens, len(token_ids)))
+        self._hash_due[request_id] = (req.num_hashed + 1) * self._block_size
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks; cached ones stay findable by hash until their block is reused."""
         req = self._requests.pop(request_id, None)
         if req is None:
             return
+        del self._slots[request_id]
+        self._hash_due.pop(request_id, None)
         # Tail first: the queue front is evicted first, and a sequence's head is the part most likely shared.
         for block_id in reversed(req.block_ids):
             self._ref_counts[block_id] -= 1

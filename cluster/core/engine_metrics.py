@@ -139,25 +139,33 @@ class EngineMetrics:
         self._observe_dispatch(engine)
 
     def _observe_tokens(self, changed: list[Request], now: float) -> None:
-        """New-token counts and latencies of the requests a step changed: the per-request hot path."""
+        """New-token counts and latencies of the requests a step changed: the per-request hot path.
+
+        Requests that got their previous token in the same step share its time, so inter-token gaps are grouped
+        by that time and each distinct gap is observed once with its count.
+        """
         generated = 0
-        itl = self._itl
+        gaps: dict[tuple[float, int], int] = {}
         for request in changed:
             num_outputs = len(request.output_token_ids)
             new_tokens = num_outputs - request.num_reported_tokens
             if new_tokens > 0:
                 generated += new_tokens
+                last = request.last_token_time
                 if request.first_token_time is None:
                     request.first_token_time = now
                     self._ttft.observe(now - request.arrival_time)
                     if request.first_scheduled_time is not None:
                         self._prefill_time.observe(now - request.first_scheduled_time)
-                elif request.last_token_time is not None:
-                    itl.observe((now - request.last_token_time) / new_tokens)
+                elif last is not None:
+                    key = (last, new_tokens)
+                    gaps[key] = gaps.get(key, 0) + 1
                 request.last_token_time = now
                 request.num_reported_tokens = num_outputs
             if request.status.finished:
                 self.observe_finished(request, now)
+        for (last, new_tokens), count in gaps.items():
+            self._itl.observe_repeated((now - last) / new_tokens, count)
         if generated:
             self.generation_tokens.inc(self._name_label, generated)
 

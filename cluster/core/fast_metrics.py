@@ -30,6 +30,11 @@ class HistogramChild:
         self.counts[bisect_left(self.bounds, value)] += 1
         self.sum += value
 
+    def observe_repeated(self, value: float, count: int) -> None:
+        """`count` observations of the same value."""
+        self.counts[bisect_left(self.bounds, value)] += count
+        self.sum += value * count
+
     def observe_many(self, values: Sequence[float]) -> None:
         bounds, counts = self.bounds, self.counts
         for value in values:

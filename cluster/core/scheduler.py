@@ -163,22 +163,32 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Runs once per running request per step: properties and helpers are inlined (see next_position,
-        # num_tokens_expected, _skips and _add for the same rules spelled out).
-        index = 0
+        # num_tokens_expected, _skips and _add for the same rules spelled out). A step that still fits the
+        # request's blocks asks the block table nothing.
         running, scheduled = self.running, out.scheduled
-        while index < len(running) and budget > 0:
-            request = running[index]
+        slots_owned = self.block_table.slots_owned
+        no_new_blocks: list[int] = []
+        max_model_len = self.max_model_len
+        # Iterating while a preemption pops from the end is safe: the loop sees the shortened list.
+        for request in running:
+            if budget <= 0:
+                break
             position = request.num_computed_tokens + request.num_inflight_tokens
-            expected = len(request.all_token_ids) + request.num_pending_samples
-            num_new = min(expected - position, budget)
-            if num_new <= 0 or (request.num_pending_samples and ends_in_flight(request, self.max_model_len)):
-                index += 1
+            pending = request.num_pending_samples
+            expected = len(request.all_token_ids) + pending
+            num_new = expected - position
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0 or (pending and ends_in_flight(request, max_model_len)):
                 continue
-            new_blocks = self._allocate_or_preempt(request, num_new, out)
-            if new_blocks is None:
-                break  # the request itself was preempted: it was the last running one
+            if position + num_new <= slots_owned.get(request.request_id, 0):
+                new_blocks = no_new_blocks  # read-only: consumers never change an item's block list
+            else:
+                new_blocks = self._allocate_or_preempt(request, num_new, out)
+                if new_blocks is None:
+                    break  # the request itself was preempted: it was the last running one
             skip = position + num_new != expected or request.input_open
-            item = ScheduledRequest(request, num_new, new_blocks, skip_sampling=skip, epoch=request.epoch)
+            item = ScheduledRequest(request, num_new, new_blocks, False, False, skip, request.epoch)
             if request.needs_resync:
                 # The ranks move back to num_computed_tokens (a last position recomputed for its logits).
                 item.resync, item.new_block_ids = True, self.block_table.block_ids(request.request_id)
@@ -186,9 +196,8 @@ class Scheduler:
             scheduled.append(item)
             request.num_inflight_tokens += num_new
             if not skip:
-                request.num_pending_samples += 1
+                request.num_pending_samples = pending + 1
             budget -= num_new
-            index += 1
         return budget
 
     def _add(self, out: SchedulerOutput, item: ScheduledRequest) -> None:
@@ -328,8 +337,12 @@ class Scheduler:
         Returns the requests that changed (got a token or finished), for streaming to callers.
         """
         changed: list[Request] = []
+        # Runs once per scheduled request per step: the block table is asked to hash only when a block filled
+        # (hash_due_at), and stop_status only when some stop rule can fire (the same rules, tested cheaply).
         commit_computed = self.block_table.commit_computed
+        hash_due_at = self.block_table.hash_due_at
         running = RequestStatus.RUNNING
+        max_model_len = self.max_model_len
         for item in out.scheduled:
             request = item.request
             if request.status is not running and request.finished:
@@ -338,9 +351,11 @@ class Scheduler:
                 request.num_pending_samples -= 1
             if item.epoch == request.epoch:
                 request.num_inflight_tokens -= item.num_tokens
-                request.num_computed_tokens += item.num_tokens
-                # The step succeeded: the blocks it filled may now serve other requests from the prefix cache.
-                commit_computed(request.request_id, request.all_token_ids, request.num_computed_tokens)
+                computed = request.num_computed_tokens = request.num_computed_tokens + item.num_tokens
+                due = hash_due_at.get(request.request_id)
+                if due is not None and computed >= due:
+                    # The step succeeded: the blocks it filled may now serve other requests from the prefix cache.
+                    commit_computed(request.request_id, request.all_token_ids, computed)
             # else: preempted after this step was scheduled; its sampled token still counts, its KV is gone.
             token = sampled.get(request.handle)
             if token is None:
@@ -367,13 +382,23 @@ class Scheduler:
                     request.needs_resync = True
                 continue
             token_id, logprob, top = token
-            request.append_output(token_id)
+            outputs = request.output_token_ids
+            outputs.append(token_id)
+            all_tokens = request.all_token_ids
+            all_tokens.append(token_id)
             if logprob is not None:
                 request.logprobs.append(logprob)
                 request.top_logprobs.append(top or {})
-            status = stop_status(request, token_id, self.max_model_len, request.handle in constraint_done)
-            if status is not None:
-                self._finish(request, status)
+            max_tokens = request.max_tokens
+            if (
+                token_id in request.stop_token_ids
+                or (max_tokens is not None and len(outputs) >= max_tokens)
+                or len(all_tokens) >= max_model_len
+                or (constraint_done and request.handle in constraint_done)
+            ):
+                status = stop_status(request, token_id, max_model_len, request.handle in constraint_done)
+                if status is not None:
+                    self._finish(request, status)
             changed.append(request)
         return changed
 
