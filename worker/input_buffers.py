@@ -107,7 +107,16 @@ class InputBuffers:
         # Widen first: the device-side table writes are flat indices computed from the width.
         self._grow_table(0, max(len(s.block_ids) for s in ordered))
         writes: tuple[list[int], list[int]] = ([], [])
-        rows = [self._sync_row(state, writes) for state in ordered]
+        rows: list[int] = []
+        known_rows = self._rows
+        for state in ordered:
+            # Most steps change no request's block list: its row is current and needs no look (see _sync_row).
+            row = known_rows.get(state.handle)
+            if row is not None and row.owner is state and row.epoch == state.block_epoch:
+                if row.num_blocks == len(state.block_ids):
+                    rows.append(row.index)
+                    continue
+            rows.append(self._sync_row(state, writes))
 
         n, bs = len(decodes), self.block_size
         num_tokens = n + sum(s.num_scheduled_tokens for s in prefills)
@@ -130,9 +139,15 @@ class InputBuffers:
             positions = [s.num_computed_tokens for s in decodes]
             buf[:n] = [s.token_ids[p] for s, p in zip(decodes, positions, strict=True)]
             buf[pos_at : pos_at + n] = positions
-            buf[slot_at : slot_at + n] = [
-                s.block_ids[p // bs] * bs + p % bs for s, p in zip(decodes, positions, strict=True)
-            ]
+            if self._in_place:
+                # Each decode's slot from its table row, which _sync_row just brought up to date.
+                where = buf[pos_at : pos_at + n]
+                table_rows = np.asarray(rows[:n])
+                buf[slot_at : slot_at + n] = self._table_np[table_rows, where // bs] * bs + where % bs
+            else:
+                buf[slot_at : slot_at + n] = [
+                    s.block_ids[p // bs] * bs + p % bs for s, p in zip(decodes, positions, strict=True)
+                ]
             buf[rows_at : rows_at + n] = rows[:n]
             buf[lens_at : lens_at + n] = buf[pos_at : pos_at + n] + 1
             sample_rows = [i for i, s in enumerate(decodes) if not s.skip_sampling]
