@@ -81,14 +81,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(*args, **kwargs)
         # A oneDNN copy of the weight for small CPU batches, made after loading (see cpu_matmul).
         self.onednn_weight: torch.Tensor | None = None
-        self.onednn_max_rows = 0
+        self.onednn_rows: tuple[bool, ...] = ()  # per row count: whether the oneDNN copy runs it
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead computes logits through compute_logits(hidden), not forward")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, embedding_dim] → logits [N, num_embeddings] in float32 on rank 0; None on the other ranks."""
-        local = linear(hidden, self.weight, self.onednn_weight, self.onednn_max_rows)
+        local = linear(hidden, self.weight, self.onednn_weight, self.onednn_rows)
         logits = self.tp.gather(local, dim=-1)
         if logits is None:
             return None

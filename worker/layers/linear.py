@@ -45,7 +45,7 @@ class _ParallelLinear(nn.Module):
             self.register_parameter("bias", None)
         # A oneDNN copy of the weight for small CPU batches, made after loading (see cpu_matmul).
         self.onednn_weight: torch.Tensor | None = None
-        self.onednn_max_rows = 0
+        self.onednn_rows: tuple[bool, ...] = ()  # per row count: whether the oneDNN copy runs it
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor | LazyTensor, shard_id: object = None) -> None:
         raise NotImplementedError
@@ -77,7 +77,7 @@ class ColumnParallelLinear(_ParallelLinear):
         param.data.copy_(piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.onednn_weight, self.onednn_max_rows)
+        out = linear(x, self.weight, self.onednn_weight, self.onednn_rows)
         return out if self.bias is None else out + self.bias
 
 
@@ -109,7 +109,7 @@ class RowParallelLinear(_ParallelLinear):
         param.data.copy_(piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(linear(x, self.weight, self.onednn_weight, self.onednn_max_rows))
+        out = self.tp.all_reduce(linear(x, self.weight, self.onednn_weight, self.onednn_rows))
         if self.bias is not None:
             out = out + self.bias
         return out
