@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass
 
 from cluster.core.engine import EngineCore
-from cluster.core.engine_client import RequestDelta
+from cluster.core.engine_client import RequestDelta, merge_deltas, read_deltas
 from cluster.core.output_sink import LoopSink, OutputBatch, OutputSink
 from cluster.core.request import Request
 from cluster.core.sampling_params import SamplingParams
@@ -163,14 +163,9 @@ class AsyncEngine:
         self.submit(request_id, token_ids, params, sink, deltas, final=final, trace_context=trace_context)
         finished = False
         try:
-            while True:
-                delta = await deltas.get()
-                if isinstance(delta, BaseException):
-                    raise delta
+            async for delta in read_deltas(deltas):
                 finished = delta.finished
                 yield delta
-                if finished:
-                    return
         finally:
             if not finished:
                 # The caller went away (disconnect, cancel): free the request's blocks, if it is still its own.
@@ -180,18 +175,8 @@ class AsyncEngine:
         self, request_id: str, token_ids: Sequence[int], params: SamplingParams, final: bool = True
     ) -> RequestDelta:
         """Run one request to completion; the result holds every output token."""
-        result: RequestDelta | None = None
-        async for delta in self.stream(request_id, token_ids, params, final):
-            if result is None:
-                result = delta
-            else:
-                result.token_ids.extend(delta.token_ids)
-                result.logprobs.extend(delta.logprobs)
-                result.top_logprobs.extend(delta.top_logprobs)
-                result.num_output_tokens = delta.num_output_tokens
-                result.num_cached_tokens = delta.num_cached_tokens
-                result.finished, result.finish_reason, result.error = delta.finished, delta.finish_reason, delta.error
-        return result
+        deltas = [delta async for delta in self.stream(request_id, token_ids, params, final)]
+        return merge_deltas(deltas)
 
     def _sink_of(self, loop: asyncio.AbstractEventLoop) -> LoopSink:
         with self._loop_sinks_lock:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from cluster.core.errors import QueueFullError
 from cluster.core.sampling_params import SamplingParams
 
-__all__ = ["EngineClient", "QueueFullError", "RequestDelta"]
+__all__ = ["EngineClient", "QueueFullError", "RequestDelta", "merge_deltas", "read_deltas"]
 
 
 @dataclass
@@ -28,6 +29,44 @@ class RequestDelta:
     error: str | None = None  # why the engine gave up, when it did
     # "worker_failure" (retriable), "session_idle_timeout" or "quarantined", with `error`.
     error_code: str | None = None
+
+
+def merge_deltas(consecutive: list[RequestDelta]) -> RequestDelta:
+    """One delta standing for consecutive ones of a request: all their tokens in order, the last one's state."""
+    if len(consecutive) == 1:
+        return consecutive[0]
+    return replace(
+        consecutive[-1],
+        token_ids=[token for delta in consecutive for token in delta.token_ids],
+        logprobs=[logprob for delta in consecutive for logprob in delta.logprobs],
+        top_logprobs=[top for delta in consecutive for top in delta.top_logprobs],
+    )
+
+
+async def read_deltas(deltas: asyncio.Queue) -> AsyncIterator[RequestDelta]:
+    """One request's deltas from its queue, ending after the finished one; an exception in the queue is raised.
+
+    Deltas that queued up while the consumer was busy come out merged into one: a consumer that falls behind the
+    engine (hundreds of streams on a busy frontend) then catches up with one pass per wake instead of one per
+    step, and its cost per token falls as its load rises. A consumer that keeps up sees every step's delta.
+    """
+    pending: RequestDelta | BaseException | None = None
+    while True:
+        item = pending if pending is not None else await deltas.get()
+        pending = None
+        if isinstance(item, BaseException):
+            raise item
+        queued = [item]
+        while not queued[-1].finished and not deltas.empty():
+            following = deltas.get_nowait()
+            if isinstance(following, BaseException):
+                pending = following  # the tokens before the failure are delivered first
+                break
+            queued.append(following)
+        item = merge_deltas(queued)
+        yield item
+        if item.finished:
+            return
 
 
 class EngineClient(Protocol):

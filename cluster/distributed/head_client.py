@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import ray
 
-from cluster.core.engine_client import RequestDelta
+from cluster.core.engine_client import RequestDelta, read_deltas
 from cluster.core.errors import QueueFullError
 from cluster.core.sampling_params import SamplingParams
 
@@ -93,14 +93,9 @@ class HeadEngineClient:
                     refused = True
                     raise cause from None
                 raise
-            while True:
-                item = await deltas.get()
-                if isinstance(item, BaseException):
-                    raise item
+            async for item in read_deltas(deltas):
                 finished = item.finished
                 yield item
-                if finished:
-                    return
         finally:
             reader.close(request_id)
             if not finished and not refused and reader.failure is None:
