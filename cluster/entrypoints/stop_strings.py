@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from cluster.frontend.token_text import token_decoder
+
 _REPLACEMENT = "\ufffd"
 # A partial UTF-8 character spans at most 3 more bytes: past this many tokens, a trailing replacement character
 # is real output (an invalid byte sequence), and the window slides on rather than grow.
@@ -22,9 +24,8 @@ class StopStringMatcher:
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str], skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
+        self._decode_ids = token_decoder(tokenizer, skip_special_tokens)
         self._stop = tuple(stop)
-        self._skip_special_tokens = skip_special_tokens
         self._keep = max((len(s) for s in self._stop), default=1) - 1
         self._ids: list[int] = []
         self._read = 0  # tokens before this are settled; those before it in _ids are the decoding context
@@ -53,4 +54,4 @@ class StopStringMatcher:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return self._decode_ids(ids)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from cluster.frontend.token_text import token_decoder
+
 # Prompt tokens decoded ahead of the first output token, so tokenizers that drop a leading space at the
 # start of a decode (SentencePiece "▁word") render the first output word the way they would mid-sequence.
 _PROMPT_CONTEXT_TOKENS = 5
@@ -31,7 +33,7 @@ class IncrementalDetokenizer:
         min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        self._decode = token_decoder(tokenizer, skip_special_tokens)
         self._stop = tuple(s for s in stop if s)
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
         self._include_stop = include_stop_str_in_output
@@ -87,9 +89,6 @@ class IncrementalDetokenizer:
         """The text of one token on its own, as logprobs show it."""
         tokens = self._tokenizer.convert_ids_to_tokens([token_id])
         return self._tokenizer.convert_tokens_to_string(tokens)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def _decode_step(self, force: bool) -> str:
         """Text that the tokens past read_offset add; "" while they end inside a multi-byte character."""
