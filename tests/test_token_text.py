@@ -71,3 +71,18 @@ def test_any_other_tokenizer_is_asked_itself():
 
     assert token_decoder(Letters(), True)([0, 1, 2]) == "bc"
     assert token_decoder(Letters(), False)([0, 1, 2]) == "abc"
+
+
+def test_the_detokenize_benchmark_streams_the_same_text_both_ways(smollm2_tokenizer):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "detokenize.py"
+    spec = importlib.util.spec_from_file_location("detokenize_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ids = smollm2_tokenizer.encode("naïve café — 日本語 🙂 and some plain words after it")
+    slow, slow_text = bench.stream_seconds(smollm2_tokenizer, ids, through_tokenizer=True)
+    fast, fast_text = bench.stream_seconds(smollm2_tokenizer, ids, through_tokenizer=False)
+    assert slow_text == fast_text == smollm2_tokenizer.decode(ids, skip_special_tokens=True)
+    assert slow > 0 and fast > 0 and bench.match_seconds(smollm2_tokenizer, ids, through_tokenizer=False) > 0
