@@ -182,6 +182,47 @@ def test_ties_go_to_the_lower_reported_load_and_kv_usage_counts():
     assert [route.reason for route in router.rank([1, 2, 3])] == ["load", "spill", "spill"]
 
 
+def _wave(router: Router, size: int) -> list[str]:
+    """Route `size` prompts no replica holds, each begun where it went; the replicas chosen, in order."""
+    chosen = []
+    for number in range(size):
+        replica = router.route([7000 + number, 1, 2, 3]).replica
+        router.begin(replica, [7000 + number, 1, 2, 3])
+        chosen.append(replica)
+    return chosen
+
+
+def test_a_report_that_aged_after_the_requests_ended_does_not_steer_the_next_wave():
+    router = make_router("least-loaded", names=("r0", "r1"))
+    first = _wave(router, 10)
+    assert sorted(first) == ["r0"] * 5 + ["r1"] * 5
+    # Both replicas report the wave while it runs: its requests are this router's own, counted once.
+    router.set_load("r0", running=5, waiting=0, kv_usage=0.0)
+    router.set_load("r1", running=3, waiting=2, kv_usage=0.0)
+    assert router.load("r0") == router.load("r1") == 5
+    for replica in first:
+        router.end(replica)
+    # r0 reports again once idle; r1's report is still the one from during the wave.
+    router.set_load("r0", running=0, waiting=0, kv_usage=0.0)
+    second = _wave(router, 10)
+    assert second.count("r0") == second.count("r1") == 5, second
+
+
+def test_load_the_replica_reports_beyond_this_routers_own_counts():
+    # Another frontend keeps 6 requests on r0: this router sends its own to r1 until the loads meet.
+    router = make_router("least-loaded", names=("r0", "r1"))
+    router.set_load("r0", running=4, waiting=2, kv_usage=0.0)
+    assert _wave(router, 6) == ["r1"] * 6
+    assert router.load("r0") == router.load("r1") == 6
+    # The next report from r0 holds this router's requests that have reached it too; still 6 beyond them.
+    router.begin("r0", [1])
+    router.set_load("r0", running=7, waiting=0, kv_usage=0.0)
+    assert router.load("r0") == 7
+    # A report that does not yet hold requests this router just sent there never counts below them.
+    router.set_load("r1", running=2, waiting=0, kv_usage=0.0)
+    assert router.load("r1") == 6
+
+
 def test_no_replica_in_rotation_is_a_clear_retryable_error():
     router = make_router(names=("r0",))
     router.set_in_rotation("r0", False)
@@ -290,6 +331,13 @@ class RouterMachine(RuleBasedStateMachine):
         expected = Counter(replica for replica, _ in self.open)
         for name, state in self.router.replicas.items():
             assert state.in_flight == expected[name] >= 0
+
+    @invariant()
+    def the_load_counts_each_open_request_and_at_most_the_last_report_beside_them(self):
+        for name, state in self.router.replicas.items():
+            requests = self.router.load(name) - self.router.kv_weight * state.kv_usage
+            assert state.in_flight <= requests + 1e-9
+            assert requests <= state.in_flight + state.running + state.waiting + 1e-9
 
     @invariant()
     def the_index_stays_bounded(self):

@@ -36,6 +36,10 @@ class ReplicaState:
     in_flight: int = 0  # requests this router has open there: known at once, unlike the replica's own report
     running: int = 0  # the replica's last reports
     waiting: int = 0
+    # What that report held beyond this router's own requests (other frontends' load). The report counts this
+    # router's requests too, but it ages: added to in_flight it would count them twice, and once they finished
+    # a stale report would keep steering new work away from a replica that is already idle.
+    others: int = 0
     kv_usage: float = 0.0
     in_rotation: bool = True  # the owner's say: False while draining
     healthy: bool = True  # False after a failure, until the replica answers again
@@ -60,8 +64,9 @@ class Router:
     - least-loaded: the least loaded.
     - round-robin: the next replica in turn.
 
-    Load = requests open there (this router's own count plus the replica's reported running and waiting) plus
-    kv_weight * KV cache usage (0..1): a full cache costs like kv_weight more requests, as new work would preempt.
+    Load = requests open there (this router's own count, plus what the replica's last report of its running and
+    waiting requests held beyond that count when it came) plus kv_weight * KV cache usage (0..1): a full cache
+    costs like kv_weight more requests, as new work would preempt.
     Ties go to the lower load, then round robin.
     """
 
@@ -117,6 +122,7 @@ class Router:
         state = self._state(name)
         state.running = max(0, int(running))
         state.waiting = max(0, int(waiting))
+        state.others = max(0, state.running + state.waiting - state.in_flight)
         state.kv_usage = min(1.0, max(0.0, float(kv_usage)))
 
     def routable(self, name: str) -> bool:
@@ -128,7 +134,7 @@ class Router:
 
     def load(self, name: str) -> float:
         state = self._state(name)
-        return state.in_flight + state.running + state.waiting + self.kv_weight * state.kv_usage
+        return state.in_flight + state.others + self.kv_weight * state.kv_usage
 
     # -- requests -------------------------------------------------------------------------------
 
