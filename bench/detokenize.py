@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 from transformers import AutoTokenizer
 
@@ -19,11 +19,14 @@ from cluster.frontend.detokenizer import IncrementalDetokenizer
 from worker.model_loader import resolve_model_dir
 
 
+def _as_given(tokenizer, through_tokenizer: bool):
+    """The tokenizer itself, or a stand-in offering only its `decode`, which the per-token decoder must call."""
+    return SimpleNamespace(decode=tokenizer.decode) if through_tokenizer else tokenizer
+
+
 def stream_seconds(tokenizer, ids: list[int], through_tokenizer: bool) -> tuple[float, str]:
     """Seconds per token to stream `ids` one at a time, and the text streamed."""
-    detokenizer = IncrementalDetokenizer(tokenizer, ids[:5])
-    if through_tokenizer:
-        detokenizer._decode = partial(tokenizer.decode, skip_special_tokens=True)
+    detokenizer = IncrementalDetokenizer(_as_given(tokenizer, through_tokenizer), ids[:5])
     started = time.perf_counter()
     for token in ids:
         detokenizer.add([token])
@@ -33,9 +36,7 @@ def stream_seconds(tokenizer, ids: list[int], through_tokenizer: bool) -> tuple[
 
 def match_seconds(tokenizer, ids: list[int], through_tokenizer: bool) -> float:
     """Seconds per token to watch `ids` for a stop string that never comes."""
-    matcher = StopStringMatcher(tokenizer, ["\x00never\x00"])
-    if through_tokenizer:
-        matcher._decode_ids = partial(tokenizer.decode, skip_special_tokens=True)
+    matcher = StopStringMatcher(_as_given(tokenizer, through_tokenizer), ["\x00never\x00"])
     started = time.perf_counter()
     for token in ids:
         matcher.add([token])

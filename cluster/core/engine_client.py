@@ -50,23 +50,23 @@ async def read_deltas(deltas: asyncio.Queue) -> AsyncIterator[RequestDelta]:
     engine (hundreds of streams on a busy frontend) then catches up with one pass per wake instead of one per
     step, and its cost per token falls as its load rises. A consumer that keeps up sees every step's delta.
     """
-    pending: RequestDelta | BaseException | None = None
-    while True:
-        item = pending if pending is not None else await deltas.get()
-        pending = None
+    failure: BaseException | None = None
+    while failure is None:
+        item = await deltas.get()
         if isinstance(item, BaseException):
             raise item
         queued = [item]
         while not queued[-1].finished and not deltas.empty():
             following = deltas.get_nowait()
             if isinstance(following, BaseException):
-                pending = following  # the tokens before the failure are delivered first
+                failure = following  # raised once the tokens before it are delivered
                 break
             queued.append(following)
-        item = merge_deltas(queued)
-        yield item
-        if item.finished:
+        merged = merge_deltas(queued)
+        yield merged
+        if merged.finished:
             return
+    raise failure
 
 
 class EngineClient(Protocol):
