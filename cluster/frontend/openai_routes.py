@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +17,7 @@ from cluster.frontend.constraint_errors import check_output_constraint
 from cluster.frontend.errors import from_value_error, not_found_model
 from cluster.frontend.generation import ChoiceDelta, Usage, stream_choices
 from cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.frontend.sse_events import ChunkEvents
 from cluster.frontend.tool_calls import choose_parser
 from cluster.frontend.tool_choice import output_parser
 from cluster.frontend.tracing import annotate_request
@@ -42,10 +42,6 @@ def _usage_json(usage: Usage) -> dict:
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
-
-
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 async def _first_then_rest(stream: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
@@ -104,37 +100,17 @@ async def completions(
             raise from_value_error(error) from None
         streams.append((number * sp.n, stream))
 
-    def chunk(index: int, delta: ChoiceDelta) -> dict:
-        choice = {"index": index, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}
-        if body.logprobs is not None:
-            choice["logprobs"] = _completion_logprobs([delta])
-        return choice
-
     if body.stream:
+        chunks = ChunkEvents(completion_id, "text_completion", created, served)
+        wants_logprobs = body.logprobs is not None
 
         async def events() -> AsyncIterator[str]:
             for offset, stream in streams:
                 async for delta in stream:
-                    yield _sse(
-                        {
-                            "id": completion_id,
-                            "object": "text_completion",
-                            "created": created,
-                            "model": served,
-                            "choices": [chunk(offset + delta.index, delta)],
-                        }
-                    )
+                    logprobs = _completion_logprobs([delta]) if wants_logprobs else None
+                    yield chunks.text_choice(offset + delta.index, delta.text, logprobs, delta.finish_reason)
             if body.include_usage():
-                yield _sse(
-                    {
-                        "id": completion_id,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": served,
-                        "choices": [],
-                        "usage": _usage_json(usage),
-                    }
-                )
+                yield chunks.event([], usage=_usage_json(usage))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -228,34 +204,14 @@ async def chat_completions(
         raise from_value_error(error) from None
 
     if body.stream:
+        chunks = ChunkEvents(chat_id, "chat.completion.chunk", created, served)
 
         async def events() -> AsyncIterator[str]:
-            def envelope(choices: list, **extra) -> dict:
-                return {
-                    "id": chat_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": served,
-                    "choices": choices,
-                    **extra,
-                }
-
             started: set[int] = set()
             async for delta in stream:
                 if delta.index not in started:
                     started.add(delta.index)
-                    yield _sse(
-                        envelope(
-                            [
-                                {
-                                    "index": delta.index,
-                                    "delta": output(delta.index).opening(),
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ]
-                        )
-                    )
+                    yield chunks.delta_choice(delta.index, output(delta.index).opening(), None, None)
                 out = output(delta.index)
                 # Content, or a tool call's start and its argument pieces, one chunk each; an empty delta when the
                 # text is held (a tag arriving in pieces) still carries its logprobs and finish_reason.
@@ -263,15 +219,14 @@ async def chat_completions(
                 logprobs = _chat_logprobs([delta]) if body.wants_logprobs() else None
                 for number, piece in enumerate(pieces):
                     last = number == len(pieces) - 1
-                    choice = {
-                        "index": delta.index,
-                        "delta": piece,
-                        "logprobs": logprobs if number == 0 else None,
-                        "finish_reason": out.finish_reason(delta.finish_reason) if last else None,
-                    }
-                    yield _sse(envelope([choice]))
+                    yield chunks.delta_choice(
+                        delta.index,
+                        piece,
+                        logprobs if number == 0 else None,
+                        out.finish_reason(delta.finish_reason) if last else None,
+                    )
             if body.include_usage():
-                yield _sse(envelope([], usage=_usage_json(usage)))
+                yield chunks.event([], usage=_usage_json(usage))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
