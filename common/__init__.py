@@ -1,1 +1,1 @@
-"""What the head and the workers both use: telemetry, TLS, logging and the worker token."""
+"""What the head and the workers both use: telemetry, TLS, logging, the worker token and heap tuning."""

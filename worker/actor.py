@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from common import telemetry
 from common.auth import check_token
+from common.heap import freeze_startup_heap
 from common.tls import TlsConfig
 from worker.config import WorkerConfig
 from worker.grpc_server import start_worker_server
@@ -131,6 +132,7 @@ class WorkerActor:
             self.stop()
             raise
         address = _host_port(host, port)
+        freeze_startup_heap()  # steps run from here on: the model's and the libraries' objects need no collecting
         logger.info(
             "rank %d of %d: %d KV blocks, serving on %s", self.rank, self.world_size, self.worker.num_blocks, address
         )

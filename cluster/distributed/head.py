@@ -19,6 +19,7 @@ from cluster.distributed.local_executor import locate_model, worker_config
 from cluster.distributed.output_channel import OutputChannel, OutputMessage
 from cluster.distributed.worker_group import WorkerGroup
 from common import telemetry
+from common.heap import freeze_startup_heap
 from common.logs import configure_logging
 from common.tls import TlsConfig
 
@@ -68,6 +69,7 @@ class HeadActor:
         # Consumers' output channels by id; created by whichever of submit() and outputs() comes first.
         self._channels: dict[str, OutputChannel] = {}
         self.num_output_messages = 0  # sent on every channel, all lives of channels together
+        freeze_startup_heap()  # the engine loop runs from here on: start-up's objects need no more collecting
 
     # -- called by clients ----------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from cluster.distributed.launcher import NAMESPACE
 from cluster.frontend.replica_pool import ReplicaPool, ReplicaSettings
 from cluster.frontend.server import FrontendServer, FrontendSettings, configure_frontend_tracing
 from common import telemetry
+from common.heap import freeze_startup_heap
 
 
 class FrontendActor:
@@ -46,7 +47,9 @@ class FrontendActor:
     async def start(self) -> dict:
         if self.pool is not None:
             self.pool.start()
-        return await self.server.start()
+        ports = await self.server.start()
+        freeze_startup_heap()  # serving from here on: start-up's objects need no more collecting
+        return ports
 
     def head_names(self) -> list[str]:
         """The heads serving now or draining: the ones to stop at shutdown."""
