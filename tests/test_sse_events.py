@@ -26,7 +26,8 @@ deltas = st.one_of(
     st.fixed_dictionaries({"role": st.just("assistant"), "content": st.one_of(st.none(), texts)}),
     st.dictionaries(texts, values, max_size=3),
 )
-envelopes = st.tuples(texts, st.sampled_from(["text_completion", "chat.completion.chunk"]), st.integers(0, 2**40), texts)
+objects = st.sampled_from(["text_completion", "chat.completion.chunk"])
+envelopes = st.tuples(texts, objects, st.integers(0, 2**40), texts)
 
 
 def _dumped(envelope: tuple, choices: list, **extra) -> str:
@@ -35,20 +36,18 @@ def _dumped(envelope: tuple, choices: list, **extra) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-@settings(max_examples=300, deadline=None)
-@given(envelopes, indices, texts, st.one_of(st.none(), values), finish_reasons)
-def test_completion_chunk_matches_json_dumps(envelope, index, text, logprobs, finish_reason):
-    got = ChunkEvents(*envelope).text_choice(index, text, logprobs, finish_reason)
-    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    assert got == _dumped(envelope, [choice])
+# A completions chunk carries "text", a chat chunk a "delta" object; both are written from the same template.
+contents = st.one_of(st.tuples(st.just("text"), texts), st.tuples(st.just("delta"), deltas))
 
 
-@settings(max_examples=300, deadline=None)
-@given(envelopes, indices, deltas, st.one_of(st.none(), values), finish_reasons)
-def test_chat_chunk_matches_json_dumps(envelope, index, delta, logprobs, finish_reason):
-    got = ChunkEvents(*envelope).delta_choice(index, delta, logprobs, finish_reason)
-    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    assert got == _dumped(envelope, [choice])
+@settings(max_examples=600, deadline=None)
+@given(envelopes, indices, contents, st.one_of(st.none(), values), finish_reasons)
+def test_chunk_matches_json_dumps(envelope, index, content, logprobs, finish_reason):
+    key, value = content
+    events = ChunkEvents(*envelope)
+    write = events.text_choice if key == "text" else events.delta_choice
+    choice = {"index": index, key: value, "logprobs": logprobs, "finish_reason": finish_reason}
+    assert write(index, value, logprobs, finish_reason) == _dumped(envelope, [choice])
 
 
 @settings(max_examples=100, deadline=None)
