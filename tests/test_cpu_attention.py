@@ -180,3 +180,35 @@ def test_compile_error_when_serving_falls_back_with_the_compiler_output(
     warnings = _warnings(caplog)
     assert "uses the slower torch path" in warnings and "failed with exit status" in warnings
     assert "pagerail_broken" in warnings  # the compiler's diagnostic quotes the offending line
+
+
+_FLOAT_MODE_PROBE = """
+import sys
+import torch
+from worker.layers.cpu_paged_attention import build_native_kernel
+
+def subnormals_kept():
+    return 2.2250738585072014e-308 / 3.0 != 0.0 and torch.tensor([1e-40]).mul(1.0).item() != 0.0
+
+before = subnormals_kept()
+kernel = build_native_kernel(cache_dir=__import__("pathlib").Path(sys.argv[1]))
+loaded = subnormals_kept()
+q, cache = torch.randn(3, 4, 32), torch.randn(2, 2, 8 * 16, 32)
+kernel.decode(q, cache[0], cache[1], torch.arange(6).view(3, 2), torch.tensor([5, 17, 32]), 16, 0.2)
+print(before, loaded, subnormals_kept())
+"""
+
+
+def test_loading_and_running_the_kernel_leave_the_process_float_mode_alone(tmp_path):
+    # A library linked with -ffast-math turns on flush-to-zero for the whole process when it is loaded: every
+    # later float operation of torch and of the caller would drop its subnormals. A fresh interpreter, so no
+    # earlier test has loaded a kernel into it.
+    import subprocess
+    import sys
+
+    require(find_compiler(), NEEDS_COMPILER)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    probe = [sys.executable, "-c", _FLOAT_MODE_PROBE, str(tmp_path)]
+    result = subprocess.run(probe, capture_output=True, text=True, check=False, cwd=repo)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True", "True"]

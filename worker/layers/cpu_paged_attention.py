@@ -1,8 +1,9 @@
 """Native CPU decode attention over the paged cache: compiled once per machine with the system C compiler.
 
 The torch fallback gathers every context into a padded copy before SDPA, which moves each K/V byte about
-three times; this kernel reads the blocks where they lie. It is built with `cc -O3 -march=native -fopenmp`
-into the pagerail cache and loaded with ctypes, so it needs no torch headers and builds in about a second.
+three times; this kernel reads the blocks where they lie. It is compiled with `cc -O3 -march=native -ffast-math
+-fopenmp` and linked without -ffast-math (which would switch the loading process to flush-to-zero) into the
+pagerail cache and loaded with ctypes, so it needs no torch headers and builds in about a second.
 With PAGERAIL_CPU_ATTENTION=torch the torch path is used; without a compiler, or when the build fails, it is used
 too, with a warning that carries the compiler's error (`build_native_kernel` raises it instead).
 """
@@ -28,7 +29,10 @@ from worker.default_model import cache_root
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+# Linked without -ffast-math: with it gcc links crtfastmath.o, whose constructor turns on flush-to-zero for the
+# whole process that loads the library (torch's and the caller's own float arithmetic lose their subnormals).
+_LINK_FLAGS = ("-shared", "-fopenmp")
 _ENV_SWITCH = "PAGERAIL_CPU_ATTENTION"
 
 
@@ -97,7 +101,8 @@ def kernel_library_path(source: Path | None = None, cache_dir: Path | None = Non
         code = source.read_bytes()
     except OSError as error:
         raise KernelBuildError(f"cannot read the kernel source: {error}") from error
-    key = hashlib.sha256(code + " ".join(_FLAGS).encode() + platform.machine().encode()).hexdigest()[:16]
+    flags = " ".join(_COMPILE_FLAGS) + " | " + " ".join(_LINK_FLAGS)
+    key = hashlib.sha256(code + flags.encode() + platform.machine().encode()).hexdigest()[:16]
     # The host name is part of the path: -march=native code must not be shared across machines via a volume.
     directory = cache_dir if cache_dir is not None else cache_root() / "kernels"
     return directory / f"paged_attention_cpu-{platform.node() or 'host'}-{key}.so"
@@ -111,15 +116,21 @@ def _build(source: Path, target: Path) -> None:
     # Build beside the target and rename, so ranks compiling at once never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        command = [compiler, *_FLAGS, str(source), "-o", str(built), "-lm"]
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, errors="replace")
-        except OSError as error:
-            raise KernelBuildError(f"cannot run the C compiler {compiler!r}: {error}") from error
-        if result.returncode != 0:
-            output = (result.stderr or result.stdout).strip()
-            raise KernelBuildError(f"{shlex.join(command)} failed with exit status {result.returncode}:\n{output}")
+        compiled = Path(scratch) / "paged_attention_cpu.o"
+        _run_compiler(compiler, [*_COMPILE_FLAGS, "-c", str(source), "-o", str(compiled)])
+        _run_compiler(compiler, [*_LINK_FLAGS, str(compiled), "-o", str(built), "-lm"])
         os.replace(built, target)
+
+
+def _run_compiler(compiler: str, arguments: list[str]) -> None:
+    command = [compiler, *arguments]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, errors="replace")
+    except OSError as error:
+        raise KernelBuildError(f"cannot run the C compiler {compiler!r}: {error}") from error
+    if result.returncode != 0:
+        output = (result.stderr or result.stdout).strip()
+        raise KernelBuildError(f"{shlex.join(command)} failed with exit status {result.returncode}:\n{output}")
 
 
 def build_native_kernel(source: Path | None = None, cache_dir: Path | None = None) -> NativeKernel:

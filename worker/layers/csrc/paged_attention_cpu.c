@@ -7,6 +7,21 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
+/* Scores far below the row's maximum turn into subnormal weights, which x86 computes on slowly. The kernel
+ * flushes them to zero on its own threads for the length of a call and puts each thread's mode back after:
+ * the library is not linked with -ffast-math, so the process that loads it keeps its subnormals. */
+#if defined(__SSE__)
+#define FLUSH_DENORMALS 0x8040u /* flush-to-zero and denormals-are-zero in MXCSR */
+#define SAVE_FLOAT_MODE() const unsigned int saved_csr = _mm_getcsr(); _mm_setcsr(saved_csr | FLUSH_DENORMALS)
+#define RESTORE_FLOAT_MODE() _mm_setcsr(saved_csr)
+#else
+#define SAVE_FLOAT_MODE() do { } while (0)
+#define RESTORE_FLOAT_MODE() do { } while (0)
+#endif
 
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 256
@@ -39,7 +54,10 @@ void paged_decode_attention_f32(
     const int64_t items = n * num_kv_heads;
     const int64_t block_bytes = block_size * head_dim * (int64_t)sizeof(float);
 
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel
+    {
+    SAVE_FLOAT_MODE();
+#pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; item++) {
         const int64_t seq = item / num_kv_heads;
         const int64_t kv_head = item % num_kv_heads;
@@ -101,5 +119,7 @@ void paged_decode_attention_f32(
             for (int64_t d = 0; d < head_dim; d++) o[d] = acc[g][d] * inv;
         }
         free(scores);
+    }
+    RESTORE_FLOAT_MODE();
     }
 }
