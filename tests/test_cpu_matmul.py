@@ -1,5 +1,5 @@
-"""CPU matmuls: oneDNN runs the row counts this machine measured it faster at, MKL everything else; both give the
-same product, and the measurement is made once per machine."""
+"""CPU matmuls: each batch size of a weight shape runs on the library this machine measured fastest (MKL, oneDNN or
+the packed kernel); all give the same product, and the measurement is made once per machine."""
 
 from __future__ import annotations
 
@@ -8,12 +8,19 @@ import json
 import pytest
 import torch
 
+from tests.requirements import require
 from worker.layers import cpu_matmul
 from worker.layers.cpu_matmul import (
-    MIN_GAIN,
+    HANDICAP,
+    LARGE_ROWS,
+    MKL,
+    ONEDNN,
     ONEDNN_MIN_ELEMENTS,
+    PACKED,
+    PACKED_MIN_ELEMENTS,
     ROW_BUCKETS,
-    attach_onednn_weights,
+    CpuWeights,
+    attach_cpu_weights,
     choose_buckets,
     linear,
     rows_table,
@@ -21,9 +28,24 @@ from worker.layers.cpu_matmul import (
 )
 from worker.layers.embedding import ParallelLMHead
 from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+from worker.layers.native_build import find_compiler
+from worker.layers.packed_linear import build_packed_linear
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-EVERY_BUCKET = rows_table([True] * len(ROW_BUCKETS))
+BUCKETS = len(ROW_BUCKETS) + 1
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    require(find_compiler(), "needs a C compiler (cc or gcc) for the packed CPU matmul")
+    return build_packed_linear()
+
+
+def everywhere(library: str, weight: torch.Tensor, kernel=None) -> CpuWeights:
+    by_rows, larger = rows_table([library] * BUCKETS)
+    if library == ONEDNN:
+        return CpuWeights(by_rows, larger, onednn=weight.to_mkldnn())
+    return CpuWeights(by_rows, larger, packed=kernel.pack(weight), kernel=kernel)
 
 
 class LibrarySpy:
@@ -48,68 +70,129 @@ def onednn_calls(monkeypatch) -> list[int]:
     return spy.calls
 
 
+@pytest.fixture
+def packed_calls(kernel, monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = type(kernel).linear
+
+    def counting(self, x, weight):
+        calls.append(x.shape[0])
+        return real(self, x, weight)
+
+    monkeypatch.setattr(type(kernel), "linear", counting)
+    return calls
+
+
 @needs_onednn
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, ROW_BUCKETS[-1], ROW_BUCKETS[-1] + 1, 600])
 def test_onednn_and_mkl_agree(rows):
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=generator)
     weight = torch.randn(200, 96, generator=generator)
-    got = linear(x, weight, weight.to_mkldnn(), EVERY_BUCKET)
+    got = linear(x, weight, everywhere(ONEDNN, weight))
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-4)
     assert got.layout == torch.strided and got.shape == (rows, 200)
 
 
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    # Every remainder of rows against the kernel's passes of 6 and its chunks of 96, outputs that are and are not a
+    # multiple of its 16-wide panels, and inner sizes of 1 and odd.
+    [(1, 16, 8), (5, 17, 3), (6, 31, 64), (7, 200, 96), (13, 1, 1), (96, 48, 33), (97, 40, 96), (300, 129, 576)],
+)
+def test_packed_kernel_and_mkl_agree(kernel, rows, out_features, in_features):
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    got = linear(x, weight, everywhere(PACKED, weight, kernel))
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-4)
+    assert got.shape == (rows, out_features) and got.is_contiguous()
+
+
+def test_packed_kernel_reads_strided_rows_and_empty_batches(kernel):
+    base = torch.randn(9, 160)
+    x = base[:, 32:128]  # rows 160 floats apart, 96 wide
+    weight = torch.randn(40, 96)
+    packed = kernel.pack(weight)
+    torch.testing.assert_close(kernel.linear(x, packed), x @ weight.T, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(kernel.linear(x.t().contiguous().t(), packed), x @ weight.T, rtol=1e-5, atol=1e-4)
+    assert kernel.linear(torch.empty(0, 96), packed).shape == (0, 40)
+
+
+def test_packed_kernel_refuses_what_it_cannot_run(kernel):
+    packed = kernel.pack(torch.randn(8, 4))
+    with pytest.raises(ValueError, match=r"expects \[rows, 4\] float32"):
+        kernel.linear(torch.randn(2, 5), packed)
+    with pytest.raises(ValueError, match="expects"):
+        kernel.linear(torch.randn(2, 4, dtype=torch.float64), packed)
+    with pytest.raises(ValueError, match="packs 2-D float32 CPU weights"):
+        kernel.pack(torch.randn(8, 4, dtype=torch.bfloat16))
+
+
 def test_rows_table_maps_each_row_count_to_its_bucket():
-    choices = [False, True, True, False, True]  # <=1, <=16, <=64, <=128, <=256
-    table = rows_table(choices)
-    assert len(table) == ROW_BUCKETS[-1] + 1 and table[0] is False
-    assert table[1] is False and table[2] is table[16] is table[17] is table[64] is True
-    assert table[65] is table[128] is False and table[129] is table[256] is True
-    assert rows_table([False] * len(ROW_BUCKETS)) == ()
+    choices = [MKL, ONEDNN, PACKED, MKL, ONEDNN, PACKED]  # <=1, <=16, <=64, <=128, <=256, larger
+    table, larger = rows_table(choices)
+    assert len(table) == ROW_BUCKETS[-1] + 1 and table[0] == MKL and table[1] == MKL
+    assert table[2] == table[16] == ONEDNN and table[17] == table[64] == PACKED
+    assert table[65] == table[128] == MKL and table[129] == table[256] == ONEDNN and larger == PACKED
+    with pytest.raises(ValueError, match="expected 6 bucket choices"):
+        rows_table(choices[:-1])
 
 
 @needs_onednn
-def test_linear_takes_the_onednn_copy_only_for_the_chosen_row_counts(onednn_calls):
+def test_linear_takes_each_row_count_to_its_library(kernel, onednn_calls, packed_calls):
     weight = torch.randn(32, 16)
-    copy = weight.to_mkldnn()
-    table = rows_table([False, True, False, False, False])  # oneDNN for 2..16 rows
-    for rows in (1, 2, 16, 17, 300):
-        linear(torch.randn(rows, 16), weight, copy, table)
-    linear(torch.randn(4, 16), weight, None, table)  # no copy: MKL whatever the table says
-    linear(torch.randn(4, 16), weight, copy, ())  # no table: MKL
+    table = rows_table([MKL, ONEDNN, PACKED, MKL, MKL, PACKED])  # oneDNN 2..16, packed 17..64 and above 256
+    cpu = CpuWeights(*table, onednn=weight.to_mkldnn(), packed=kernel.pack(weight), kernel=kernel)
+    for rows in (1, 2, 16, 17, 64, 65, 256, 257, 600):
+        linear(torch.randn(rows, 16), weight, cpu)
+    linear(torch.randn(4, 16), weight, None)  # no choice: MKL
     assert onednn_calls == [2, 16]
+    assert packed_calls == [17, 64, 257, 600]
 
 
-def test_a_bucket_goes_to_onednn_only_when_it_wins_by_the_margin():
-    mkl = {1: 1.0, 16: 2.0, 64: 3.0, 128: 4.0, 256: 5.0}
-    onednn = {1: 1.5, 16: 2.0 / 1.3, 64: 3.0 / MIN_GAIN, 128: 4.0 / 1.05, 256: 5.0 / 2}
-    noise = iter([10.0])  # one slow MKL pass of the first bucket must not decide it: the best of the rounds does
+def test_each_bucket_goes_to_the_fastest_library_after_its_handicap():
+    # Times per bucket (1, 16, 64, 128, 256, larger): oneDNN must win by more than its handicap, the packed kernel
+    # by more than its own; the best of the rounds decides, so one slow pass does not.
+    mkl = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    onednn = [1.5, 2.0 / 1.3, 3.0 / (HANDICAP[ONEDNN] * 1.01), 4.0 / 1.1, 5.0 / 2, 6.0]
+    packed = [0.5, 2.0 / 1.02, 3.0 / 3.0, 4.0, 5.0 / 1.5, 6.0 / 1.1]
+    times = {MKL: mkl, ONEDNN: onednn, PACKED: packed}
+    buckets = (*ROW_BUCKETS, LARGE_ROWS)
+    noise = iter([10.0])
 
-    def timer(rows: int, use_onednn: bool) -> float:
-        if not use_onednn and rows == 1:
+    def timer(rows: int, library: str) -> float:
+        if library == MKL and rows == 16:
             return next(noise, mkl[1])
-        return onednn[rows] if use_onednn else mkl[rows]
+        return times[library][buckets.index(rows)]
 
-    assert choose_buckets(timer) == [False, True, True, False, True]
+    assert choose_buckets(timer, [MKL, ONEDNN, PACKED]) == [PACKED, ONEDNN, PACKED, MKL, ONEDNN, PACKED]
+    assert choose_buckets(timer, [MKL, ONEDNN]) == [MKL, ONEDNN, ONEDNN, MKL, ONEDNN, MKL]
 
 
 @needs_onednn
-def test_stream_timer_runs_every_weight_through_the_library_asked_for(onednn_calls):
-    weights = [torch.randn(24, 8) for _ in range(3)]
-    timer = stream_timer(weights, [w.to_mkldnn() for w in weights])
-    assert timer(16, False) > 0 and onednn_calls == []
-    assert timer(16, True) > 0 and onednn_calls == [16, 16, 16]
+def test_stream_timer_runs_every_weight_through_the_library_asked_for(kernel, onednn_calls, packed_calls):
+    weights = [torch.randn(24, 8) for _ in range(8)]
+    copies = {ONEDNN: [w.to_mkldnn() for w in weights], PACKED: [kernel.pack(w) for w in weights]}
+    timer = stream_timer(weights, copies, kernel)
+    assert timer(16, MKL) > 0 and onednn_calls == [] and packed_calls == []
+    assert timer(16, ONEDNN) > 0 and onednn_calls == [16] * 8
+    assert timer(16, PACKED) > 0 and packed_calls == [16] * 8
+    # Bound by arithmetic from 128 rows on: a quarter of the weights are enough.
+    assert timer(LARGE_ROWS, PACKED) > 0 and packed_calls == [16] * 8 + [LARGE_ROWS] * 2
 
 
 def _model() -> torch.nn.ModuleDict:
-    wide = ONEDNN_MIN_ELEMENTS // 16  # 16 x wide reaches the threshold exactly
+    wide = ONEDNN_MIN_ELEMENTS // 16  # 16 x wide reaches oneDNN's threshold exactly
+    narrow = PACKED_MIN_ELEMENTS // 16  # and 16 x narrow the packed kernel's
     model = torch.nn.ModuleDict(
         {
             "column": ColumnParallelLinear(16, wide, bias=True, dtype=torch.float32),
             "column_twin": ColumnParallelLinear(16, wide, dtype=torch.float32),
             "row": RowParallelLinear(wide, 16, dtype=torch.float32),
             "head": ParallelLMHead(2 * wide, 16, dtype=torch.float32),
-            "small": ColumnParallelLinear(16, 32, dtype=torch.float32),
+            "mid": ColumnParallelLinear(16, narrow, dtype=torch.float32),
+            "small": ColumnParallelLinear(16, narrow - 1, dtype=torch.float32),
             "bf16": ColumnParallelLinear(16, wide, dtype=torch.bfloat16),
         }
     )
@@ -119,63 +202,106 @@ def _model() -> torch.nn.ModuleDict:
 
 
 class FakeMeasure:
-    """oneDNN twice as fast up to 16 rows for every shape but the head's, where it loses everywhere."""
+    """oneDNN twice as fast as MKL up to 16 rows and the packed kernel four times as fast from 17 to 64 rows, for
+    every shape but the head's, where MKL wins everywhere."""
 
     def __init__(self, head_rows: int) -> None:
         self.head_rows = head_rows
         self.shapes: list[tuple[int, ...]] = []
+        self.libraries: list[set[str]] = []
 
-    def __call__(self, weights, copies):
+    def __call__(self, weights, copies, kernel):
         shape = tuple(weights[0].shape)
         self.shapes.append(shape)
-        assert len(weights) == len(copies) and all(tuple(w.shape) == shape for w in weights)
+        self.libraries.append(set(copies))
+        assert all(len(c) == len(weights) for c in copies.values()) and all(tuple(w.shape) == shape for w in weights)
         # Streamed past the caches: more weights than the model has of a shape, when it has few.
         assert sum(w.numel() * 4 for w in weights) >= cpu_matmul.STREAM_BYTES
         head = shape[0] == self.head_rows
-        return lambda rows, use_onednn: (0.5 if use_onednn and rows <= 16 and not head else 1.0)
+
+        def timer(rows: int, library: str) -> float:
+            if head:
+                return 1.0 if library == MKL else 2.0
+            if library == ONEDNN:
+                return 0.5 if rows <= 16 else 2.0
+            if library == PACKED:
+                return 0.25 if 16 < rows <= 64 else 2.0
+            return 1.0
+
+        return timer
 
 
 @needs_onednn
-def test_attach_measures_each_large_shape_once_and_keeps_the_choice_per_machine(tmp_path, monkeypatch):
+def test_attach_measures_each_shape_once_and_keeps_the_choice_per_machine(kernel, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGERAIL_CPU_MATMUL", "auto")
     path = tmp_path / "choices.json"
     model = _model()
     measure = FakeMeasure(head_rows=model["head"].weight.shape[0])
-    assert attach_onednn_weights(model, path, measure) == 3  # column, its twin (one shape) and row
-    assert len(measure.shapes) == 3  # column shape, row shape, head shape: each measured once
-    assert model["head"].onednn_weight is None and model["head"].onednn_rows == ()  # oneDNN lost everywhere
-    assert model["small"].onednn_weight is None  # below the size worth measuring
-    assert model["bf16"].onednn_weight is None  # not fp32
-    expected = rows_table([True, True, False, False, False])
-    assert model["column"].onednn_rows == model["column_twin"].onednn_rows == model["row"].onednn_rows == expected
-    x = torch.randn(5, 16)
-    reference = torch.nn.functional.linear(x, model["column"].weight, model["column"].bias)
-    torch.testing.assert_close(model["column"](x), reference, rtol=1e-5, atol=1e-4)
+    assert attach_cpu_weights(model, path, measure) == 4  # column, its twin (one shape), row, mid
+    assert len(measure.shapes) == 4  # column, row, head and mid shapes: each measured once
+    assert measure.libraries[:3] == [{ONEDNN, PACKED}] * 3 and measure.libraries[3] == {PACKED}  # mid: below oneDNN's
+    assert model["head"].cpu_weights is None  # MKL won everywhere: no copy kept
+    assert model["small"].cpu_weights is None  # below the size worth measuring
+    assert model["bf16"].cpu_weights is None  # not fp32
+    expected = rows_table([ONEDNN, ONEDNN, PACKED, MKL, MKL, MKL])
+    for name in ("column", "column_twin", "row"):
+        cpu = model[name].cpu_weights
+        assert (cpu.by_rows, cpu.larger) == expected and cpu.onednn is not None and cpu.packed is not None
+    mid = model["mid"].cpu_weights
+    assert (mid.by_rows, mid.larger) == rows_table([MKL, MKL, PACKED, MKL, MKL, MKL]) and mid.onednn is None
+    for rows in (5, 40, 300):  # oneDNN, packed, MKL: each gives the reference product
+        x = torch.randn(rows, 16)
+        reference = torch.nn.functional.linear(x, model["column"].weight, model["column"].bias)
+        torch.testing.assert_close(model["column"](x), reference, rtol=1e-5, atol=1e-4)
     saved = json.loads(path.read_text())
-    assert saved["row_buckets"] == list(ROW_BUCKETS) and len(saved["choices"]) == 3
+    assert saved["row_buckets"] == list(ROW_BUCKETS) and saved["large_rows"] == LARGE_ROWS
+    assert len(saved["choices"]) == 4
 
     # The next load on this machine reads the choices instead of measuring.
     again = _model()
     unused = FakeMeasure(head_rows=-1)
-    assert attach_onednn_weights(again, path, unused) == 3 and unused.shapes == []
-    assert again["column"].onednn_rows == expected
+    assert attach_cpu_weights(again, path, unused) == 4 and unused.shapes == []
+    assert (again["column"].cpu_weights.by_rows, again["column"].cpu_weights.larger) == expected
+
+    # Choices measured among other libraries (here: before the packed kernel could be built) are measured again.
+    monkeypatch.setattr(cpu_matmul, "packed_linear_kernel", lambda: None)
+    without = FakeMeasure(head_rows=model["head"].weight.shape[0])
+    assert attach_cpu_weights(_model(), path, without) == 3  # column, twin, row; mid has only MKL left
+    assert without.libraries == [{ONEDNN}] * 3  # column, row and head measured again, mid not at all
+    monkeypatch.undo()
 
     # A damaged file is measured afresh, not trusted.
+    monkeypatch.setenv("PAGERAIL_CPU_MATMUL", "auto")
     path.write_text("{not json")
     fresh = FakeMeasure(head_rows=model["head"].weight.shape[0])
-    assert attach_onednn_weights(_model(), path, fresh) == 3 and len(fresh.shapes) == 3
+    assert attach_cpu_weights(_model(), path, fresh) == 4 and len(fresh.shapes) == 4
 
 
 @needs_onednn
-def test_the_switch_forces_either_library_and_refuses_anything_else(tmp_path, monkeypatch):
+def test_the_switch_forces_one_library_and_refuses_anything_else(kernel, tmp_path, monkeypatch):
     never = FakeMeasure(head_rows=-1)
     monkeypatch.setenv("PAGERAIL_CPU_MATMUL", "mkl")
     model = _model()
-    assert attach_onednn_weights(model, tmp_path / "c.json", never) == 0 and model["column"].onednn_weight is None
+    assert attach_cpu_weights(model, tmp_path / "c.json", never) == 0 and model["column"].cpu_weights is None
+    everything = rows_table([ONEDNN] * BUCKETS)
     monkeypatch.setenv("PAGERAIL_CPU_MATMUL", "onednn")
     small = ColumnParallelLinear(16, 32, dtype=torch.float32)
-    assert attach_onednn_weights(small, tmp_path / "c.json", never) == 1 and small.onednn_rows == EVERY_BUCKET
+    assert attach_cpu_weights(small, tmp_path / "c.json", never) == 1
+    assert (small.cpu_weights.by_rows, small.cpu_weights.larger) == everything and small.cpu_weights.packed is None
+    monkeypatch.setenv("PAGERAIL_CPU_MATMUL", "packed")
+    small = ColumnParallelLinear(16, 32, dtype=torch.float32)
+    assert attach_cpu_weights(small, tmp_path / "c.json", never) == 1
+    assert set(small.cpu_weights.by_rows[1:]) == {PACKED} == {small.cpu_weights.larger} and not small.cpu_weights.onednn
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(small(x), x @ small.weight.T, rtol=1e-5, atol=1e-5)
     assert never.shapes == []
     monkeypatch.setenv("PAGERAIL_CPU_MATMUL", "fast")
-    with pytest.raises(ValueError, match="PAGERAIL_CPU_MATMUL must be auto, mkl or onednn"):
-        attach_onednn_weights(small, tmp_path / "c.json", never)
+    with pytest.raises(ValueError, match="PAGERAIL_CPU_MATMUL must be auto, mkl, onednn or packed"):
+        attach_cpu_weights(small, tmp_path / "c.json", never)
+
+
+def test_forcing_the_packed_kernel_where_it_cannot_be_built_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_matmul, "packed_linear_kernel", lambda: None)
+    monkeypatch.setenv("PAGERAIL_CPU_MATMUL", "packed")
+    with pytest.raises(ValueError, match="the packed kernel cannot be built here"):
+        attach_cpu_weights(ColumnParallelLinear(16, 32, dtype=torch.float32), tmp_path / "c.json")

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from worker.default_model import cache_root, convert_gguf, default_model_dir
-from worker.layers.cpu_matmul import attach_onednn_weights
+from worker.layers.cpu_matmul import attach_cpu_weights
 from worker.layers.lazy_tensor import LazyTensor
 from worker.models.registry import model_class
 from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
@@ -127,7 +127,7 @@ def load_model(
         # Lazy tensors: each weight loader reads only its rank's slice, so tp ranks share the file's bytes.
         model.load_weights(iter_lazy_safetensors(model_dir))
     if device.type == "cpu":
-        attach_onednn_weights(model)
+        attach_cpu_weights(model)
     return model.eval()
 
 

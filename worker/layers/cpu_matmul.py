@@ -1,24 +1,27 @@
-"""CPU matmuls through oneDNN where this machine runs them faster than MKL, measured once per machine.
+"""CPU matmuls through whichever library runs each weight shape and batch size fastest here, measured once per
+machine: MKL (torch's default), oneDNN, or pagerail's packed-weight kernel (`packed_linear`).
 
-A oneDNN call converts its input to and from oneDNN's layout, a fixed cost that only a large weight can repay,
-and whether it does depends on the CPU. Two measured on the same SmolLM2 shapes (fp32, MKL time / oneDNN time,
-above 1: oneDNN faster):
+Which wins depends on the CPU and on the batch. Three measured on SmolLM2's gate/up weight [3072, 576], fp32, time
+of the fastest other library against MKL's (above 1: faster than MKL):
 
-    weight [out, in]          CPU               1 row   16 rows   64 rows   128 rows   256 rows
-    3072 x 576  (1.77M)       AMD EPYC          0.94    1.97      1.68      1.28       0.90
-    3072 x 576                Intel Xeon (SPR)  0.64    1.11      0.85      0.90       1.05
-    49152 x 576 (28.3M, head) AMD EPYC          1.78    2.03      1.71      1.39       1.25
-    49152 x 576               Intel Xeon (SPR)  0.90    0.94      1.03      0.67       0.98
+    CPU                 library   1 row   16 rows   64 rows   256 rows   2048 rows
+    AMD EPYC (AVX-512)  oneDNN    0.94    1.97      1.68      0.90
+    Intel Xeon (SPR)    oneDNN    0.64    1.11      0.85      1.05
+    AMD EPYC (AVX2)     packed    2.36    2.48      1.38      1.27       1.12
 
-A fixed rule taken from one of them costs the other up to a third of its decode step. So every fp32 weight of
-at least `ONEDNN_MIN_ELEMENTS` is measured at load: for each row bucket of `ROW_BUCKETS`, the model's own
-weights of that shape are streamed through both libraries (more of them than the caches hold, as a forward pass
-reads them), and oneDNN takes the bucket only when it is at least `MIN_GAIN` times faster. Smaller weights, and
-batches above the last bucket, stay on MKL. The choices are kept per machine in the pagerail cache, so only the
-first load on a machine pays for the measurement (about a second for SmolLM2).
+oneDNN converts its input to and from its own layout, a fixed cost only a large weight repays; MKL packs its
+operands on every call and takes slower paths on some CPUs than on others; the packed kernel reads a weight laid
+out once at load, so a small batch costs little more than streaming the weight from memory. A fixed rule taken
+from one machine costs another up to a third of its decode step. So every fp32 weight large enough to matter is
+measured at load: for each row bucket of `ROW_BUCKETS` (and `LARGE_ROWS` for larger batches), the model's own
+weights of that shape are streamed through each library (more of them than the caches hold, as a forward pass
+reads them), and the fastest takes the bucket, after a handicap (`HANDICAP`) that makes another library beat MKL
+by a margin before it is given a copy of the weight. The choices are kept per machine in the pagerail cache, so
+only the first load on a machine pays for the measurement (a few seconds for SmolLM2). A weight keeps a copy
+only for the libraries that took some bucket.
 
-PAGERAIL_CPU_MATMUL=mkl keeps every matmul on MKL; =onednn gives every fp32 layer a oneDNN copy used for every
-bucket, whatever its size; =auto (the default) measures.
+PAGERAIL_CPU_MATMUL=mkl keeps every matmul on MKL; =onednn or =packed gives every fp32 layer a copy for that
+library, used for every batch size; =auto (the default) measures.
 """
 
 from __future__ import annotations
@@ -29,120 +32,167 @@ import os
 import platform
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from worker.default_model import cache_root
+from worker.layers.packed_linear import PackedLinearKernel, PackedWeight, packed_linear_kernel
 
 logger = logging.getLogger(__name__)
 
-ONEDNN_MIN_ELEMENTS = 1 << 20
-# Batches of up to each bound share one choice; a larger batch always runs on MKL.
+MKL, ONEDNN, PACKED = "mkl", "onednn", "packed"
+LIBRARIES = (MKL, ONEDNN, PACKED)
+# Batches of up to each bound share one choice; larger batches share the choice measured at LARGE_ROWS.
 ROW_BUCKETS = (1, 16, 64, 128, 256)
-MIN_GAIN = 1.2
-# A measurement streams at least this many weight bytes of the shape (all of them when the model has fewer).
+LARGE_ROWS = 512
+# A bucket goes to the library whose best time, times this, is least: oneDNN must repay its layout conversions and
+# the copy of the weight it needs, the packed kernel its copy.
+HANDICAP = {MKL: 1.0, ONEDNN: 1.2, PACKED: 1.05}
+# Weights smaller than these are left to MKL: oneDNN's fixed cost only pays on large weights, and a small weight's
+# matmul is too short for any choice to matter.
+ONEDNN_MIN_ELEMENTS = 1 << 20
+PACKED_MIN_ELEMENTS = 1 << 18
+# A measurement streams at least this many weight bytes of the shape (all of them when the model has fewer); from
+# 128 rows on the matmul is bound by arithmetic, not memory, and a quarter of that is enough.
 STREAM_BYTES = 64 << 20
 _ENV_SWITCH = "PAGERAIL_CPU_MATMUL"
-_NO_ONEDNN: tuple[bool, ...] = ()
 
-# (rows, use oneDNN) → seconds for one pass over the shape's weights.
-Timer = Callable[[int, bool], float]
+# (rows, library) → seconds for one pass over the shape's weights.
+Timer = Callable[[int, str], float]
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, onednn_weight: torch.Tensor | None, onednn_rows: Sequence[bool] = ()
-) -> torch.Tensor:
-    """x @ weight^T, through the oneDNN copy of the weight when `onednn_rows[rows]` says so for x's row count."""
-    rows = x.shape[0]
-    if onednn_weight is None or x.dim() != 2 or rows >= len(onednn_rows) or not onednn_rows[rows]:
+@dataclass(slots=True)
+class CpuWeights:
+    """The copies of one fp32 CPU weight that other libraries than MKL run, and which library runs which batch."""
+
+    by_rows: tuple[str, ...]  # the library for each row count 0..ROW_BUCKETS[-1]
+    larger: str  # the library for more rows than ROW_BUCKETS[-1]
+    onednn: torch.Tensor | None = None
+    packed: PackedWeight | None = None
+    kernel: PackedLinearKernel | None = None
+
+    def library(self, rows: int) -> str:
+        return self.by_rows[rows] if rows < len(self.by_rows) else self.larger
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, cpu: CpuWeights | None = None) -> torch.Tensor:
+    """x @ weight^T, through the library `cpu` chose for x's row count (MKL without a choice)."""
+    if cpu is None or x.dim() != 2:
         return F.linear(x, weight)
-    return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), onednn_weight, None).to_dense()
+    library = cpu.library(x.shape[0])
+    if library == PACKED:
+        return cpu.kernel.linear(x, cpu.packed)
+    if library == ONEDNN:
+        return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), cpu.onednn, None).to_dense()
+    return F.linear(x, weight)
 
 
-def rows_table(bucket_choices: Sequence[bool]) -> tuple[bool, ...]:
-    """Per row count 0..ROW_BUCKETS[-1], whether oneDNN runs it, from one choice per bucket; () when none does."""
-    if not any(bucket_choices):
-        return _NO_ONEDNN
-    table = [False]
-    for low, high, choice in zip((0, *ROW_BUCKETS[:-1]), ROW_BUCKETS, bucket_choices, strict=True):
+def rows_table(bucket_choices: Sequence[str]) -> tuple[tuple[str, ...], str]:
+    """Per row count 0..ROW_BUCKETS[-1], its library, and the larger batches' one, from one choice per bucket
+    (`ROW_BUCKETS`, then `LARGE_ROWS`)."""
+    if len(bucket_choices) != len(ROW_BUCKETS) + 1:
+        raise ValueError(f"expected {len(ROW_BUCKETS) + 1} bucket choices, got {len(bucket_choices)}")
+    table = [MKL]
+    for low, high, choice in zip((0, *ROW_BUCKETS[:-1]), ROW_BUCKETS, bucket_choices, strict=False):
         table.extend([choice] * (high - low))
-    return tuple(table)
+    return tuple(table), bucket_choices[-1]
 
 
-def choose_buckets(timer: Timer, rounds: int = 3) -> list[bool]:
-    """For each row bucket, whether oneDNN beats MKL by MIN_GAIN; each side's best of `rounds` passes counts."""
+def choose_buckets(timer: Timer, libraries: Sequence[str], rounds: int = 3) -> list[str]:
+    """For each row bucket and then LARGE_ROWS, the library with the least handicapped best-of-`rounds` time."""
     choices = []
-    for rows in ROW_BUCKETS:
-        mkl = min(timer(rows, False) for _ in range(rounds))
-        onednn = min(timer(rows, True) for _ in range(rounds))
-        choices.append(onednn * MIN_GAIN <= mkl)
+    for rows in (*ROW_BUCKETS, LARGE_ROWS):
+        best = {library: min(timer(rows, library) for _ in range(rounds)) for library in libraries}
+        choices.append(min(libraries, key=lambda library: best[library] * HANDICAP[library]))
     return choices
 
 
-def stream_timer(weights: list[torch.Tensor], copies: list[torch.Tensor]) -> Timer:
-    """A Timer that multiplies a random batch by each weight in turn, as a forward pass reads them."""
+def stream_timer(weights: list[torch.Tensor], copies: dict[str, list[Any]], kernel: PackedLinearKernel | None) -> Timer:
+    """A Timer that multiplies a random batch by each weight in turn, as a forward pass reads them; from 128 rows on
+    only the first quarter of the weights (the matmul is then bound by arithmetic)."""
     in_features = weights[0].shape[1]
-    inputs = {rows: torch.randn(rows, in_features) for rows in ROW_BUCKETS}
-    always = rows_table([True] * len(ROW_BUCKETS))
+    inputs = {rows: torch.randn(rows, in_features) for rows in (*ROW_BUCKETS, LARGE_ROWS)}
 
-    def timer(rows: int, onednn: bool) -> float:
+    def choice(library: str, copy: Any) -> CpuWeights | None:
+        if library == MKL:
+            return None
+        by_rows, larger = rows_table([library] * (len(ROW_BUCKETS) + 1))
+        if library == ONEDNN:
+            return CpuWeights(by_rows, larger, onednn=copy)
+        return CpuWeights(by_rows, larger, packed=copy, kernel=kernel)
+
+    runs = {MKL: [(weight, None) for weight in weights]}
+    for library, library_copies in copies.items():
+        runs[library] = [(weight, choice(library, copy)) for weight, copy in zip(weights, library_copies, strict=True)]
+
+    def timer(rows: int, library: str) -> float:
         x = inputs[rows]
+        count = len(weights) if rows < 128 else max(1, len(weights) // 4)
         started = time.perf_counter()
-        for weight, copy in zip(weights, copies, strict=True):
-            linear(x, weight, copy if onednn else None, always)
+        for weight, cpu in runs[library][:count]:
+            linear(x, weight, cpu)
         return time.perf_counter() - started
 
     return timer
 
 
-def attach_onednn_weights(
-    model: nn.Module,
-    choices_path: Path | None = None,
-    measure: Callable[[list[torch.Tensor], list[torch.Tensor]], Timer] = stream_timer,
-) -> int:
-    """Give every module with an `onednn_weight` slot a oneDNN copy of its fp32 CPU weight, and its per-row-count
-    choice in `onednn_rows`, wherever oneDNN runs some batch size faster here; returns how many got one.
+Measure = Callable[[list[torch.Tensor], dict[str, list[Any]], "PackedLinearKernel | None"], Timer]
+
+
+def attach_cpu_weights(model: nn.Module, choices_path: Path | None = None, measure: Measure = stream_timer) -> int:
+    """Give every module with a `cpu_weights` slot and an fp32 CPU weight the copies and per-batch choices of the
+    libraries that run some batch size of its shape faster than MKL here; returns how many modules got some.
 
     `measure` makes the Timer for a shape's weights and their copies (a stand-in in tests)."""
     mode = os.environ.get(_ENV_SWITCH, "auto").strip().lower()
-    if mode not in ("auto", "mkl", "onednn"):
-        raise ValueError(f"{_ENV_SWITCH} must be auto, mkl or onednn, got {mode!r}")
-    if mode == "mkl" or not torch.backends.mkldnn.is_available():
+    if mode not in ("auto", MKL, ONEDNN, PACKED):
+        raise ValueError(f"{_ENV_SWITCH} must be auto, mkl, onednn or packed, got {mode!r}")
+    if mode == MKL:
         return 0
+    kernel = packed_linear_kernel() if mode in ("auto", PACKED) else None
+    if mode == ONEDNN and not torch.backends.mkldnn.is_available():
+        raise ValueError(f"{_ENV_SWITCH}=onednn, but this torch is built without oneDNN")
+    if mode == PACKED and kernel is None:
+        raise ValueError(f"{_ENV_SWITCH}=packed, but the packed kernel cannot be built here (see the warning above)")
     by_shape: dict[tuple[int, int], list[nn.Module]] = {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if not hasattr(module, "onednn_weight") or weight is None:
+        if not hasattr(module, "cpu_weights") or weight is None:
             continue
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
-            continue
-        if mode == "auto" and weight.numel() < ONEDNN_MIN_ELEMENTS:
-            continue
-        by_shape.setdefault(tuple(weight.shape), []).append(module)
-    if not by_shape:
-        return 0
+        if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2:
+            by_shape.setdefault(tuple(weight.shape), []).append(module)
     store = _ChoiceStore(choices_path or default_choices_path())
     attached = 0
     for shape, modules in by_shape.items():
-        copies = [module.weight.detach().contiguous().to_mkldnn() for module in modules]
-        if mode == "onednn":
-            table = rows_table([True] * len(ROW_BUCKETS))
+        if mode != "auto":
+            choices = [mode] * (len(ROW_BUCKETS) + 1)
         else:
-            choices = store.get(shape)
+            libraries = _candidates(shape[0] * shape[1], kernel)
+            if libraries == [MKL]:
+                continue
+            choices = store.get(shape, libraries)
             if choices is None:
-                weights, streamed = _streamed(modules, copies)
-                choices = choose_buckets(measure(weights, streamed))
-                store.put(shape, choices)
-                logger.info("CPU matmul %s: oneDNN for row buckets %s, else MKL", shape, _describe(choices))
-            table = rows_table(choices)
-        if not table:
+                weights, copies = _streamed(modules, libraries, kernel)
+                choices = choose_buckets(measure(weights, copies, kernel), libraries)
+                del weights, copies
+                store.put(shape, libraries, choices)
+                logger.info("CPU matmul %s: %s", shape, _describe(choices))
+        if set(choices) == {MKL}:
             continue
-        for module, copy in zip(modules, copies, strict=True):
-            module.onednn_weight = copy
-            module.onednn_rows = table
+        table = rows_table(choices)
+        for module in modules:
+            weight = module.weight.detach()
+            module.cpu_weights = CpuWeights(
+                *table,
+                onednn=weight.contiguous().to_mkldnn() if ONEDNN in choices else None,
+                packed=kernel.pack(weight) if PACKED in choices else None,
+                kernel=kernel if PACKED in choices else None,
+            )
             attached += 1
     store.save()
     return attached
@@ -155,25 +205,40 @@ def default_choices_path() -> Path:
     return cache_root() / "matmul" / name
 
 
-def _streamed(modules: list[nn.Module], copies: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The shape's weights repeated until they exceed STREAM_BYTES, so no measurement runs from the caches."""
+def _candidates(elements: int, kernel: PackedLinearKernel | None) -> list[str]:
+    libraries = [MKL]
+    if torch.backends.mkldnn.is_available() and elements >= ONEDNN_MIN_ELEMENTS:
+        libraries.append(ONEDNN)
+    if kernel is not None and elements >= PACKED_MIN_ELEMENTS:
+        libraries.append(PACKED)
+    return libraries
+
+
+def _streamed(
+    modules: list[nn.Module], libraries: list[str], kernel: PackedLinearKernel | None
+) -> tuple[list[torch.Tensor], dict[str, list[Any]]]:
+    """The shape's weights repeated until they exceed STREAM_BYTES (so no measurement runs from the caches), with
+    each library's copy of every one."""
     weights = [module.weight.detach() for module in modules]
     size = weights[0].numel() * weights[0].element_size()
     count = max(1, -(-STREAM_BYTES // size))
-    if count <= len(weights):
-        return weights[:count], copies[:count]
     # Too few weights of this shape to leave the caches: fresh ones of the same shape make up the rest.
-    extra = [torch.randn_like(weights[0]) for _ in range(count - len(weights))]
-    return weights + extra, copies + [weight.to_mkldnn() for weight in extra]
+    weights = weights[:count] + [torch.randn_like(weights[0]) for _ in range(count - len(weights))]
+    copies: dict[str, list[Any]] = {}
+    if ONEDNN in libraries:
+        copies[ONEDNN] = [weight.contiguous().to_mkldnn() for weight in weights]
+    if PACKED in libraries:
+        copies[PACKED] = [kernel.pack(weight) for weight in weights]
+    return weights, copies
 
 
-def _describe(choices: Sequence[bool]) -> str:
-    picked = [f"<={rows}" for rows, choice in zip(ROW_BUCKETS, choices, strict=True) if choice]
-    return ", ".join(picked) or "none"
+def _describe(choices: Sequence[str]) -> str:
+    bounds = [f"<={rows}" for rows in ROW_BUCKETS] + [f">{ROW_BUCKETS[-1]}"]
+    return ", ".join(f"{bound} {choice}" for bound, choice in zip(bounds, choices, strict=True))
 
 
 class _ChoiceStore:
-    """The per-machine file of measured choices: shape → one bool per row bucket."""
+    """The per-machine file of measured choices: shape → the libraries measured and one choice per bucket."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -182,23 +247,34 @@ class _ChoiceStore:
             saved = json.loads(path.read_text())
         except (OSError, ValueError):
             saved = {}
-        valid = isinstance(saved, dict) and saved.get("row_buckets") == list(ROW_BUCKETS)
-        self._choices: dict[str, list[bool]] = saved.get("choices", {}) if valid else {}
+        valid = (
+            isinstance(saved, dict)
+            and saved.get("row_buckets") == list(ROW_BUCKETS)
+            and saved.get("large_rows") == LARGE_ROWS
+            and isinstance(saved.get("choices"), dict)
+        )
+        self._choices: dict[str, Any] = saved["choices"] if valid else {}
 
-    def get(self, shape: tuple[int, int]) -> list[bool] | None:
-        choices = self._choices.get(_key(shape))
-        if isinstance(choices, list) and len(choices) == len(ROW_BUCKETS):
-            return [bool(choice) for choice in choices]
+    def get(self, shape: tuple[int, int], libraries: list[str]) -> list[str] | None:
+        """The choices measured for `shape` among exactly `libraries`; None when there are none (or others were)."""
+        entry = self._choices.get(_key(shape))
+        if not isinstance(entry, dict) or entry.get("libraries") != libraries:
+            return None
+        choices = entry.get("choices")
+        if isinstance(choices, list) and len(choices) == len(ROW_BUCKETS) + 1 and set(choices) <= set(libraries):
+            return list(choices)
         return None
 
-    def put(self, shape: tuple[int, int], choices: list[bool]) -> None:
-        self._choices[_key(shape)] = choices
+    def put(self, shape: tuple[int, int], libraries: list[str], choices: list[str]) -> None:
+        self._choices[_key(shape)] = {"libraries": libraries, "choices": choices}
         self._dirty = True
 
     def save(self) -> None:
         if not self._dirty:
             return
-        payload = json.dumps({"row_buckets": list(ROW_BUCKETS), "choices": self._choices}, indent=1)
+        payload = json.dumps(
+            {"row_buckets": list(ROW_BUCKETS), "large_rows": LARGE_ROWS, "choices": self._choices}, indent=1
+        )
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Written beside and renamed, so ranks loading at once never read half a file.

@@ -1,9 +1,8 @@
 """Native CPU decode attention over the paged cache: compiled once per machine with the system C compiler.
 
 The torch fallback gathers every context into a padded copy before SDPA, which moves each K/V byte about
-three times; this kernel reads the blocks where they lie. It is compiled with `cc -O3 -march=native -ffast-math
--fopenmp` and linked without -ffast-math (which would switch the loading process to flush-to-zero) into the
-pagerail cache and loaded with ctypes, so it needs no torch headers and builds in about a second.
+three times; this kernel reads the blocks where they lie. It is built and loaded by `native_build` (compiled
+with -ffast-math, linked without it, so the loading process keeps its subnormals).
 With PAGERAIL_CPU_ATTENTION=torch the torch path is used; without a compiler, or when the build fails, it is used
 too, with a warning that carries the compiler's error (`build_native_kernel` raises it instead).
 """
@@ -12,27 +11,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from worker.default_model import cache_root
+from worker.layers.native_build import CSRC, KernelBuildError, find_compiler, load_library
+
+__all__ = ["KernelBuildError", "NativeKernel", "build_native_kernel", "find_compiler", "native_kernel"]
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
-_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
-# Linked without -ffast-math: with it gcc links crtfastmath.o, whose constructor turns on flush-to-zero for the
-# whole process that loads the library (torch's and the caller's own float arithmetic lose their subnormals).
-_LINK_FLAGS = ("-shared", "-fopenmp")
+_SOURCE = CSRC / "paged_attention_cpu.c"
 _ENV_SWITCH = "PAGERAIL_CPU_ATTENTION"
 
 
@@ -85,69 +76,17 @@ class NativeKernel:
         return out
 
 
-class KernelBuildError(RuntimeError):
-    """The native kernel could not be compiled or loaded; the message carries the compiler's own output."""
-
-
-def find_compiler() -> str | None:
-    """The C compiler the kernel is built with: $CC, else cc or gcc on PATH; None when there is none."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def kernel_library_path(source: Path | None = None, cache_dir: Path | None = None) -> Path:
-    """Where the library built from `source` (default: the shipped kernel) lives, keyed by source, flags and host."""
-    source = source or _SOURCE
-    try:
-        code = source.read_bytes()
-    except OSError as error:
-        raise KernelBuildError(f"cannot read the kernel source: {error}") from error
-    flags = " ".join(_COMPILE_FLAGS) + " | " + " ".join(_LINK_FLAGS)
-    key = hashlib.sha256(code + flags.encode() + platform.machine().encode()).hexdigest()[:16]
-    # The host name is part of the path: -march=native code must not be shared across machines via a volume.
-    directory = cache_dir if cache_dir is not None else cache_root() / "kernels"
-    return directory / f"paged_attention_cpu-{platform.node() or 'host'}-{key}.so"
-
-
-def _build(source: Path, target: Path) -> None:
-    compiler = find_compiler()
-    if compiler is None:
-        raise KernelBuildError("no C compiler on PATH (install cc or gcc, or set CC)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename, so ranks compiling at once never load a half-written file.
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        compiled = Path(scratch) / "paged_attention_cpu.o"
-        _run_compiler(compiler, [*_COMPILE_FLAGS, "-c", str(source), "-o", str(compiled)])
-        _run_compiler(compiler, [*_LINK_FLAGS, str(compiled), "-o", str(built), "-lm"])
-        os.replace(built, target)
-
-
-def _run_compiler(compiler: str, arguments: list[str]) -> None:
-    command = [compiler, *arguments]
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, errors="replace")
-    except OSError as error:
-        raise KernelBuildError(f"cannot run the C compiler {compiler!r}: {error}") from error
-    if result.returncode != 0:
-        output = (result.stderr or result.stdout).strip()
-        raise KernelBuildError(f"{shlex.join(command)} failed with exit status {result.returncode}:\n{output}")
-
-
 def build_native_kernel(source: Path | None = None, cache_dir: Path | None = None) -> NativeKernel:
     """The kernel compiled from `source` (default: the shipped kernel; built on first use, then cached).
 
     The strict variant: raises KernelBuildError, with the compiler's output, when there is no compiler or the
     build or load fails. Decode attention goes through `native_kernel`, which logs that error and falls back.
     """
-    source = source or _SOURCE
-    target = kernel_library_path(source, cache_dir)
-    if not target.exists():
-        _build(source, target)
+    library = load_library(source or _SOURCE, cache_dir)
     try:
-        # torch has already loaded libgomp.so.1, so the kernel joins torch's OpenMP thread pool.
-        return NativeKernel(ctypes.CDLL(str(target)))
-    except (OSError, AttributeError) as error:
-        raise KernelBuildError(f"cannot load the native kernel {target}: {error}") from error
+        return NativeKernel(library)
+    except AttributeError as error:
+        raise KernelBuildError(f"the native kernel {library._name} lacks an entry point: {error}") from error
 
 
 @functools.cache

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.layers.cpu_matmul import linear
+from worker.layers.cpu_matmul import CpuWeights, linear
 from worker.layers.lazy_tensor import LazyTensor
 from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
@@ -79,16 +79,15 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # A oneDNN copy of the weight for small CPU batches, made after loading (see cpu_matmul).
-        self.onednn_weight: torch.Tensor | None = None
-        self.onednn_rows: tuple[bool, ...] = ()  # per row count: whether the oneDNN copy runs it
+        # Copies of the weight for the CPU libraries that run some batch sizes faster, made after loading (cpu_matmul).
+        self.cpu_weights: CpuWeights | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead computes logits through compute_logits(hidden), not forward")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden [N, embedding_dim] → logits [N, num_embeddings] in float32 on rank 0; None on the other ranks."""
-        local = linear(hidden, self.weight, self.onednn_weight, self.onednn_rows)
+        local = linear(hidden, self.weight, self.cpu_weights)
         logits = self.tp.gather(local, dim=-1)
         if logits is None:
             return None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.layers.cpu_matmul import linear
+from worker.layers.cpu_matmul import CpuWeights, linear
 from worker.layers.lazy_tensor import LazyTensor, materialize
 from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
@@ -43,9 +43,8 @@ class _ParallelLinear(nn.Module):
             self.bias = _new_param((out_features,), dtype, self.weight_loader)
         else:
             self.register_parameter("bias", None)
-        # A oneDNN copy of the weight for small CPU batches, made after loading (see cpu_matmul).
-        self.onednn_weight: torch.Tensor | None = None
-        self.onednn_rows: tuple[bool, ...] = ()  # per row count: whether the oneDNN copy runs it
+        # Copies of the weight for the CPU libraries that run some batch sizes faster, made after loading (cpu_matmul).
+        self.cpu_weights: CpuWeights | None = None
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor | LazyTensor, shard_id: object = None) -> None:
         raise NotImplementedError
@@ -77,7 +76,7 @@ class ColumnParallelLinear(_ParallelLinear):
         param.data.copy_(piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.onednn_weight, self.onednn_rows)
+        out = linear(x, self.weight, self.cpu_weights)
         return out if self.bias is None else out + self.bias
 
 
@@ -109,7 +108,7 @@ class RowParallelLinear(_ParallelLinear):
         param.data.copy_(piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(linear(x, self.weight, self.onednn_weight, self.onednn_rows))
+        out = self.tp.all_reduce(linear(x, self.weight, self.cpu_weights))
         if self.bias is not None:
             out = out + self.bias
         return out
