@@ -56,7 +56,7 @@ HANDICAP = {MKL: 1.0, ONEDNN: 1.2, PACKED: 1.05}
 # Weights smaller than these are left to MKL: oneDNN's fixed cost only pays on large weights, and a small weight's
 # matmul is too short for any choice to matter.
 ONEDNN_MIN_ELEMENTS = 1 << 20
-PACKED_MIN_ELEMENTS = 1 << 18
+PACKED_MIN_ELEMENTS = 1 << 14
 # A measurement streams at least this many weight bytes of the shape (all of them when the model has fewer); from
 # 128 rows on the matmul is bound by arithmetic, not memory, and a quarter of that is enough.
 STREAM_BYTES = 64 << 20

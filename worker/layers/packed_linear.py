@@ -28,6 +28,7 @@ class PackedWeight:
     data: torch.Tensor
     out_features: int
     in_features: int
+    address: int  # data's, read once: the call is on every layer of every step
 
 
 class PackedLinearKernel:
@@ -55,21 +56,20 @@ class PackedLinearKernel:
         # aligned loads hold for every panel.
         data = torch.empty(panels * in_features * self.panel, dtype=torch.float32)
         self._pack(weight.data_ptr(), data.data_ptr(), out_features, in_features)
-        return PackedWeight(data, out_features, in_features)
+        return PackedWeight(data, out_features, in_features, data.data_ptr())
 
     def linear(self, x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
         """x [rows, in_features] float32 → x @ weight^T [rows, out_features]."""
-        if x.dim() != 2 or x.shape[1] != weight.in_features or x.dtype != torch.float32:
+        rows, in_features = x.shape
+        if in_features != weight.in_features or x.dtype != torch.float32:
             raise ValueError(f"expects [rows, {weight.in_features}] float32, got {tuple(x.shape)} {x.dtype}")
         if x.stride(1) != 1:
             x = x.contiguous()
-        rows = x.shape[0]
-        out = torch.empty(rows, weight.out_features, dtype=torch.float32)
+        out_features = weight.out_features
+        out = torch.empty(rows, out_features, dtype=torch.float32)
         if rows:
-            self._run(
-                x.data_ptr(), x.stride(0), weight.data.data_ptr(), out.data_ptr(), weight.out_features,
-                rows, weight.out_features, weight.in_features,
-            )  # fmt: skip
+            address, stride = x.data_ptr(), x.stride(0)
+            self._run(address, stride, weight.address, out.data_ptr(), out_features, rows, out_features, in_features)
         return out
 
 

@@ -20,6 +20,8 @@
 #define ROWS_PER_PASS 6
 /* Rows of x handled per sweep over the panels: their x block (ROWS_CHUNK x K floats) stays in L2. */
 #define ROWS_CHUNK 96
+/* Below this many multiply-adds a call runs on the calling thread: waking the others costs more than it saves. */
+#define PARALLEL_MIN_WORK (1 << 18)
 
 int packed_linear_panel(void) { return PANEL; }
 
@@ -90,7 +92,7 @@ void packed_linear_f32(const float *x, int64_t ldx, const float *packed, float *
                        int64_t m, int64_t n, int64_t k)
 {
     const int64_t panels = (n + PANEL - 1) / PANEL;
-#pragma omp parallel
+#pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
     for (int64_t m0 = 0; m0 < m; m0 += ROWS_CHUNK) {
         const int64_t mc = m - m0 < ROWS_CHUNK ? m - m0 : ROWS_CHUNK;
 #pragma omp for schedule(static)
