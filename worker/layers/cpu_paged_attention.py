@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from worker.layers.native_build import CSRC, KernelBuildError, find_compiler, load_library
+from worker.layers.native_build import CSRC, KernelBuildError, find_compiler, load_kernel
 
 __all__ = ["KernelBuildError", "NativeKernel", "build_native_kernel", "find_compiler", "native_kernel"]
 
@@ -82,11 +82,7 @@ def build_native_kernel(source: Path | None = None, cache_dir: Path | None = Non
     The strict variant: raises KernelBuildError, with the compiler's output, when there is no compiler or the
     build or load fails. Decode attention goes through `native_kernel`, which logs that error and falls back.
     """
-    library = load_library(source or _SOURCE, cache_dir)
-    try:
-        return NativeKernel(library)
-    except AttributeError as error:
-        raise KernelBuildError(f"the native kernel {library._name} lacks an entry point: {error}") from error
+    return load_kernel(source or _SOURCE, NativeKernel, cache_dir)
 
 
 @functools.cache

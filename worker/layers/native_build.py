@@ -15,9 +15,13 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from worker.default_model import cache_root
+
+Kernel = TypeVar("Kernel")
 
 CSRC = Path(__file__).with_name("csrc")
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
@@ -58,6 +62,16 @@ def load_library(source: Path, cache_dir: Path | None = None) -> ctypes.CDLL:
         return ctypes.CDLL(str(target))
     except OSError as error:
         raise KernelBuildError(f"cannot load the native kernel {target}: {error}") from error
+
+
+def load_kernel(source: Path, wrap: Callable[[ctypes.CDLL], Kernel], cache_dir: Path | None = None) -> Kernel:
+    """`wrap` (a kernel's ctypes handle class) around the library compiled from `source`; raises KernelBuildError,
+    also when the library lacks an entry point `wrap` looks up."""
+    library = load_library(source, cache_dir)
+    try:
+        return wrap(library)
+    except AttributeError as error:
+        raise KernelBuildError(f"the native kernel {library._name} lacks an entry point: {error}") from error
 
 
 def _build(source: Path, target: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from worker.layers.native_build import CSRC, KernelBuildError, load_library
+from worker.layers.native_build import CSRC, KernelBuildError, load_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +75,7 @@ class PackedLinearKernel:
 
 def build_packed_linear(source: Path | None = None, cache_dir: Path | None = None) -> PackedLinearKernel:
     """The kernel compiled from `source` (default: the shipped one); raises KernelBuildError when it cannot be had."""
-    library = load_library(source or _SOURCE, cache_dir)
-    try:
-        return PackedLinearKernel(library)
-    except AttributeError as error:
-        raise KernelBuildError(f"the packed matmul library lacks an entry point: {error}") from error
+    return load_kernel(source or _SOURCE, PackedLinearKernel, cache_dir)
 
 
 @functools.cache
