@@ -55,6 +55,9 @@ static inline __attribute__((always_inline)) void pass(
     __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
     const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx, *x5 = x + 5 * ldx;
     for (int64_t i = 0; i < k; i++) {
+        /* 32 steps (2 KB) ahead: the first pass over a panel reads it from memory, and the hardware prefetcher
+         * alone leaves 16-32-row batches waiting on it (10-15% slower). */
+        __builtin_prefetch(panel + (i + 32) * PANEL, 0, 3);
         const __m256 w0 = _mm256_load_ps(panel + i * PANEL);
         const __m256 w1 = _mm256_load_ps(panel + i * PANEL + 8);
         __m256 xv;
