@@ -305,3 +305,26 @@ def test_forcing_the_packed_kernel_where_it_cannot_be_built_is_an_error(tmp_path
     monkeypatch.setenv("PAGERAIL_CPU_MATMUL", "packed")
     with pytest.raises(ValueError, match="the packed kernel cannot be built here"):
         attach_cpu_weights(ColumnParallelLinear(16, 32, dtype=torch.float32), tmp_path / "c.json")
+
+
+def test_a_loaded_model_runs_its_layers_on_the_packed_kernel_with_the_same_results(kernel, tmp_path, monkeypatch):
+    """The loader gives every fp32 linear layer of a real model its packed copy, and the model's products match
+    the ones MKL gives the same weights."""
+    from cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
+    from worker.model_loader import load_model
+
+    model_dir = write_tiny_llama(tmp_path / "model", TinyLlamaShape(), seed=1)
+    monkeypatch.setenv("PAGERAIL_CPU_MATMUL", "packed")
+    packed = load_model(model_dir)
+    monkeypatch.setenv("PAGERAIL_CPU_MATMUL", "mkl")
+    reference = load_model(model_dir)
+    layers = [m for m in packed.modules() if hasattr(m, "cpu_weights")]
+    assert layers and all(m.cpu_weights is not None and m.cpu_weights.packed is not None for m in layers)
+    assert all(m.cpu_weights is None for m in reference.modules() if hasattr(m, "cpu_weights"))
+    hidden = torch.randn(7, packed.config.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            packed.model.layers[0].mlp(hidden), reference.model.layers[0].mlp(hidden), rtol=1e-4, atol=1e-5
+        )
+        logits, expected = packed.compute_logits(hidden), reference.compute_logits(hidden)
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
