@@ -46,7 +46,6 @@ from worker.layers.packed_linear import PackedLinearKernel, PackedWeight, packed
 logger = logging.getLogger(__name__)
 
 MKL, ONEDNN, PACKED = "mkl", "onednn", "packed"
-LIBRARIES = (MKL, ONEDNN, PACKED)
 # Batches of up to each bound share one choice; larger batches share the choice measured at LARGE_ROWS.
 ROW_BUCKETS = (1, 16, 64, 128, 256)
 LARGE_ROWS = 512
@@ -98,9 +97,14 @@ def rows_table(bucket_choices: Sequence[str]) -> tuple[tuple[str, ...], str]:
     if len(bucket_choices) != len(ROW_BUCKETS) + 1:
         raise ValueError(f"expected {len(ROW_BUCKETS) + 1} bucket choices, got {len(bucket_choices)}")
     table = [MKL]
-    for low, high, choice in zip((0, *ROW_BUCKETS[:-1]), ROW_BUCKETS, bucket_choices, strict=False):
+    for low, high, choice in zip((0, *ROW_BUCKETS[:-1]), ROW_BUCKETS, bucket_choices[:-1], strict=True):
         table.extend([choice] * (high - low))
     return tuple(table), bucket_choices[-1]
+
+
+def everywhere(library: str) -> list[str]:
+    """One choice per bucket that sends every batch size to `library`."""
+    return [library] * (len(ROW_BUCKETS) + 1)
 
 
 def choose_buckets(timer: Timer, libraries: Sequence[str], rounds: int = 3) -> list[str]:
@@ -112,23 +116,28 @@ def choose_buckets(timer: Timer, libraries: Sequence[str], rounds: int = 3) -> l
     return choices
 
 
+def _copy_only(
+    library: str, table: tuple[tuple[str, ...], str], copy: Any, kernel: PackedLinearKernel | None
+) -> CpuWeights:
+    """A choice that runs every batch through `library`'s copy of a weight (oneDNN's or the packed kernel's)."""
+    if library == ONEDNN:
+        return CpuWeights(*table, onednn=copy)
+    return CpuWeights(*table, packed=copy, kernel=kernel)
+
+
 def stream_timer(weights: list[torch.Tensor], copies: dict[str, list[Any]], kernel: PackedLinearKernel | None) -> Timer:
     """A Timer that multiplies a random batch by each weight in turn, as a forward pass reads them; from 128 rows on
     only the first quarter of the weights (the matmul is then bound by arithmetic)."""
     in_features = weights[0].shape[1]
     inputs = {rows: torch.randn(rows, in_features) for rows in (*ROW_BUCKETS, LARGE_ROWS)}
 
-    def choice(library: str, copy: Any) -> CpuWeights | None:
-        if library == MKL:
-            return None
-        by_rows, larger = rows_table([library] * (len(ROW_BUCKETS) + 1))
-        if library == ONEDNN:
-            return CpuWeights(by_rows, larger, onednn=copy)
-        return CpuWeights(by_rows, larger, packed=copy, kernel=kernel)
-
-    runs = {MKL: [(weight, None) for weight in weights]}
+    runs: dict[str, list[tuple[torch.Tensor, CpuWeights | None]]] = {MKL: [(weight, None) for weight in weights]}
     for library, library_copies in copies.items():
-        runs[library] = [(weight, choice(library, copy)) for weight, copy in zip(weights, library_copies, strict=True)]
+        table = rows_table(everywhere(library))
+        runs[library] = [
+            (weight, _copy_only(library, table, copy, kernel))
+            for weight, copy in zip(weights, library_copies, strict=True)
+        ]
 
     def timer(rows: int, library: str) -> float:
         x = inputs[rows]
@@ -170,7 +179,7 @@ def attach_cpu_weights(model: nn.Module, choices_path: Path | None = None, measu
     attached = 0
     for shape, modules in by_shape.items():
         if mode != "auto":
-            choices = [mode] * (len(ROW_BUCKETS) + 1)
+            choices = everywhere(mode)
         else:
             libraries = _candidates(shape[0] * shape[1], kernel)
             if libraries == [MKL]:
