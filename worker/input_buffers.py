@@ -104,23 +104,49 @@ class InputBuffers:
         if self._copied is not None:
             # The previous step's copy must have left the host buffer before it is overwritten.
             self._copied.synchronize()
-        # Widen first: the device-side table writes are flat indices computed from the width.
-        self._grow_table(0, max(len(s.block_ids) for s in ordered))
-        writes: tuple[list[int], list[int]] = ([], [])
+        # One pass over the decodes gathers all they stage: this runs per request per step, at a GPU's step rate.
         rows: list[int] = []
+        positions: list[int] = []
+        decode_tokens: list[int] = []
+        sample_states: list[RequestState] = []
+        sample_rows: list[int] = []
+        stale: list[int] = []  # indices into `ordered` whose table row must be brought up to date first
         known_rows = self._rows
-        for state in ordered:
+        for index, state in enumerate(decodes):
+            position = state.num_computed_tokens
+            positions.append(position)
+            decode_tokens.append(state.token_ids[position])
+            if not state.skip_sampling:
+                sample_states.append(state)
+                sample_rows.append(index)
             # Most steps change no request's block list: its row is current and needs no look (see _sync_row).
             row = known_rows.get(state.handle)
             if row is not None and row.owner is state and row.epoch == state.block_epoch:
                 if row.num_blocks == len(state.block_ids):
                     rows.append(row.index)
                     continue
-            rows.append(self._sync_row(state, writes))
+            stale.append(index)
+            rows.append(-1)
+        for index, state in enumerate(prefills, start=len(decodes)):
+            if not state.skip_sampling:
+                sample_states.append(state)
+            row = known_rows.get(state.handle)
+            if row is not None and row.owner is state and row.epoch == state.block_epoch:
+                if row.num_blocks == len(state.block_ids):
+                    rows.append(row.index)
+                    continue
+            stale.append(index)
+            rows.append(-1)
+        writes: tuple[list[int], list[int]] = ([], [])
+        if stale:
+            # Widen first: the device-side table writes are flat indices computed from the width. A current row
+            # already fits the table, so only the stale ones can need a wider one.
+            self._grow_table(0, max(len(ordered[index].block_ids) for index in stale))
+            for index in stale:
+                rows[index] = self._sync_row(ordered[index], writes)
 
         n, bs = len(decodes), self.block_size
         num_tokens = n + sum(s.num_scheduled_tokens for s in prefills)
-        sample_states = [s for s in ordered if not s.skip_sampling]
         num_writes = len(writes[0])
         mixed = self.mixed_attention and bool(prefills)
         num_seqs = len(ordered) if mixed else n  # sequences whose table row and context length are staged
@@ -134,23 +160,20 @@ class InputBuffers:
         self._grow_staging(end)
         buf = self._host_np
 
-        sample_rows: list[int] = []
         if n:
-            positions = [s.num_computed_tokens for s in decodes]
-            buf[:n] = [s.token_ids[p] for s, p in zip(decodes, positions, strict=True)]
-            buf[pos_at : pos_at + n] = positions
+            # One conversion from Python ints for the three per-decode columns.
+            tokens_col, where, table_rows = np.array((decode_tokens, positions, rows[:n]), dtype=np.int64)
+            buf[:n] = tokens_col
+            buf[pos_at : pos_at + n] = where
             if self._in_place:
                 # Each decode's slot from its table row, which _sync_row just brought up to date.
-                where = buf[pos_at : pos_at + n]
-                table_rows = np.asarray(rows[:n])
                 buf[slot_at : slot_at + n] = self._table_np[table_rows, where // bs] * bs + where % bs
             else:
                 buf[slot_at : slot_at + n] = [
                     s.block_ids[p // bs] * bs + p % bs for s, p in zip(decodes, positions, strict=True)
                 ]
-            buf[rows_at : rows_at + n] = rows[:n]
-            buf[lens_at : lens_at + n] = buf[pos_at : pos_at + n] + 1
-            sample_rows = [i for i, s in enumerate(decodes) if not s.skip_sampling]
+            buf[rows_at : rows_at + n] = table_rows
+            buf[lens_at : lens_at + n] = where + 1
         if mixed:
             # Decodes own one row each; each prefill's end is appended as its span is laid out below.
             buf[starts_at : starts_at + n + 1] = np.arange(n + 1)

@@ -229,7 +229,7 @@ class ModelRunner:
             token_ids = sampled.token_ids
         result.constraint_done.extend(constraints.advance(states, token_ids))
         result.constraint_seconds = constraints.seconds
-        result.handles.extend(state.handle for state in states)
+        result.handles.extend([state.handle for state in states])  # a list extends faster than a generator
         result.token_ids.extend(token_ids)
         if sampled is not None and any(row.num_logprobs is not None for row in rows):
             result.logprobs.extend(lp if lp is not None else 0.0 for lp in sampled.logprobs)

@@ -447,6 +447,7 @@ class Scheduler:
         request.input_open = False
         del self.requests[request.request_id]
         self._finished_handles.append(request.handle)
+        self.stats.num_finished += 1
 
     def _record_stats(self, out: SchedulerOutput) -> None:
         stats = self.stats

@@ -216,21 +216,26 @@ class LLM:
     def _run(self, children: dict[str, tuple[RequestOutput, int, SamplingParams]]) -> None:
         remaining = set(children)
         matchers = self._stop_matchers(children)
+        stats = self.engine.scheduler.stats
         while remaining:
-            for request in self.engine.step():
-                entry = children.get(request.request_id)
-                if entry is None:
-                    continue
-                output, index, sp = entry
+            num_finished = stats.num_finished
+            changed = self.engine.step()
+            for request in changed if matchers else ():
                 matcher = matchers.get(request.request_id)
                 if matcher is not None and not request.finished:
                     # Checked once per step, on the text so far: the step's tokens are kept, later ones never come.
                     if matcher.add(request.output_token_ids[matcher.num_tokens :]):
                         self.engine.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
-                if request.finished:
-                    self._fill(output.outputs[index], request, sp)
-                    output.num_cached_tokens = max(output.num_cached_tokens, request.num_cached_tokens)
-                    remaining.discard(request.request_id)
+            if stats.num_finished == num_finished:
+                continue  # most steps end no request: nothing to collect, no need to look at each one
+            for request in changed:
+                entry = children.get(request.request_id)
+                if entry is None or not request.finished:
+                    continue
+                output, index, sp = entry
+                self._fill(output.outputs[index], request, sp)
+                output.num_cached_tokens = max(output.num_cached_tokens, request.num_cached_tokens)
+                remaining.discard(request.request_id)
         # A request stopped here was already in the next step, which is still in flight: let it land, so the
         # engine is idle again when generate() returns.
         self.engine.drain()
