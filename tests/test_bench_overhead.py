@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from cluster.bench import server_process
 from cluster.bench.forward_ceiling import measure_forward_ceiling
+from cluster.bench.overhead import median_round
 from cluster.bench.step_phases import PHASES, outside_forward, totals_from_registry, totals_from_text
 from cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
 from cluster.bench.workload import BenchRequest
@@ -109,6 +110,35 @@ def test_offline_run_reports_every_figure_over_the_same_tokens(tmp_path, capsys)
     for label in ("forward ceiling", "LLM offline", "% of ceiling", "outside forward", "targets:"):
         assert label in table
     assert "pagerail serve" not in table
+
+
+def test_the_median_round_is_reported_with_every_rounds_share():
+    def round_of(ceiling: float, offline: float) -> dict:
+        return {
+            "ceiling": {"output_tokens_per_s": ceiling},
+            "offline": {"output_tokens_per_s": offline, "mark": offline},
+        }
+
+    # Shares 0.5, 0.9, 0.7: the median is the third round's, not the fastest offline run nor the last one.
+    chosen = median_round([round_of(100, 50), round_of(50, 45), round_of(200, 140)])
+    assert chosen["ceiling"]["output_tokens_per_s"] == 200 and chosen["offline"]["mark"] == 140
+    assert chosen["offline"]["round_shares"] == pytest.approx([0.5, 0.7, 0.9])
+    single = median_round([round_of(10, 8)])
+    assert single["offline"]["round_shares"] == pytest.approx([0.8])
+
+
+def test_rounds_alternate_ceiling_and_offline_runs(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    argv = ["bench", "overhead", "--num-requests", "4", "--prompt-len", "8", "--output-len", "3", "--users", "4"]
+    argv += [*SMALL_FLAGS, "--device", "cpu", "--skip-serve", "--rounds", "3", "--json", str(out)]
+    assert main(argv) == 0
+    report = _report(out)
+    shares = report["parts"]["offline"]["round_shares"]
+    assert len(shares) == 3 and shares == sorted(shares)
+    assert report["share_of_ceiling"]["offline"] == pytest.approx(shares[1])
+    assert "in each of 3 rounds" in capsys.readouterr().out
+    assert main([*argv[:-2], "--rounds", "0"]) != 0
+    assert "--rounds must be >= 1" in capsys.readouterr().err
 
 
 def test_serve_parts_stream_to_the_server_and_read_its_step_metrics(tmp_path, capsys, monkeypatch):

@@ -60,6 +60,13 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
     parts.add_argument("--skip-serve", action="store_true", help="only the ceiling and the offline LLM")
     parts.add_argument("--skip-tp2", action="store_true", help="no tensor-parallel 2 server")
     parts.add_argument("--work-dir", default=None, help="keep the model and server logs here (default: a temp dir)")
+    parts.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure the ceiling and the offline LLM this many times, alternating; the round with the median "
+        "offline share is reported, with every round's share beside it (default 1)",
+    )
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON ('-': stdout)")
 
 
@@ -189,6 +196,15 @@ def run_served(settings: RunSettings, tensor_parallel_size: int, users: int, log
     }
 
 
+def median_round(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The round (a ceiling and an offline run measured back to back) whose offline share of its own ceiling is
+    the median; its offline part also lists every round's share, lowest first, so the spread shows beside it."""
+    shares = [r["offline"]["output_tokens_per_s"] / r["ceiling"]["output_tokens_per_s"] for r in rounds]
+    order = sorted(range(len(rounds)), key=shares.__getitem__)
+    chosen = rounds[order[len(order) // 2]]
+    return {"ceiling": chosen["ceiling"], "offline": {**chosen["offline"], "round_shares": [shares[i] for i in order]}}
+
+
 def run_overhead(args: argparse.Namespace) -> int:
     # Imported here: the worker's modules are only needed once a run starts, not to build the command line.
     from cluster.bench.forward_ceiling import kv_blocks_needed, measure_forward_ceiling
@@ -201,8 +217,8 @@ def run_overhead(args: argparse.Namespace) -> int:
         intermediate_size=args.intermediate_size,
         vocab_size=args.vocab_size,
     )
-    if min(args.num_requests, args.prompt_len, args.output_len, args.users) < 1:
-        raise ValueError("--num-requests, --prompt-len, --output-len and --users must be >= 1")
+    if min(args.num_requests, args.prompt_len, args.output_len, args.users, args.rounds) < 1:
+        raise ValueError("--num-requests, --prompt-len, --output-len, --users and --rounds must be >= 1")
     lengths = ((args.prompt_len, args.prompt_len), (args.output_len, args.output_len))
     requests = random_workload(args.num_requests, *lengths, vocab_size=shape.vocab_size, seed=args.seed)
     # Other prompts than the measured ones, so warming up leaves nothing in the prefix cache they could hit.
@@ -227,13 +243,14 @@ def run_overhead(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             cpus_per_worker=args.cpus_per_worker,
         )
-        parts: dict[str, Any] = {
-            "ceiling": measure_forward_ceiling(
+        rounds = []
+        for _ in range(args.rounds):
+            ceiling = measure_forward_ceiling(
                 settings.model_dir, requests, warmup=warmup, block_size=args.block_size,
                 max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, device=args.device,
-            ),
-            "offline": run_offline(settings),
-        }  # fmt: skip
+            )  # fmt: skip
+            rounds.append({"ceiling": ceiling, "offline": run_offline(settings)})
+        parts: dict[str, Any] = median_round(rounds)
         if not args.skip_serve:
             parts["serve_tp1"] = run_served(settings, 1, args.users, work / "serve-tp1.log")
             if not args.skip_tp2:

@@ -90,6 +90,12 @@ def format_report(report: dict) -> str:
             ]
         )
     lines.append(format_table(header, rows))
+    shares = parts["offline"].get("round_shares", [])
+    if len(shares) > 1:
+        lines.append(
+            f"offline share of the ceiling in each of {len(shares)} rounds (each against its own ceiling, the median "
+            f"round above): {', '.join(_pct(share) for share in shares)}"
+        )
     lines += [
         "",
         "per step, ms (means). schedule: the head's; dispatch: round trip less the rank's step, including the wait",
