@@ -104,7 +104,7 @@ class InputBuffers:
         if self._copied is not None:
             # The previous step's copy must have left the host buffer before it is overwritten.
             self._copied.synchronize()
-        # One pass over the decodes gathers all they stage: this runs per request per step, at a GPU's step rate.
+        # One pass over the step's requests gathers what each stages: it runs per request per step, at GPU step rates.
         rows: list[int] = []
         positions: list[int] = []
         decode_tokens: list[int] = []
@@ -112,24 +112,17 @@ class InputBuffers:
         sample_rows: list[int] = []
         stale: list[int] = []  # indices into `ordered` whose table row must be brought up to date first
         known_rows = self._rows
-        for index, state in enumerate(decodes):
-            position = state.num_computed_tokens
-            positions.append(position)
-            decode_tokens.append(state.token_ids[position])
+        num_decodes = len(decodes)
+        for index, state in enumerate(ordered):
+            if index < num_decodes:
+                position = state.num_computed_tokens
+                positions.append(position)
+                decode_tokens.append(state.token_ids[position])
+                if not state.skip_sampling:
+                    sample_rows.append(index)  # a prefill's sampled row is known once its span is laid out
             if not state.skip_sampling:
                 sample_states.append(state)
-                sample_rows.append(index)
             # Most steps change no request's block list: its row is current and needs no look (see _sync_row).
-            row = known_rows.get(state.handle)
-            if row is not None and row.owner is state and row.epoch == state.block_epoch:
-                if row.num_blocks == len(state.block_ids):
-                    rows.append(row.index)
-                    continue
-            stale.append(index)
-            rows.append(-1)
-        for index, state in enumerate(prefills, start=len(decodes)):
-            if not state.skip_sampling:
-                sample_states.append(state)
             row = known_rows.get(state.handle)
             if row is not None and row.owner is state and row.epoch == state.block_epoch:
                 if row.num_blocks == len(state.block_ids):
