@@ -112,9 +112,9 @@ class InputBuffers:
         sample_rows: list[int] = []
         stale: list[int] = []  # indices into `ordered` whose table row must be brought up to date first
         known_rows = self._rows
-        num_decodes = len(decodes)
+        n, bs = len(decodes), self.block_size
         for index, state in enumerate(ordered):
-            if index < num_decodes:
+            if index < n:
                 position = state.num_computed_tokens
                 positions.append(position)
                 decode_tokens.append(state.token_ids[position])
@@ -138,7 +138,6 @@ class InputBuffers:
             for index in stale:
                 rows[index] = self._sync_row(ordered[index], writes)
 
-        n, bs = len(decodes), self.block_size
         num_tokens = n + sum(s.num_scheduled_tokens for s in prefills)
         num_writes = len(writes[0])
         mixed = self.mixed_attention and bool(prefills)

@@ -220,12 +220,8 @@ class LLM:
         while remaining:
             num_finished = stats.num_finished
             changed = self.engine.step()
-            for request in changed if matchers else ():
-                matcher = matchers.get(request.request_id)
-                if matcher is not None and not request.finished:
-                    # Checked once per step, on the text so far: the step's tokens are kept, later ones never come.
-                    if matcher.add(request.output_token_ids[matcher.num_tokens :]):
-                        self.engine.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+            if matchers:
+                self._stop_at_strings(changed, matchers)
             if stats.num_finished == num_finished:
                 continue  # most steps end no request: nothing to collect, no need to look at each one
             for request in changed:
@@ -239,6 +235,15 @@ class LLM:
         # A request stopped here was already in the next step, which is still in flight: let it land, so the
         # engine is idle again when generate() returns.
         self.engine.drain()
+
+    def _stop_at_strings(self, changed: list[Request], matchers: dict[str, StopStringMatcher]) -> None:
+        """Finish the requests whose text now holds a stop string; checked once per step, on the text so far:
+        the step's tokens are kept, later ones never come."""
+        for request in changed:
+            matcher = matchers.get(request.request_id)
+            if matcher is not None and not request.finished:
+                if matcher.add(request.output_token_ids[matcher.num_tokens :]):
+                    self.engine.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _run_remote(self, children: dict[str, tuple[RequestOutput, int, SamplingParams]], pending: list) -> None:
         # The head works on token ids only: stop strings are matched here as the tokens stream in, and a request
