@@ -290,9 +290,11 @@ def test_the_switch_forces_one_library_and_refuses_anything_else(kernel, tmp_pat
     assert (small.cpu_weights.by_rows, small.cpu_weights.larger) == everything and small.cpu_weights.packed is None
     monkeypatch.setenv("PAGERAIL_CPU_MATMUL", "packed")
     small = ColumnParallelLinear(16, 32, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(7)
+    small.weight.data.copy_(torch.randn(small.weight.shape, generator=generator))  # torch.empty may hold NaN
     assert attach_cpu_weights(small, tmp_path / "c.json", never) == 1
     assert set(small.cpu_weights.by_rows[1:]) == {PACKED} == {small.cpu_weights.larger} and not small.cpu_weights.onednn
-    x = torch.randn(3, 16)
+    x = torch.randn(3, 16, generator=generator)
     torch.testing.assert_close(small(x), x @ small.weight.T, rtol=1e-5, atol=1e-5)
     assert never.shapes == []
     monkeypatch.setenv("PAGERAIL_CPU_MATMUL", "fast")
