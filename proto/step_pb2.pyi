@@ -112,7 +112,7 @@ class TopLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "handles", "token_ids", "logprobs", "top_logprobs", "compute_seconds", "forward_seconds", "constraint_done", "constraint_seconds")
+    __slots__ = ("step_id", "handles", "token_ids", "logprobs", "top_logprobs", "compute_seconds", "forward_seconds", "constraint_done", "constraint_seconds", "error")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class StepResult(_message.Message):
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_DONE_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     handles: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -131,4 +132,5 @@ class StepResult(_message.Message):
     forward_seconds: float
     constraint_done: _containers.RepeatedScalarFieldContainer[int]
     constraint_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., constraint_done: _Optional[_Iterable[int]] = ..., constraint_seconds: _Optional[float] = ...) -> None: ...
+    error: str
+    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., constraint_done: _Optional[_Iterable[int]] = ..., constraint_seconds: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...

@@ -57,8 +57,9 @@ class WorkerServiceServicer:
 
     def StepStream(self, request_iterator, context):
         """The head's step stream, opened once per worker-group start: the rank runs the steps one at a time in the
-        order they arrive and answers each with its StepResult, in the same order. A step that fails ends the
-        stream with INTERNAL (naming the step); the steps queued behind it are not run.
+        order they arrive and answers each with its StepResult, in the same order. A step that fails is answered with
+        a StepResult whose `error` names it; the steps queued behind it are not run, and once the head closes its
+        side the stream ends with INTERNAL (naming the step).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

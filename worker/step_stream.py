@@ -19,7 +19,8 @@ _END = object()  # no more steps: the head closed or cancelled the stream
 
 
 class _StepFailed:
-    def __init__(self, message: str) -> None:
+    def __init__(self, step_id: int, message: str) -> None:
+        self.step_id = step_id
         self.message = message
 
 
@@ -34,7 +35,10 @@ def serve_step_stream(
 
     Three threads share the work: a reader takes steps off the stream (and parses them) as they arrive, a runner
     executes them one at a time, and gRPC's handler thread (this generator) sends each result. A step that raises
-    ends the stream with INTERNAL naming it; the runner executes nothing after it.
+    is answered with a result carrying its error, and the runner executes nothing after it; the stream stays open
+    until the head closes its side (it does on reading the error), then ends with INTERNAL naming the step.
+    Ending it at once would race the head's write of its next step, and a client write that fails as a stream
+    ends may replace the stream's status with a bare "Internal error from Core" (grpc.aio), losing the reason.
     """
     context.send_initial_metadata(())  # the head waits for this to know the stream is open before any step
     steps: queue.SimpleQueue = queue.SimpleQueue()
@@ -44,12 +48,17 @@ def serve_step_stream(
         target=_run, args=(steps, results, execute, step_span, rank), name=f"step-stream-run-{rank}", daemon=True
     )
     runner.start()
+    failed: _StepFailed | None = None
     while True:
         item = results.get()
         if item is _END:
+            if failed is not None:
+                context.abort(grpc.StatusCode.INTERNAL, f"step {failed.step_id}: {failed.message}")
             return
         if isinstance(item, _StepFailed):
-            context.abort(grpc.StatusCode.INTERNAL, item.message)
+            failed = item
+            yield step_pb2.StepResult(step_id=item.step_id, error=item.message)
+            continue
         yield item
 
 
@@ -78,7 +87,11 @@ def _run(
                 result = execute(batch)
         except Exception as error:
             logger.exception("rank %d: step %d failed", rank, batch.step_id)
-            results.put(_StepFailed(f"step {batch.step_id}: {type(error).__name__}: {error}"))
-            return  # the steps queued behind it were built on its outcome: none of them may run
+            results.put(_StepFailed(batch.step_id, f"{type(error).__name__}: {error}"))
+            # The steps queued behind it were built on its outcome: none of them may run. They are read and
+            # dropped until the head closes the stream, which then ends.
+            while steps.get() is not _END:
+                pass
+            break
         results.put(result)
     results.put(_END)

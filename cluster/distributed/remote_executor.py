@@ -183,6 +183,11 @@ class RemoteExecutor:
                 error = WorkerGroupError(f"rank {rank} answered step {result.step_id} while {expected} was due")
                 self._fail(error, awaiting[0] if awaiting else None)
                 return
+            if result.error:
+                # The rank's own account of its failure, read before the stream's end could blur it.
+                failure = WorkerGroupError(f"rank {rank} failed during step {result.step_id}: {result.error}")
+                self._fail(failure, awaiting[0])
+                return
             step = awaiting.popleft()
             step.results[rank] = result
             step.received[rank] = len(reply)
