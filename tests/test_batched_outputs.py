@@ -19,6 +19,7 @@ from cluster.core.engine import EngineCore
 from cluster.core.request import Request
 from cluster.core.sampling_params import SamplingParams
 from tests.fake_workers import FakeKVWorkers
+from tests.ray_start import start_ray
 
 NUM_STREAMS = 256
 VOCAB = 250
@@ -197,7 +198,7 @@ def test_head_streams_get_every_token_once_in_one_message_per_step(tmp_path):
             return {rid: (r.output_token_ids, r.status.value) for rid, r in self.requests.items() if r.finished}
 
     model_dir = make_tiny_model("llama", tmp_path / "llama")
-    ray.init(num_cpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=2, namespace=NAMESPACE, include_dashboard=False, log_to_driver=False)
     try:
         config = EngineConfig(
             model=str(model_dir),

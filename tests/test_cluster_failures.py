@@ -22,6 +22,7 @@ from cluster.distributed.head import ClusterOptions  # noqa: E402
 from cluster.distributed.launcher import start_head  # noqa: E402
 from cluster.distributed.local_executor import worker_config  # noqa: E402
 from cluster.distributed.worker_group import WorkerGroup, process_running  # noqa: E402
+from tests.ray_start import start_ray  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 from worker import actor as actor_module  # noqa: E402
 
@@ -41,7 +42,7 @@ REQUESTS = list(zip(PROMPTS, PARAMS, strict=True))
 @pytest.fixture(scope="module")
 def one_group_ray():
     # Two logical CPUs: one group of two single-CPU ranks fills the cluster, so a leaked group blocks the next.
-    ray.init(num_cpus=2, namespace="pagerail", include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=2, namespace="pagerail", include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -11,6 +11,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from cluster import LLM  # noqa: E402
 from tests.parity import compare, engine_greedy, reference_greedy  # noqa: E402
+from tests.ray_start import with_one_retry  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -18,7 +19,18 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    started: list[Cluster] = []
+
+    def start() -> Cluster:
+        started.append(Cluster(initialize_head=True, head_node_args={"num_cpus": 1}))
+        return started[-1]
+
+    def cleanup() -> None:
+        ray.shutdown()
+        for cluster in started:
+            cluster.shutdown()
+
+    cluster = with_one_retry(start, cleanup)
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     yield cluster

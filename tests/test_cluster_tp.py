@@ -15,6 +15,7 @@ ray = require_module("ray", "needs Ray")
 
 from cluster import LLM, SamplingParams  # noqa: E402
 from tests.parity import compare, engine_greedy, reference_greedy  # noqa: E402
+from tests.ray_start import start_ray  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -25,7 +26,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [3, 17, 29, 41] * 10, list(range(20, 90)), [100 + (i
 @pytest.fixture(scope="module")
 def local_ray():
     # Logical CPUs: three single-CPU ranks plus the driver's work fit on this two-core machine.
-    ray.init(num_cpus=4, namespace="pagerail", include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=4, namespace="pagerail", include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

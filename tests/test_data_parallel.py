@@ -21,6 +21,7 @@ from cluster.core.sampling_params import SamplingParams  # noqa: E402
 from cluster.distributed.head import ClusterOptions  # noqa: E402
 from cluster.distributed.launcher import HeadLauncher, start_head, start_heads, stop_head  # noqa: E402
 from cluster.frontend.replica_pool import ReplicaPool, ReplicaSettings  # noqa: E402
+from tests.ray_start import start_ray  # noqa: E402
 from tests.test_cluster_failures import _answers, _pid, wait_for  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
@@ -39,7 +40,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def heads(model_dir):
     # Two single-rank replicas; spare logical CPUs for a restarted replica's new rank and for a scaled one.
-    ray.init(num_cpus=4, namespace="pagerail", include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=4, namespace="pagerail", include_dashboard=False, log_to_driver=False)
     try:
         config = EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=4, num_gpu_blocks=512))
         started = start_heads(config, ClusterOptions(), NAMES)

@@ -18,6 +18,7 @@ from cluster.distributed.head_client import HeadEngineClient  # noqa: E402
 from cluster.distributed.launcher import start_head  # noqa: E402
 from cluster.frontend.http_app import ServerState, create_app  # noqa: E402
 from tests.http_server import BackgroundServer  # noqa: E402
+from tests.ray_start import start_ray  # noqa: E402
 from tests.test_openai_e2e import stream_and_drop, wait_for_engine_idle  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 def test_dropped_streams_are_aborted_through_the_head_actor(tmp_path, smollm2_dir):
     model_dir = make_tiny_model("llama", tmp_path / "llama")
-    ray.init(num_cpus=2, namespace="pagerail", include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=2, namespace="pagerail", include_dashboard=False, log_to_driver=False)
     try:
         config = EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=4, num_gpu_blocks=1024))
         head = start_head(config, ClusterOptions(), f"drop-head-{uuid.uuid4().hex[:8]}")

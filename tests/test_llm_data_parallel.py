@@ -10,6 +10,7 @@ from tests.requirements import require_module
 ray = require_module("ray", "needs Ray")
 
 from cluster import LLM, SamplingParams  # noqa: E402
+from tests.ray_start import start_ray  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -26,7 +27,7 @@ def test_replicas_share_a_batch_and_match_one_replica(tmp_path):
         LLM(model_dir, data_parallel_size=0)
     alone = LLM(model_dir, block_size=4, num_gpu_blocks=256)
     expected = [o.outputs[0].token_ids for o in alone.generate(PROMPTS, GREEDY)]
-    ray.init(num_cpus=2, namespace="pagerail", include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=2, namespace="pagerail", include_dashboard=False, log_to_driver=False)
     try:
         llm = LLM(model_dir, block_size=4, num_gpu_blocks=256, data_parallel_size=2)
         try:

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from cluster import LLM, SamplingParams
 from cluster.entrypoints.stop_strings import StopStringMatcher
+from tests.ray_start import start_ray
 from tests.tiny_models import make_tiny_model
 
 MAX_TOKENS = 40
@@ -109,7 +110,7 @@ def test_tensor_parallel_llm_stops_at_stop_strings_as_it_runs(model_dir, tokeniz
     from tests.requirements import require_module
 
     ray = require_module("ray", "needs Ray")
-    ray.init(num_cpus=3, namespace="pagerail", include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=3, namespace="pagerail", include_dashboard=False, log_to_driver=False)
     llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=256, tensor_parallel_size=2)
     try:
         before = llm.stats

@@ -21,6 +21,7 @@ from common import telemetry
 from proto import api_pb2, api_pb2_grpc
 from tests.fake_engine import FakeEngineClient
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.ray_start import start_ray
 from tests.requirements import require_module
 
 CALLER_SPAN_ID = "00f067aa0ba902b7"
@@ -206,7 +207,7 @@ def test_one_trace_from_http_through_head_to_both_ranks(receiver, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
     # The embedded model's tokenizer renders the chat; a tiny model with its vocabulary answers it.
     model_dir = make_tiny_model("llama", tmp_path / "llama", vocab_size=len(tokenizer))
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=4, include_dashboard=False, log_to_driver=False)
     head = None
     try:
         config = EngineConfig(

@@ -10,6 +10,7 @@ import torch
 from cluster.distributed.remote_executor import RemoteExecutor
 from common.auth import auth_metadata
 from proto import step_pb2, worker_pb2, worker_pb2_grpc
+from tests.ray_start import start_ray
 from tests.requirements import require_module
 from tests.tiny_models import make_tiny_model
 from worker.actor import WorkerActor
@@ -25,7 +26,7 @@ TIMEOUT_S = 60
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
