@@ -160,3 +160,32 @@ def test_a_session_closed_while_its_last_chunk_is_in_flight_still_generates(asyn
         serial.step()
     assert session.output_token_ids == expected.output_token_ids
     assert not workers.corrupt_reads
+
+
+@pytest.mark.parametrize(
+    ("overlap_by_default", "async_scheduling", "inflight"),
+    [(True, None, 2), (False, None, 1), (True, False, 1), (False, True, 2), (None, None, 1)],
+)
+def test_the_default_follows_the_executor_and_the_setting_overrides_it(overlap_by_default, async_scheduling, inflight):
+    engine, workers = fake_engine(async_scheduling)
+    if overlap_by_default is not None:  # None: a transport that does not say counts as serial
+        workers.overlap_by_default = overlap_by_default
+    engine = EngineCore(engine.config, workers, max_model_len=128, vocab_size=VOCAB, eos_token_ids=[EOS])
+    assert engine.max_inflight_steps == inflight
+
+
+def test_ranks_in_processes_of_their_own_overlap_by_default_and_an_in_process_cpu_rank_does_not(tmp_path):
+    from tests.requirements import require_module
+
+    require_module("ray", "needs Ray")
+    from cluster.distributed.local_executor import InProcessExecutor, worker_config
+    from cluster.distributed.worker_group import WorkerGroup
+
+    model_dir = make_tiny_model("llama", tmp_path / "llama")
+    config = worker_config(EngineConfig(cache=CacheConfig(block_size=4, num_gpu_blocks=16)), str(model_dir))
+    assert WorkerGroup(config, 1, "token").overlap_by_default  # nothing starts before start()
+    in_process = InProcessExecutor(config)
+    try:
+        assert in_process.overlap_by_default is False
+    finally:
+        in_process.shutdown()

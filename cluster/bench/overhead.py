@@ -51,7 +51,8 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="overlapped steps on or off (offline and serve); default: the engine's (on for GPUs, off on CPUs)",
+        help="overlapped steps on or off (offline and serve); default: the engine's (on for GPUs and for worker "
+        "processes, off for an in-process CPU rank)",
     )
     engine.add_argument(
         "--cpus-per-worker", type=float, default=None, help="passed to each pagerail serve (default: the server's)"

@@ -62,7 +62,8 @@ class SchedulerConfig:
     max_sessions: int | None = None
     # Schedule and submit step N+1 while step N runs on the ranks (tokens still being sampled are placeholders).
     # Off: each step waits for the previous one's tokens; outputs are identical either way. None: on when the
-    # ranks compute on GPUs; off when they compute on the CPU, whose cores the head's work would take from them.
+    # ranks compute on GPUs or run in processes of their own (Ray worker actors, CPU included); off for a CPU
+    # rank in the engine's own process, whose forward needs the engine's thread and every core.
     async_scheduling: bool | None = None
 
     @property

@@ -93,7 +93,7 @@ class EngineCore:
         # there, built from placeholders for the tokens still being sampled. One: strictly serial steps.
         overlap = config.scheduler.async_scheduling
         if overlap is None:
-            overlap = bool(getattr(executor, "computes_on_accelerator", False))
+            overlap = bool(getattr(executor, "overlap_by_default", False))
         self.max_inflight_steps = 2 if overlap else 1
         self._inflight: deque[_InflightStep] = deque()
         self.num_overlapped_steps = 0

@@ -22,9 +22,10 @@ class Executor(Protocol):
     may submit step N+1 before step N's result is back (the ranks keep the tokens they sampled themselves)."""
 
     num_blocks: int
-    # True when the ranks compute on accelerators, so the head's own work does not slow their forward pass
-    # (what overlapped steps assume); a transport without it counts as CPU.
-    computes_on_accelerator: bool
+    # True where the head's own work can run beside the ranks' forward pass (what overlapped steps assume): ranks
+    # on accelerators, or ranks in processes of their own. False for a CPU rank on the head's own thread, whose
+    # forward needs that thread and every core. The default of async_scheduling; a transport without it: False.
+    overlap_by_default: bool
 
     def submit(self, batch: step_pb2.StepBatch) -> PendingStep:
         """Hand the step to the ranks and return at once (a transport may wait until an earlier step is done)."""

@@ -62,11 +62,12 @@ class InProcessExecutor:
     def __init__(self, config: WorkerConfig) -> None:
         self.worker = Worker(config)
         self.num_blocks = self.worker.num_blocks
-        self.computes_on_accelerator = self.worker.device.type == "cuda"
+        self._on_accelerator = self.worker.device.type == "cuda"
+        self.overlap_by_default = self._on_accelerator
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagerail-rank0")
 
     def submit(self, batch: step_pb2.StepBatch) -> PendingStep:
-        if not self.computes_on_accelerator:
+        if not self._on_accelerator:
             # On the CPU the forward needs every core and steps do not overlap (async_scheduling's default):
             # run it here, without a thread hop.
             return CompletedStep(self.worker.execute_step(batch))

@@ -126,7 +126,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="schedule and send step N+1 while step N runs on the ranks (--no-async-scheduling: strictly serial "
-        "steps); default: on when the ranks run on GPUs, off on CPUs, whose cores the head would share",
+        "steps); default: on, since the ranks run in worker processes of their own, on GPUs and CPUs alike",
     )
     parser.add_argument(
         "--enforce-eager",
