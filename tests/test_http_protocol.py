@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import uvicorn
+from cluster.frontend.server import http_config
 
 
 async def _app(scope, receive, send) -> None:  # never called: the test only loads the configuration
     raise AssertionError("not served")
 
 
-def test_uvicorn_selects_httptools():
-    # The frontend leaves uvicorn's choice on "auto", which silently takes h11 when httptools is missing; each
-    # streamed event then costs the event loop noticeably more. A required dependency, so its absence fails here.
-    config = uvicorn.Config(_app, lifespan="off")
+def test_the_frontend_serves_http_on_httptools():
+    # The frontend's own configuration asks for httptools by name, so a missing httptools fails the start
+    # (and this test, as a required dependency) instead of silently costing every streamed event more.
+    config = http_config(_app, "127.0.0.1", 0)
+    assert config.http == "httptools"
     config.load()
     assert config.http_protocol_class.__module__ == "uvicorn.protocols.http.httptools_impl"

@@ -15,11 +15,6 @@ from typing import Any
 _ENCODER = json.JSONEncoder(ensure_ascii=False)  # json.dumps(..., ensure_ascii=False), built once
 
 
-def sse(payload: Any) -> str:
-    """One event carrying `payload` as JSON."""
-    return f"data: {_ENCODER.encode(payload)}\n\n"
-
-
 def _value(value: Any) -> str:
     # The two values nearly every chunk carries, without entering the encoder: a string and null.
     if type(value) is str:
