@@ -118,22 +118,33 @@ def test_n_stop_strings_and_logprobs(client):
 
 
 async def stream_and_drop(base_url: str, headers: dict, kept: dict, dropped: dict, count: int) -> list[int]:
-    """`count` concurrent streams: even ones read `kept` to the end, odd ones hang up after 3 chunks of `dropped`."""
+    """`count` concurrent streams: even ones read `kept` to the end and return the completion tokens its final
+    usage chunk reports (-1 without one); odd ones hang up after 3 chunks of `dropped` and return 3.
+
+    Kept streams count tokens, not chunks: a reader that fell behind gets the deltas queued for it merged into
+    one chunk, so a complete stream may have fewer chunks than tokens."""
 
     async def one(index: int) -> int:
         body = {**(dropped if index % 2 else kept), "seed": index}
+        if not index % 2:
+            body["stream_options"] = {"include_usage": True}
         async with (
             httpx.AsyncClient(timeout=120) as http,
             http.stream("POST", base_url + "/v1/completions", json=body, headers=headers) as response,
         ):
             assert response.status_code == 200
-            chunks = 0
+            chunks, completion_tokens, done = 0, -1, False
             async for line in response.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
                     chunks += 1
                     if index % 2 and chunks == 3:
                         return chunks  # drop the connection mid-stream
-            return chunks
+                    usage = json.loads(line[len("data: ") :]).get("usage")
+                    if usage:
+                        completion_tokens = usage["completion_tokens"]
+            return completion_tokens if done else -1
 
     return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(count))), 600)
 
@@ -157,7 +168,7 @@ def test_dropped_streams_are_aborted_and_free_their_blocks(client):
     dropped = {**kept, "max_tokens": 4000, "temperature": 0.7}
     before = asyncio.run(engine.stats())
     counts = asyncio.run(stream_and_drop(base_url, {"Authorization": "Bearer sk-e2e"}, kept, dropped, 12))
-    assert counts[1::2] == [3] * 6 and all(c >= 24 for c in counts[0::2])
+    assert counts[1::2] == [3] * 6 and counts[0::2] == [24] * 6
     stats = wait_for_engine_idle(engine, timeout_s=60)
     assert stats["num_unfinished"] == 0 and stats["num_free_blocks"] == stats["num_blocks"], stats
     assert stats["num_aborted"] - before["num_aborted"] == 6
