@@ -18,12 +18,6 @@ logger = logging.getLogger(__name__)
 _END = object()  # no more steps: the head closed or cancelled the stream
 
 
-class _StepFailed:
-    def __init__(self, step_id: int, message: str) -> None:
-        self.step_id = step_id
-        self.message = message
-
-
 def serve_step_stream(
     requests: Iterator[step_pb2.StepBatch],
     context: grpc.ServicerContext,
@@ -48,18 +42,13 @@ def serve_step_stream(
         target=_run, args=(steps, results, execute, step_span, rank), name=f"step-stream-run-{rank}", daemon=True
     )
     runner.start()
-    failed: _StepFailed | None = None
-    while True:
-        item = results.get()
-        if item is _END:
-            if failed is not None:
-                context.abort(grpc.StatusCode.INTERNAL, f"step {failed.step_id}: {failed.message}")
-            return
-        if isinstance(item, _StepFailed):
+    failed: step_pb2.StepResult | None = None
+    while (item := results.get()) is not _END:
+        if item.error:
             failed = item
-            yield step_pb2.StepResult(step_id=item.step_id, error=item.message)
-            continue
         yield item
+    if failed is not None:
+        context.abort(grpc.StatusCode.INTERNAL, f"step {failed.step_id}: {failed.error}")
 
 
 def _read(requests: Iterator[step_pb2.StepBatch], steps: queue.SimpleQueue, rank: int) -> None:
@@ -87,7 +76,7 @@ def _run(
                 result = execute(batch)
         except Exception as error:
             logger.exception("rank %d: step %d failed", rank, batch.step_id)
-            results.put(_StepFailed(batch.step_id, f"{type(error).__name__}: {error}"))
+            results.put(step_pb2.StepResult(step_id=batch.step_id, error=f"{type(error).__name__}: {error}"))
             # The steps queued behind it were built on its outcome: none of them may run. They are read and
             # dropped until the head closes the stream, which then ends.
             while steps.get() is not _END:

@@ -62,14 +62,13 @@ class InProcessExecutor:
     def __init__(self, config: WorkerConfig) -> None:
         self.worker = Worker(config)
         self.num_blocks = self.worker.num_blocks
-        self._on_accelerator = self.worker.device.type == "cuda"
-        self.overlap_by_default = self._on_accelerator
+        # A CPU rank's forward needs this thread and every core: its steps run inline and do not overlap.
+        self.overlap_by_default = self.worker.device.type == "cuda"
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagerail-rank0")
 
     def submit(self, batch: step_pb2.StepBatch) -> PendingStep:
-        if not self._on_accelerator:
-            # On the CPU the forward needs every core and steps do not overlap (async_scheduling's default):
-            # run it here, without a thread hop.
+        if not self.overlap_by_default:
+            # On the CPU the forward needs every core and steps do not overlap: run it here, without a thread hop.
             return CompletedStep(self.worker.execute_step(batch))
         # The caller's context travels along, so the rank's spans stay children of the step's dispatch span.
         context = contextvars.copy_context()
