@@ -3,7 +3,9 @@ the packed kernel); all give the same product, and the measurement is made once 
 
 from __future__ import annotations
 
+import copy
 import json
+import subprocess
 
 import pytest
 import torch
@@ -28,7 +30,7 @@ from worker.layers.cpu_matmul import (
 )
 from worker.layers.embedding import ParallelLMHead
 from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
-from worker.layers.native_build import find_compiler
+from worker.layers.native_build import CSRC, find_compiler
 from worker.layers.packed_linear import build_packed_linear
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -39,6 +41,24 @@ BUCKETS = len(ROW_BUCKETS) + 1
 def kernel():
     require(find_compiler(), "needs a C compiler (cc or gcc) for the packed CPU matmul")
     return build_packed_linear()
+
+
+@pytest.fixture(scope="module")
+def avx2_kernel(tmp_path_factory):
+    """The AVX2 build of the same source, also on an AVX-512 CPU (where the default build is the AVX-512 one)."""
+    require(find_compiler(), "needs a C compiler (cc or gcc) for the packed CPU matmul")
+    scratch = tmp_path_factory.mktemp("avx2")
+    source = scratch / "packed_linear_avx2.c"
+    source.write_text("#define PACKED_LINEAR_NO_AVX512 1\n" + (CSRC / "packed_linear_cpu.c").read_text())
+    return build_packed_linear(source, scratch)
+
+
+def compiler_targets_avx512() -> bool:
+    """Whether -march=native gives this machine's compiler AVX-512 (what selects the kernel's AVX-512 build)."""
+    defines = subprocess.run(
+        [find_compiler(), "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True, check=True
+    ).stdout
+    return "#define __AVX512F__ 1" in defines
 
 
 def everywhere(library: str, weight: torch.Tensor, kernel=None) -> CpuWeights:
@@ -94,19 +114,31 @@ def test_onednn_and_mkl_agree(rows):
     assert got.layout == torch.strided and got.shape == (rows, 200)
 
 
+@pytest.mark.parametrize("build", ["default", "avx2"])
 @pytest.mark.parametrize(
     ("rows", "out_features", "in_features"),
-    # Every remainder of rows against the kernel's passes of 6 and its chunks of 96, outputs that are and are not a
-    # multiple of its 16-wide panels, and inner sizes of 1 and odd.
-    [(1, 16, 8), (5, 17, 3), (6, 31, 64), (7, 200, 96), (13, 1, 1), (96, 48, 33), (97, 40, 96), (300, 129, 576)],
-)
-def test_packed_kernel_and_mkl_agree(kernel, rows, out_features, in_features):
+    # Remainders of rows against both builds' passes (6 rows in AVX2, 12 in AVX-512) and the chunks of 96; outputs
+    # that are and are not a multiple of the 16-wide panels, an odd and an even number of panels (AVX-512 takes
+    # them in pairs, a single row one at a time), and inner sizes of 1 and odd.
+    [
+        (1, 16, 8), (1, 129, 40), (2, 33, 5), (5, 17, 3), (6, 31, 64), (7, 200, 96), (12, 32, 64), (13, 1, 1),
+        (25, 47, 40), (96, 48, 33), (97, 40, 96), (300, 129, 576),
+    ],
+)  # fmt: skip
+def test_packed_kernel_and_mkl_agree(kernel, avx2_kernel, build, rows, out_features, in_features):
+    kernel = kernel if build == "default" else avx2_kernel
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=generator)
     weight = torch.randn(out_features, in_features, generator=generator)
     got = linear(x, weight, everywhere(PACKED, weight, kernel))
     torch.testing.assert_close(got, torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-4)
     assert got.shape == (rows, out_features) and got.is_contiguous()
+
+
+def test_the_default_build_uses_avx512_exactly_where_the_compiler_targets_it(kernel, avx2_kernel):
+    assert kernel.isa == (512 if compiler_targets_avx512() else 256)
+    assert avx2_kernel.isa == 256
+    assert kernel.build != avx2_kernel.build  # a different build: choices measured with one do not serve the other
 
 
 def test_packed_kernel_reads_strided_rows_and_empty_batches(kernel):
@@ -262,6 +294,18 @@ def test_attach_measures_each_shape_once_and_keeps_the_choice_per_machine(kernel
     unused = FakeMeasure(head_rows=-1)
     assert attach_cpu_weights(again, path, unused) == 4 and unused.shapes == []
     assert (again["column"].cpu_weights.by_rows, again["column"].cpu_weights.larger) == expected
+
+    # Choices measured with another build of the packed kernel (an updated source, other flags) are measured again,
+    # and saved with the build that measured them.
+    other = copy.copy(kernel)
+    other.build = "packed_linear_cpu-another-build"
+    monkeypatch.setattr(cpu_matmul, "packed_linear_kernel", lambda: other)
+    rebuilt = FakeMeasure(head_rows=model["head"].weight.shape[0])
+    assert attach_cpu_weights(_model(), path, rebuilt) == 4 and len(rebuilt.shapes) == 4
+    assert {entry["packed_build"] for entry in json.loads(path.read_text())["choices"].values()} == {other.build}
+    monkeypatch.setattr(cpu_matmul, "packed_linear_kernel", lambda: kernel)
+    back = FakeMeasure(head_rows=model["head"].weight.shape[0])
+    assert attach_cpu_weights(_model(), path, back) == 4 and len(back.shapes) == 4  # this build's own, again
 
     # Choices measured among other libraries (here: before the packed kernel could be built) are measured again.
     monkeypatch.setattr(cpu_matmul, "packed_linear_kernel", lambda: None)

@@ -175,7 +175,7 @@ def attach_cpu_weights(model: nn.Module, choices_path: Path | None = None, measu
             continue
         if weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2:
             by_shape.setdefault(tuple(weight.shape), []).append(module)
-    store = _ChoiceStore(choices_path or default_choices_path())
+    store = _ChoiceStore(choices_path or default_choices_path(), kernel.build if kernel is not None else None)
     attached = 0
     for shape, modules in by_shape.items():
         if mode != "auto":
@@ -247,10 +247,12 @@ def _describe(choices: Sequence[str]) -> str:
 
 
 class _ChoiceStore:
-    """The per-machine file of measured choices: shape → the libraries measured and one choice per bucket."""
+    """The per-machine file of measured choices: shape → the libraries measured and one choice per bucket, and
+    which build of the packed kernel was measured (another build, e.g. after an update, is measured again)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, packed_build: str | None = None) -> None:
         self.path = path
+        self.packed_build = packed_build
         self._dirty = False
         try:
             saved = json.loads(path.read_text())
@@ -269,13 +271,18 @@ class _ChoiceStore:
         entry = self._choices.get(_key(shape))
         if not isinstance(entry, dict) or entry.get("libraries") != libraries:
             return None
+        if PACKED in libraries and entry.get("packed_build") != self.packed_build:
+            return None
         choices = entry.get("choices")
         if isinstance(choices, list) and len(choices) == len(ROW_BUCKETS) + 1 and set(choices) <= set(libraries):
             return list(choices)
         return None
 
     def put(self, shape: tuple[int, int], libraries: list[str], choices: list[str]) -> None:
-        self._choices[_key(shape)] = {"libraries": libraries, "choices": choices}
+        entry: dict[str, Any] = {"libraries": libraries, "choices": choices}
+        if PACKED in libraries:
+            entry["packed_build"] = self.packed_build
+        self._choices[_key(shape)] = entry
         self._dirty = True
 
     def save(self) -> None:

@@ -38,6 +38,10 @@ class PackedLinearKernel:
         if not library.packed_linear_supported():
             raise KernelBuildError("the packed matmul needs AVX2 and FMA, which this CPU's build lacks")
         self.panel = int(library.packed_linear_panel())
+        # 512: the AVX-512 build, 256: the AVX2 one (see the source's header).
+        self.isa = int(library.packed_linear_isa())
+        # Names this build (source, flags, host): matmul choices measured with another build are measured again.
+        self.build = Path(library._name).stem
         self._pack = library.pack_linear_weight_f32
         self._pack.restype = None
         self._pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
