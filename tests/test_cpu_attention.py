@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from tests.native_isa import compiler_targets_avx512, source_without_avx512
 from tests.requirements import require
 from worker.input_batch import GatherWorkspace
 from worker.layers import cpu_paged_attention
@@ -31,6 +32,15 @@ def kernel() -> NativeKernel:
     """The shipped kernel, compiled and loaded; its build error, if any, fails the test that asks for it."""
     require(find_compiler(), NEEDS_COMPILER)
     return build_native_kernel()
+
+
+@pytest.fixture(scope="module")
+def generic_kernel(tmp_path_factory) -> NativeKernel:
+    """The same source built without its AVX-512 paths: what a CPU without AVX-512 runs, also on one with it."""
+    require(find_compiler(), NEEDS_COMPILER)
+    scratch = tmp_path_factory.mktemp("generic")
+    source = source_without_avx512("paged_attention_cpu.c", "PAGED_ATTENTION_NO_AVX512", scratch)
+    return build_native_kernel(source, scratch)
 
 
 @pytest.fixture
@@ -71,15 +81,40 @@ def _torch_decode(q, cache, block_table, lens, num_kv_heads, block_size):
         native_kernel.cache_clear()
 
 
+@pytest.mark.parametrize("build", ["default", "generic"])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 32), (16, 2, 16, 1)],
-)
-def test_native_decode_matches_torch_gather(kernel, num_heads, num_kv_heads, head_dim, block_size):
+    # The AVX-512 paths' head sizes (32, 64, 128) with 1 to 4 query heads per KV head, blocks shorter than, equal
+    # to and longer than their 16 keys at a time; and shapes left to the generic loop (8 query heads per KV head,
+    # head size 16, blocks of 1).
+    [
+        (9, 3, 64, 16), (4, 4, 32, 8), (6, 3, 32, 16), (8, 2, 64, 32), (12, 4, 64, 64), (8, 4, 128, 16),
+        (4, 1, 128, 16), (8, 1, 128, 32), (16, 2, 16, 1),
+    ],
+)  # fmt: skip
+def test_native_decode_matches_torch_gather(
+    kernel, generic_kernel, build, num_heads, num_kv_heads, head_dim, block_size
+):
+    kernel = kernel if build == "default" else generic_kernel
     q, cache, table, lens = _decode_inputs(num_heads, num_kv_heads, head_dim, block_size)
     got = kernel.decode(q, cache[0], cache[1], table, lens, block_size, head_dim**-0.5)
     want = _torch_decode(q, cache, table, lens, num_kv_heads, block_size)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("build", ["default", "generic"])
+def test_native_decode_is_exact_when_every_score_is_far_below_zero(kernel, generic_kernel, build):
+    """Scores around -150: a softmax whose maximum is taken over anything but the real scores (say, a block's
+    unused lanes at 0) underflows every weight to zero and returns NaN."""
+    kernel = kernel if build == "default" else generic_kernel
+    q, cache, table, lens = _decode_inputs(9, 3, 64, 16)
+    q = torch.full_like(q, 10.0)
+    cache[0] = -cache[0].abs() - 1.0  # every key entry negative: every dot product far below zero
+    got = kernel.decode(q, cache[0], cache[1], table, lens, 16, 64**-0.5)
+    want = _torch_decode(q, cache, table, lens, 3, 16)
+    assert torch.isfinite(got).all()
+    # Scores of this size carry their float rounding into the weights: a looser bound than for unit scores.
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def _decode_inputs(num_heads, num_kv_heads, head_dim, block_size):
@@ -96,6 +131,11 @@ def _decode_inputs(num_heads, num_kv_heads, head_dim, block_size):
         table[row, -(-length // block_size) :] = 0
     q = torch.randn(n, num_heads, head_dim, generator=generator)
     return q, cache, table, lens
+
+
+def test_the_default_build_takes_the_avx512_paths_exactly_where_the_compiler_targets_avx512(kernel, generic_kernel):
+    assert kernel.isa == (512 if compiler_targets_avx512() else 0)
+    assert generic_kernel.isa == 0
 
 
 def test_kernel_declines_what_it_cannot_run(kernel):

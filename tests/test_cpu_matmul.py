@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
 
 import pytest
 import torch
 
+from tests.native_isa import compiler_targets_avx512, source_without_avx512
 from tests.requirements import require
 from worker.layers import cpu_matmul
 from worker.layers.cpu_matmul import (
@@ -30,7 +30,7 @@ from worker.layers.cpu_matmul import (
 )
 from worker.layers.embedding import ParallelLMHead
 from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
-from worker.layers.native_build import CSRC, find_compiler
+from worker.layers.native_build import find_compiler
 from worker.layers.packed_linear import build_packed_linear
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -48,17 +48,8 @@ def avx2_kernel(tmp_path_factory):
     """The AVX2 build of the same source, also on an AVX-512 CPU (where the default build is the AVX-512 one)."""
     require(find_compiler(), "needs a C compiler (cc or gcc) for the packed CPU matmul")
     scratch = tmp_path_factory.mktemp("avx2")
-    source = scratch / "packed_linear_avx2.c"
-    source.write_text("#define PACKED_LINEAR_NO_AVX512 1\n" + (CSRC / "packed_linear_cpu.c").read_text())
+    source = source_without_avx512("packed_linear_cpu.c", "PACKED_LINEAR_NO_AVX512", scratch)
     return build_packed_linear(source, scratch)
-
-
-def compiler_targets_avx512() -> bool:
-    """Whether -march=native gives this machine's compiler AVX-512 (what selects the kernel's AVX-512 build)."""
-    defines = subprocess.run(
-        [find_compiler(), "-march=native", "-dM", "-E", "-"], input="", capture_output=True, text=True, check=True
-    ).stdout
-    return "#define __AVX512F__ 1" in defines
 
 
 def everywhere(library: str, weight: torch.Tensor, kernel=None) -> CpuWeights:

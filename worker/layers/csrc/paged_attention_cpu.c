@@ -3,12 +3,24 @@
  * One work item is one (sequence, KV head) pair: the query heads that share the KV head are scored
  * together, so each key and value row is read from memory once per step. Scores live in a per-item
  * scratch row; softmax is exact (max-subtracted), not online, because contexts fit in that row.
+ *
+ * With AVX-512 (and PAGED_ATTENTION_NO_AVX512 undefined) the common shapes, head_dim 32, 64 or 128 with up to
+ * 4 query heads per KV head, take a path specialised at compile time: a block's 16 keys are scored against a
+ * query head at once (16 partial dot products summed across lanes in one transpose-add tree instead of one
+ * horizontal sum per key), and the output accumulators stay in registers while the values stream past.
+ * Other shapes, and CPUs without AVX-512, take the generic loop. `paged_attention_isa` says which build this is.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #if defined(__SSE__)
 #include <xmmintrin.h>
+#endif
+#if defined(__AVX512F__) && !defined(PAGED_ATTENTION_NO_AVX512)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
 #endif
 
 /* Scores far below the row's maximum turn into subnormal weights, which x86 computes on slowly. The kernel
@@ -32,6 +44,8 @@ int paged_attention_limits(int64_t *max_group, int64_t *max_head_dim) {
     return 0;
 }
 
+int paged_attention_isa(void) { return HAVE_AVX512 ? 512 : 0; }
+
 /* A sequence's blocks lie wherever the allocator found room, so the hardware prefetcher, which follows
  * one address stream, stalls at every block boundary. Asking for the next block while this one is scored
  * hides most of that: about 25% faster decode attention when sequences' blocks interleave. */
@@ -39,6 +53,114 @@ static inline void prefetch_block(const float *block, int64_t bytes) {
     const char *start = (const char *)block;
     for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset, 0, 3);
 }
+
+
+#if HAVE_AVX512
+/* r[j] = the sum of p[j]'s 16 lanes, for j < 16: pairs, then quads within 128-bit lanes, then across lanes. */
+static inline __attribute__((always_inline)) __m512 sum_lanes_16(const __m512 *p) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* One (sequence, KV head) item for head_dim HD (a multiple of 16) and G query heads; both constants where it is
+ * inlined. Blocks of 16 keys (block_size 16) are scored 16 at a time; other block sizes 16 keys of a block at a
+ * time too, with the last group of a block masked. */
+static inline __attribute__((always_inline)) void item_avx512(
+    const int HD, const int G, const float *queries, const float *keys, const float *values, const int64_t *blocks,
+    int64_t ctx, int64_t block_size, float scale, float *scores, float *out, int64_t block_bytes)
+{
+    enum { MAXV = 8 };  /* HD / 16 for HD up to 128 */
+    const int NV = HD / 16;
+    __m512 qv[4][MAXV];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < NV; c++) qv[g][c] = _mm512_loadu_ps(queries + g * HD + 16 * c);
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    __m512 max_v[4];
+    for (int g = 0; g < G; g++) max_v[g] = _mm512_set1_ps(-1e30f);
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const float *k_block = keys + blocks[t0 / block_size] * block_size * HD;
+        const int64_t rows = ctx - t0 < block_size ? ctx - t0 : block_size;
+        if (t0 + block_size < ctx) prefetch_block(keys + blocks[t0 / block_size + 1] * block_size * HD, block_bytes);
+        for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+            const int64_t count = rows - r0 < 16 ? rows - r0 : 16;
+            const __mmask16 live = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
+            for (int g = 0; g < G; g++) {
+                __m512 part[16];
+                for (int j = 0; j < 16; j++) {
+                    if (j < count) {
+                        const float *k = k_block + (r0 + j) * HD;
+                        __m512 a = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(k));
+                        for (int c = 1; c < NV; c++) a = _mm512_fmadd_ps(qv[g][c], _mm512_loadu_ps(k + 16 * c), a);
+                        part[j] = a;
+                    } else {
+                        part[j] = _mm512_setzero_ps();
+                    }
+                }
+                const __m512 dots = _mm512_mul_ps(sum_lanes_16(part), scale_v);
+                _mm512_mask_storeu_ps(scores + g * ctx + t0 + r0, live, dots);
+                max_v[g] = _mm512_mask_max_ps(max_v[g], live, max_v[g], dots);
+            }
+        }
+    }
+    float inv[4];
+    for (int g = 0; g < G; g++) {
+        const float max_score = _mm512_reduce_max_ps(max_v[g]);
+        float *row = scores + g * ctx;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < ctx; t++) {
+            row[t] = expf(row[t] - max_score);
+            sum += row[t];
+        }
+        inv[g] = 1.0f / sum;
+    }
+    __m512 acc[4][MAXV];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < NV; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const float *v_block = values + blocks[t0 / block_size] * block_size * HD;
+        const int64_t rows = ctx - t0 < block_size ? ctx - t0 : block_size;
+        if (t0 + block_size < ctx) prefetch_block(values + blocks[t0 / block_size + 1] * block_size * HD, block_bytes);
+        for (int64_t r = 0; r < rows; r++) {
+            const float *v = v_block + r * HD;
+            __m512 vv[MAXV];
+            for (int c = 0; c < NV; c++) vv[c] = _mm512_loadu_ps(v + 16 * c);
+            for (int g = 0; g < G; g++) {
+                const __m512 w = _mm512_set1_ps(scores[g * ctx + t0 + r]);
+                for (int c = 0; c < NV; c++) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const __m512 scale_out = _mm512_set1_ps(inv[g]);
+        for (int c = 0; c < NV; c++) _mm512_storeu_ps(out + g * HD + 16 * c, _mm512_mul_ps(acc[g][c], scale_out));
+    }
+}
+
+/* 1 when (head_dim, group) has a specialised path, which then ran. */
+static int item_specialised(int64_t head_dim, int64_t group, const float *queries, const float *keys,
+                            const float *values, const int64_t *blocks, int64_t ctx, int64_t block_size, float scale,
+                            float *scores, float *out, int64_t block_bytes)
+{
+#define CASE(hd, g) if (head_dim == hd && group == g) { \
+        item_avx512(hd, g, queries, keys, values, blocks, ctx, block_size, scale, scores, out, block_bytes); return 1; }
+    CASE(64, 1) CASE(64, 2) CASE(64, 3) CASE(64, 4)
+    CASE(32, 1) CASE(32, 2) CASE(32, 3) CASE(32, 4)
+    CASE(128, 1) CASE(128, 2) CASE(128, 3) CASE(128, 4)
+#undef CASE
+    return 0;
+}
+#endif
 
 void paged_decode_attention_f32(
     const float *q,               /* [n, num_heads, head_dim] */
@@ -66,7 +188,15 @@ void paged_decode_attention_f32(
         const float *keys = key_cache + kv_head * num_slots * head_dim;
         const float *values = value_cache + kv_head * num_slots * head_dim;
         const float *queries = q + (seq * num_heads + kv_head * group) * head_dim;
-        float *scores = (float *)malloc(sizeof(float) * group * ctx);
+        /* Rounded up to whole groups of 16 scores: the specialised path stores them 16 at a time (masked). */
+        float *scores = (float *)malloc(sizeof(float) * (group * ctx + 16));
+#if HAVE_AVX512
+        if (item_specialised(head_dim, group, queries, keys, values, blocks, ctx, block_size, scale, scores,
+                             out + (seq * num_heads + kv_head * group) * head_dim, block_bytes)) {
+            free(scores);
+            continue;
+        }
+#endif
         float acc[MAX_GROUP][MAX_HEAD_DIM];
         float max_score[MAX_GROUP];
         float denom[MAX_GROUP];
