@@ -38,8 +38,10 @@ class NativeKernel:
         library.paged_attention_limits(ctypes.byref(max_group), ctypes.byref(max_head_dim))
         self.max_group = max_group.value
         self.max_head_dim = max_head_dim.value
-        # 512: the build with AVX-512 paths for the common head shapes; 0: the generic loop only.
-        self.isa = int(library.paged_attention_isa())
+        # 512: the build with AVX-512 paths for the common head shapes; 0: the generic loop only (also a source
+        # from before those paths, as `bench/cpu_attention.py --against` may load).
+        isa = getattr(library, "paged_attention_isa", None)
+        self.isa = int(isa()) if isa is not None else 0
 
     def supports(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
         return dtype == torch.float32 and num_heads // num_kv_heads <= self.max_group and head_dim <= self.max_head_dim
