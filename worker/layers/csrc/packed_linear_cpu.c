@@ -59,7 +59,13 @@ void pack_linear_weight_f32(const float *w, float *packed, int64_t n, int64_t k)
     }
 }
 
+#if HAVE_AVX2_FMA
+/* How many of panel p's 16 outputs exist: the last panel of a weight may be short. */
+static inline int64_t panel_cols(int64_t n, int64_t p) { return n - p * PANEL < PANEL ? n - p * PANEL : PANEL; }
+#endif
+
 #if HAVE_AVX512
+#define PANELS_PER_PASS 2
 /* One pass: `rows` rows of x times one panel (two == 0) or two neighbouring panels (two == 1); cols0 and cols1
  * are how many of each panel's 16 outputs exist (the last panel of a weight may be short). */
 static inline __attribute__((always_inline)) void pass512(
@@ -108,40 +114,21 @@ static inline __attribute__((always_inline)) void pass512_rows(
 }
 #undef PASS_CASE
 
-/* Rows of x through panels p and p + 1 (only p when `two` is 0). */
-static void panel_pair_rows(const int two, const float *x, int64_t ldx, int64_t m, const float *p0, const float *p1,
-                            int64_t k, float *out, int64_t ldo, int64_t cols0, int64_t cols1)
+/* Rows `m` of x through `count` (1 or 2) neighbouring panels from panel p. */
+static void run_panels(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t p, int64_t count,
+                       int64_t n, int64_t k, float *out, int64_t ldo)
 {
+    const float *p0 = packed + p * k * PANEL, *p1 = p0 + k * PANEL;
+    const int64_t cols0 = panel_cols(n, p), cols1 = count == 2 ? panel_cols(n, p + 1) : 0;
+    out += p * PANEL;
     for (int64_t r = 0; r < m; r += ROWS_PER_PASS_512) {
         const int64_t rows = m - r < ROWS_PER_PASS_512 ? m - r : ROWS_PER_PASS_512;
-        if (two) pass512_rows(1, rows, x + r * ldx, ldx, p0, p1, k, out + r * ldo, ldo, cols0, cols1);
+        if (count == 2) pass512_rows(1, rows, x + r * ldx, ldx, p0, p1, k, out + r * ldo, ldo, cols0, cols1);
         else pass512_rows(0, rows, x + r * ldx, ldx, p0, p0, k, out + r * ldo, ldo, cols0, cols1);
     }
 }
-
-void packed_linear_f32(const float *x, int64_t ldx, const float *packed, float *out, int64_t ldo,
-                       int64_t m, int64_t n, int64_t k)
-{
-    const int64_t panels = (n + PANEL - 1) / PANEL;
-    /* A single row streams one panel at a time: pairing saves no x loads there, and one stream per thread
-     * reads memory faster than two. */
-    const int64_t step = m > 1 ? 2 : 1;
-    const int64_t units = (panels + step - 1) / step;
-#pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
-    for (int64_t m0 = 0; m0 < m; m0 += ROWS_CHUNK) {
-        const int64_t mc = m - m0 < ROWS_CHUNK ? m - m0 : ROWS_CHUNK;
-#pragma omp for schedule(static)
-        for (int64_t q = 0; q < units; q++) {
-            const int64_t p = step * q;
-            const int two = step == 2 && p + 1 < panels;
-            const int64_t cols0 = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
-            const int64_t cols1 = two ? (n - (p + 1) * PANEL < PANEL ? n - (p + 1) * PANEL : PANEL) : 0;
-            panel_pair_rows(two, x + m0 * ldx, ldx, mc, packed + p * k * PANEL, packed + (p + 1) * k * PANEL, k,
-                            out + m0 * ldo + p * PANEL, ldo, cols0, cols1);
-        }
-    }
-}
 #elif HAVE_AVX2_FMA
+#define PANELS_PER_PASS 1
 static inline __attribute__((always_inline)) void pass(
     const int rows, const float *x, int64_t ldx, const float *panel, int64_t k, float *out, int64_t ldo,
     int64_t cols)
@@ -187,17 +174,32 @@ static void panel_rows(const float *x, int64_t ldx, int64_t m, const float *pane
     }
 }
 
+/* Rows `m` of x through panel p (`count` is always 1 in this build). */
+static void run_panels(const float *x, int64_t ldx, int64_t m, const float *packed, int64_t p, int64_t count,
+                       int64_t n, int64_t k, float *out, int64_t ldo)
+{
+    (void)count;
+    panel_rows(x, ldx, m, packed + p * k * PANEL, k, out + p * PANEL, ldo, panel_cols(n, p));
+}
+#endif
+
+#if HAVE_AVX2_FMA
 void packed_linear_f32(const float *x, int64_t ldx, const float *packed, float *out, int64_t ldo,
                        int64_t m, int64_t n, int64_t k)
 {
     const int64_t panels = (n + PANEL - 1) / PANEL;
+    /* Threads split units of the panels one pass takes. A single row streams one panel at a time: pairing saves
+     * no x loads there, and one stream per thread reads memory faster than two. */
+    const int64_t step = m > 1 ? PANELS_PER_PASS : 1;
+    const int64_t units = (panels + step - 1) / step;
 #pragma omp parallel if (m * n * k >= PARALLEL_MIN_WORK)
     for (int64_t m0 = 0; m0 < m; m0 += ROWS_CHUNK) {
         const int64_t mc = m - m0 < ROWS_CHUNK ? m - m0 : ROWS_CHUNK;
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
-            const int64_t cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
-            panel_rows(x + m0 * ldx, ldx, mc, packed + p * k * PANEL, k, out + m0 * ldo + p * PANEL, ldo, cols);
+        for (int64_t q = 0; q < units; q++) {
+            const int64_t p = step * q;
+            run_panels(x + m0 * ldx, ldx, mc, packed, p, panels - p < step ? panels - p : step, n, k,
+                       out + m0 * ldo, ldo);
         }
     }
 }

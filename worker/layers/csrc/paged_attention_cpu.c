@@ -54,6 +54,16 @@ static inline void prefetch_block(const float *block, int64_t bytes) {
     for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset, 0, 3);
 }
 
+/* A sequence's block holding context position t0 in one head's cache, and in *rows how many of its positions
+ * the context fills; the next block is asked for while this one is read. */
+static inline __attribute__((always_inline)) const float *context_block(
+    const float *cache, const int64_t *blocks, int64_t t0, int64_t ctx, int64_t block_size, int64_t head_dim,
+    int64_t block_bytes, int64_t *rows)
+{
+    *rows = ctx - t0 < block_size ? ctx - t0 : block_size;
+    if (t0 + block_size < ctx) prefetch_block(cache + blocks[t0 / block_size + 1] * block_size * head_dim, block_bytes);
+    return cache + blocks[t0 / block_size] * block_size * head_dim;
+}
 
 #if HAVE_AVX512
 /* r[j] = the sum of p[j]'s 16 lanes, for j < 16: pairs, then quads within 128-bit lanes, then across lanes. */
@@ -88,9 +98,8 @@ static inline __attribute__((always_inline)) void item_avx512(
     __m512 max_v[4];
     for (int g = 0; g < G; g++) max_v[g] = _mm512_set1_ps(-1e30f);
     for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-        const float *k_block = keys + blocks[t0 / block_size] * block_size * HD;
-        const int64_t rows = ctx - t0 < block_size ? ctx - t0 : block_size;
-        if (t0 + block_size < ctx) prefetch_block(keys + blocks[t0 / block_size + 1] * block_size * HD, block_bytes);
+        int64_t rows;
+        const float *k_block = context_block(keys, blocks, t0, ctx, block_size, HD, block_bytes, &rows);
         for (int64_t r0 = 0; r0 < rows; r0 += 16) {
             const int64_t count = rows - r0 < 16 ? rows - r0 : 16;
             const __mmask16 live = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
@@ -128,9 +137,8 @@ static inline __attribute__((always_inline)) void item_avx512(
     for (int g = 0; g < G; g++)
         for (int c = 0; c < NV; c++) acc[g][c] = _mm512_setzero_ps();
     for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-        const float *v_block = values + blocks[t0 / block_size] * block_size * HD;
-        const int64_t rows = ctx - t0 < block_size ? ctx - t0 : block_size;
-        if (t0 + block_size < ctx) prefetch_block(values + blocks[t0 / block_size + 1] * block_size * HD, block_bytes);
+        int64_t rows;
+        const float *v_block = context_block(values, blocks, t0, ctx, block_size, HD, block_bytes, &rows);
         for (int64_t r = 0; r < rows; r++) {
             const float *v = v_block + r * HD;
             __m512 vv[MAXV];
@@ -188,8 +196,7 @@ void paged_decode_attention_f32(
         const float *keys = key_cache + kv_head * num_slots * head_dim;
         const float *values = value_cache + kv_head * num_slots * head_dim;
         const float *queries = q + (seq * num_heads + kv_head * group) * head_dim;
-        /* Rounded up to whole groups of 16 scores: the specialised path stores them 16 at a time (masked). */
-        float *scores = (float *)malloc(sizeof(float) * (group * ctx + 16));
+        float *scores = (float *)malloc(sizeof(float) * group * ctx);
 #if HAVE_AVX512
         if (item_specialised(head_dim, group, queries, keys, values, blocks, ctx, block_size, scale, scores,
                              out + (seq * num_heads + kv_head * group) * head_dim, block_bytes)) {
@@ -203,9 +210,8 @@ void paged_decode_attention_f32(
 
         for (int64_t g = 0; g < group; g++) max_score[g] = -1e30f;
         for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-            const float *k_block = keys + blocks[t0 / block_size] * block_size * head_dim;
-            const int64_t rows = ctx - t0 < block_size ? ctx - t0 : block_size;
-            if (t0 + block_size < ctx) prefetch_block(keys + blocks[t0 / block_size + 1] * block_size * head_dim, block_bytes);
+            int64_t rows;
+            const float *k_block = context_block(keys, blocks, t0, ctx, block_size, head_dim, block_bytes, &rows);
             for (int64_t r = 0; r < rows; r++) {
                 const float *k = k_block + r * head_dim;
                 for (int64_t g = 0; g < group; g++) {
@@ -230,9 +236,8 @@ void paged_decode_attention_f32(
             for (int64_t d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
         }
         for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-            const float *v_block = values + blocks[t0 / block_size] * block_size * head_dim;
-            const int64_t rows = ctx - t0 < block_size ? ctx - t0 : block_size;
-            if (t0 + block_size < ctx) prefetch_block(values + blocks[t0 / block_size + 1] * block_size * head_dim, block_bytes);
+            int64_t rows;
+            const float *v_block = context_block(values, blocks, t0, ctx, block_size, head_dim, block_bytes, &rows);
             for (int64_t r = 0; r < rows; r++) {
                 const float *v = v_block + r * head_dim;
                 for (int64_t g = 0; g < group; g++) {
