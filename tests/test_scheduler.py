@@ -41,7 +41,7 @@ def run_step(scheduler: Scheduler):
         # Tokens are only known once the chunk reaches the end of the sequence.
         if not item.skip_sampling:
             assert request.num_computed_tokens + item.num_tokens == request.num_tokens
-            sampled[request.handle] = (fake_token(request), None, None)
+            sampled[request.handle] = fake_token(request)
     scheduler.update_from_output(out, sampled)
     return out
 
@@ -200,11 +200,11 @@ def test_stop_token_respects_min_tokens():
     request.sampling_params = SamplingParams(max_tokens=10, min_tokens=3)
     scheduler.add_request(request)
     out = scheduler.schedule()
-    scheduler.update_from_output(out, {request.handle: (EOS, None, None)})
+    scheduler.update_from_output(out, {request.handle: EOS})
     assert not request.finished  # below min_tokens, EOS does not stop
     for _ in range(2):
         out = scheduler.schedule()
-        scheduler.update_from_output(out, {request.handle: (EOS, None, None)})
+        scheduler.update_from_output(out, {request.handle: EOS})
     assert request.status is RequestStatus.FINISHED_STOPPED and request.num_output_tokens == 3
 
 

@@ -28,20 +28,21 @@ logger = logging.getLogger(__name__)
 # The shortest context worth serving: a cache that cannot hold this many tokens for one sequence is refused.
 MIN_USEFUL_CONTEXT = 16
 
-SampledTokens = dict[int, tuple[int, float | None, dict[int, float] | None]]
+SampledTokens = dict[int, int]
+SampledLogprobs = dict[int, tuple[float, dict[int, float]]]
 
 
-def unpack_result(result: step_pb2.StepResult) -> SampledTokens:
-    """handle → (token id, logprob or None, top logprobs or None)."""
+def unpack_result(result: step_pb2.StepResult) -> tuple[SampledTokens, SampledLogprobs | None]:
+    """handle → token id, and handle → (logprob, top logprobs) when the step returned logprobs."""
+    # Repeated fields are read once as lists, not element by element.
+    sampled = dict(zip(result.handles, result.token_ids, strict=True))
     if len(result.logprobs) != len(result.handles):
-        # The common step: repeated fields are read once as lists, not element by element.
-        pairs = zip(result.handles, result.token_ids, strict=True)
-        return {handle: (token_id, None, None) for handle, token_id in pairs}
-    sampled: SampledTokens = {}
+        return sampled, None
+    logprobs: SampledLogprobs = {}
     for i, handle in enumerate(result.handles):
         top = result.top_logprobs[i]
-        sampled[handle] = (result.token_ids[i], result.logprobs[i], dict(zip(top.token_ids, top.logprobs, strict=True)))
-    return sampled
+        logprobs[handle] = (result.logprobs[i], dict(zip(top.token_ids, top.logprobs, strict=True)))
+    return sampled, logprobs
 
 
 @dataclass
@@ -220,7 +221,8 @@ class EngineCore:
         waited = time.perf_counter() - step.dispatched
         self._consecutive_failures = 0
         self.quarantine.step_succeeded(step.batch)
-        changed = self.scheduler.update_from_output(step.out, unpack_result(result), frozenset(result.constraint_done))
+        sampled, logprobs = unpack_result(result)
+        changed = self.scheduler.update_from_output(step.out, sampled, frozenset(result.constraint_done), logprobs)
         self.metrics.observe_step(self, step.out, result, step.dispatched - step.started, waited, changed)
         end_step_span(step.span)
         return changed

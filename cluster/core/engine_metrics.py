@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from cluster.core.fast_metrics import FastCounter, FastHistogram
+from cluster.core.request import RequestStatus
 
 if TYPE_CHECKING:
     from cluster.core.engine import EngineCore
@@ -119,12 +120,13 @@ class EngineMetrics:
         changed: list[Request],
     ) -> None:
         now = time.monotonic()
-        for item in out.scheduled:
-            # A request is first scheduled when it is admitted; later steps need no look.
-            if item.admitted and item.request.first_scheduled_time is None:
-                request = item.request
-                request.first_scheduled_time = now
-                self._queue_time.observe(now - request.arrival_time)
+        if out.has_admissions:
+            for item in out.scheduled:
+                # A request is first scheduled when it is admitted; later steps need no look.
+                if item.admitted and item.request.first_scheduled_time is None:
+                    request = item.request
+                    request.first_scheduled_time = now
+                    self._queue_time.observe(now - request.arrival_time)
         self._iteration_tokens.observe(out.num_batched_tokens)
         forward, compute = result.forward_seconds, result.compute_seconds
         phases = self._phases
@@ -145,7 +147,10 @@ class EngineMetrics:
         by that time and each distinct gap is observed once with its count.
         """
         generated = 0
+        # Gaps of requests that got one new token, by the time of their previous one; of several, by both.
+        single_gaps: dict[float, int] = {}
         gaps: dict[tuple[float, int], int] = {}
+        running = RequestStatus.RUNNING
         for request in changed:
             num_outputs = len(request.output_token_ids)
             new_tokens = num_outputs - request.num_reported_tokens
@@ -158,12 +163,18 @@ class EngineMetrics:
                     if request.first_scheduled_time is not None:
                         self._prefill_time.observe(now - request.first_scheduled_time)
                 elif last is not None:
-                    key = (last, new_tokens)
-                    gaps[key] = gaps.get(key, 0) + 1
+                    if new_tokens == 1:
+                        single_gaps[last] = single_gaps.get(last, 0) + 1
+                    else:
+                        key = (last, new_tokens)
+                        gaps[key] = gaps.get(key, 0) + 1
                 request.last_token_time = now
                 request.num_reported_tokens = num_outputs
-            if request.status.finished:
+            status = request.status
+            if status is not running and status.finished:
                 self.observe_finished(request, now)
+        for last, count in single_gaps.items():
+            self._itl.observe_repeated(now - last, count)
         for (last, new_tokens), count in gaps.items():
             self._itl.observe_repeated((now - last) / new_tokens, count)
         if generated:

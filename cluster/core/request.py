@@ -71,6 +71,9 @@ class Request:
     needs_resync: bool = False
     # W3C carrier (traceparent, tracestate) of the frontend's request span; the step spans link to it.
     trace_context: dict[str, str] | None = None
+    # The scheduler's plain-decode item for this request and epoch, handed out again every step it decodes
+    # (a cluster.core.scheduler_output.ScheduledRequest; typed loosely, that module imports this one).
+    decode_item: object | None = None
     # Telemetry: when it was first scheduled, got its first and latest token; what the metrics counted.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

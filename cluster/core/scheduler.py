@@ -17,6 +17,9 @@ from cluster.core.stop_conditions import ends_in_flight, stop_status
 
 logger = logging.getLogger(__name__)
 
+# The block list of an item that needs no new blocks; shared by every such item, so never changed.
+NO_NEW_BLOCKS: list[int] = []
+
 
 class Scheduler:
     """Decides, every step, which requests run and how many tokens each computes."""
@@ -167,7 +170,7 @@ class Scheduler:
         # request's blocks asks the block table nothing.
         running, scheduled = self.running, out.scheduled
         slots_owned = self.block_table.slots_owned
-        no_new_blocks: list[int] = []
+        no_new_blocks = NO_NEW_BLOCKS
         max_model_len = self.max_model_len
         # Iterating while a preemption pops from the end is safe: the loop sees the shortened list.
         for request in running:
@@ -188,11 +191,21 @@ class Scheduler:
                 if new_blocks is None:
                     break  # the request itself was preempted: it was the last running one
             skip = position + num_new != expected or request.input_open
-            item = ScheduledRequest(request, num_new, new_blocks, False, False, skip, request.epoch)
-            if request.needs_resync:
-                # The ranks move back to num_computed_tokens (a last position recomputed for its logits).
-                item.resync, item.new_block_ids = True, self.block_table.block_ids(request.request_id)
-                request.needs_resync = False
+            if num_new == 1 and new_blocks is no_new_blocks and not skip and not request.needs_resync:
+                # A plain decode: the same item as the request's previous plain decode, unless it lost its KV since.
+                item = request.decode_item
+                if item is None or item.epoch != request.epoch:
+                    item = request.decode_item = ScheduledRequest(
+                        request, 1, no_new_blocks, False, False, False, request.epoch, True
+                    )
+            else:
+                item = ScheduledRequest(request, num_new, new_blocks, False, False, skip, request.epoch)
+                if skip and not request.input_open:
+                    out.has_partial_prefill = True
+                if request.needs_resync:
+                    # The ranks move back to num_computed_tokens (a last position recomputed for its logits).
+                    item.resync, item.new_block_ids = True, self.block_table.block_ids(request.request_id)
+                    request.needs_resync = False
             scheduled.append(item)
             request.num_inflight_tokens += num_new
             if not skip:
@@ -204,6 +217,10 @@ class Scheduler:
         """Put a request in this step; until the ranks answer, its tokens count as in flight."""
         request = item.request
         item.epoch = request.epoch
+        if item.admitted:
+            out.has_admissions = True
+        if item.skip_sampling and not request.input_open:
+            out.has_partial_prefill = True
         request.num_inflight_tokens += item.num_tokens
         if not item.skip_sampling:
             request.num_pending_samples += 1
@@ -327,12 +344,15 @@ class Scheduler:
     def update_from_output(
         self,
         out: SchedulerOutput,
-        sampled: dict[int, tuple[int, float | None, dict[int, float] | None]],
+        sampled: dict[int, int],
         constraint_done: frozenset[int] = frozenset(),
+        logprobs: dict[int, tuple[float, dict[int, float]]] | None = None,
     ) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish what hit a stop condition.
 
-        `constraint_done` holds the handles whose output constraint is complete with this step's token.
+        `sampled` maps handles to this step's token ids; `logprobs`, when the step returned them, handles to each
+        token's logprob and top logprobs. `constraint_done` holds the handles whose output constraint is complete
+        with this step's token.
 
         Returns the requests that changed (got a token or finished), for streaming to callers.
         """
@@ -357,8 +377,8 @@ class Scheduler:
                     # The step succeeded: the blocks it filled may now serve other requests from the prefix cache.
                     commit_computed(request.request_id, request.all_token_ids, computed)
             # else: preempted after this step was scheduled; its sampled token still counts, its KV is gone.
-            token = sampled.get(request.handle)
-            if token is None:
+            token_id = sampled.get(request.handle)
+            if token_id is None:
                 if (
                     request.input_open
                     and request.num_computed_tokens == request.num_tokens
@@ -381,14 +401,14 @@ class Scheduler:
                     request.num_computed_tokens -= 1
                     request.needs_resync = True
                 continue
-            token_id, logprob, top = token
             outputs = request.output_token_ids
             outputs.append(token_id)
             all_tokens = request.all_token_ids
             all_tokens.append(token_id)
-            if logprob is not None:
+            if logprobs is not None:
+                logprob, top = logprobs[request.handle]
                 request.logprobs.append(logprob)
-                request.top_logprobs.append(top or {})
+                request.top_logprobs.append(top)
             max_tokens = request.max_tokens
             if (
                 token_id in request.stop_token_ids
@@ -454,10 +474,8 @@ class Scheduler:
         stats.num_steps += 1
         stats.num_computed_tokens += out.num_batched_tokens
         stats.peak_running = max(stats.peak_running, len(self.running))
-        has_decode = any(s.num_tokens == 1 and not s.skip_sampling for s in out.scheduled)
-        has_partial = any(s.skip_sampling and not s.request.input_open for s in out.scheduled)
-        if has_decode and has_partial:
-            stats.num_mixed_steps += 1
+        if out.has_partial_prefill and any(s.num_tokens == 1 and not s.skip_sampling for s in out.scheduled):
+            stats.num_mixed_steps += 1  # a partial prefill chunk next to decodes
         # Slot utilisation is read at the step that holds the most blocks.
         slots = self.block_table.num_used_blocks * self.block_table.block_size
         if slots and slots >= stats.peak_used_slots:

@@ -30,6 +30,10 @@ class ScheduledRequest:
     skip_sampling: bool = False
     # The request's epoch when scheduled; an answer for an older epoch confirms no KV (see Request.epoch).
     epoch: int = 0
+    # A plain decode: one token, sampled, no new blocks, no resync (what most of a busy step is). The scheduler
+    # keeps one such item per request and epoch and hands the same object out step after step (see
+    # Scheduler._plain_decode), so it must never be changed once made.
+    plain: bool = False
 
 
 @dataclass
@@ -43,6 +47,11 @@ class SchedulerOutput:
     # Sessions closed this step because no input came for session_idle_timeout_s.
     expired: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # Some item was admitted from the waiting queue this step (the per-step consumers that look for admissions
+    # skip the walk over a batch of running requests without it).
+    has_admissions: bool = False
+    # Some item is a prefill chunk that does not reach the end of its prompt (for the mixed-step count).
+    has_partial_prefill: bool = False
 
     @property
     def empty(self) -> bool:

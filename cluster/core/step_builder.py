@@ -69,13 +69,19 @@ class StepMessageBuilder:
         decode_handles: list[int] = []
         for item in out.scheduled:
             request = item.request
-            num_known = known.get(request.handle)
-            if num_known is not None and item.num_tokens == 1 and not (
-                item.skip_sampling or item.new_block_ids or item.resync or request.num_tokens > num_known
+            handle = request.handle
+            num_known = known.get(handle)
+            if (
+                num_known is not None
+                and (
+                    item.plain
+                    or (item.num_tokens == 1 and not (item.skip_sampling or item.new_block_ids or item.resync))
+                )
+                and len(request.all_token_ids) <= num_known
             ):
                 # The common decode: nothing but "compute your next token" — sent as a bare handle.
-                decode_handles.append(request.handle)
-                known[request.handle] = num_known + 1
+                decode_handles.append(handle)
+                known[handle] = num_known + 1
                 continue
             if num_known is None:
                 batch.new_requests.append(
