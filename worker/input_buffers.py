@@ -104,39 +104,27 @@ class InputBuffers:
         if self._copied is not None:
             # The previous step's copy must have left the host buffer before it is overwritten.
             self._copied.synchronize()
-        # One pass over the step's requests gathers what each stages: it runs per request per step, at GPU step rates.
-        rows: list[int] = []
-        positions: list[int] = []
-        decode_tokens: list[int] = []
-        sample_states: list[RequestState] = []
-        sample_rows: list[int] = []
-        stale: list[int] = []  # indices into `ordered` whose table row must be brought up to date first
-        known_rows = self._rows
+        # Comprehensions over the step's requests, each a column of what they stage: this runs per request per
+        # step, at GPU step rates. Most steps change no request's block list, so its row is current and needs no
+        # look: -1 marks a row to bring up to date first (see RequestState.table_row and _sync_row).
+        rows = [state.table_row for state in ordered]
         n, bs = len(decodes), self.block_size
-        for index, state in enumerate(ordered):
-            if index < n:
-                position = state.num_computed_tokens
-                positions.append(position)
-                decode_tokens.append(state.token_ids[position])
-                if not state.skip_sampling:
-                    sample_rows.append(index)  # a prefill's sampled row is known once its span is laid out
-            if not state.skip_sampling:
-                sample_states.append(state)
-            # Most steps change no request's block list: its row is current and needs no look (see _sync_row).
-            row = known_rows.get(state.handle)
-            if row is not None and row.owner is state and row.epoch == state.block_epoch:
-                if row.num_blocks == len(state.block_ids):
-                    rows.append(row.index)
-                    continue
-            stale.append(index)
-            rows.append(-1)
+        positions = [state.num_computed_tokens for state in decodes]
+        decode_tokens = [state.token_ids[position] for state, position in zip(decodes, positions, strict=True)]
+        sample_states = [state for state in ordered if not state.skip_sampling]
+        if len(sample_states) == len(ordered):
+            sample_rows = list(range(n))  # a prefill's sampled row is known once its span is laid out
+        else:
+            sample_rows = [index for index, state in enumerate(decodes) if not state.skip_sampling]
+        stale = [index for index, row in enumerate(rows) if row < 0] if -1 in rows else []
         writes: tuple[list[int], list[int]] = ([], [])
         if stale:
             # Widen first: the device-side table writes are flat indices computed from the width. A current row
             # already fits the table, so only the stale ones can need a wider one.
             self._grow_table(0, max(len(ordered[index].block_ids) for index in stale))
             for index in stale:
-                rows[index] = self._sync_row(ordered[index], writes)
+                state = ordered[index]
+                rows[index] = state.table_row = self._sync_row(state, writes)
 
         num_tokens = n + sum(s.num_scheduled_tokens for s in prefills)
         num_writes = len(writes[0])

@@ -28,6 +28,9 @@ class RequestState:
     # Counts replacements of block_ids (preemption, resumption), so copies of it kept elsewhere (the persistent
     # block table) know to rewrite rather than append.
     block_epoch: int = 0
+    # The persistent block-table row that holds block_ids (set by InputBuffers once it wrote them there), or -1
+    # while the row is not known to be current: every change of block_ids below resets it.
+    table_row: int = -1
     # Every token is the argmax of the (masked) logits: greedy, no penalties, no logprobs, no banned tokens.
     # Fixed for the request's life, so a step of such requests skips building per-row sampling settings.
     argmax_only: bool = False
@@ -97,6 +100,7 @@ class RequestStates:
             if state is not None:
                 state.block_ids = []
                 state.block_epoch += 1
+                state.table_row = -1
                 state.num_computed_tokens = 0
         scheduled: list[RequestState] = []
         for new in batch.new_requests:
@@ -124,9 +128,11 @@ class RequestStates:
             if delta.resumed:
                 state.block_ids = list(delta.new_block_ids)
                 state.block_epoch += 1
+                state.table_row = -1
                 state.num_computed_tokens = delta.num_computed_tokens
             elif delta.new_block_ids:
                 state.block_ids.extend(delta.new_block_ids)
+                state.table_row = -1
             state.num_scheduled_tokens = delta.num_scheduled_tokens
             state.skip_sampling = delta.skip_sampling
             scheduled.append(state)
