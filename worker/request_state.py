@@ -11,7 +11,7 @@ from proto import step_pb2
 from worker.sampler import SamplingRow
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     """Tokens, blocks and progress of one request on this worker."""
 

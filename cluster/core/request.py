@@ -31,7 +31,7 @@ _FINISHED_VALUES = frozenset(
 )
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     """One sequence. `num_computed_tokens` catches up with `len(all_token_ids)` step by step:
     that one mechanism covers prefill, chunked prefill, decode, prefix hits and recomputation.
