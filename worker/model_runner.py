@@ -164,14 +164,11 @@ class ModelRunner:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
             result.forward_seconds = time.perf_counter() - forward_started
-            if flat.sample_states:
-                token_ids = None
-                if self.tp.rank == 0:
-                    with traced(_tracer, "sample"):
-                        token_ids = self._sample(logits, flat.sample_states, result)
-                self._keep_sampled(flat.sample_states, token_ids)
-            for state in flat.ordered:
-                state.num_computed_tokens += state.num_scheduled_tokens
+            token_ids = None
+            if flat.sample_states and self.tp.rank == 0:
+                with traced(_tracer, "sample"):
+                    token_ids = self._sample(logits, flat.sample_states, result)
+            self._advance(flat, token_ids)
         result.compute_seconds = time.perf_counter() - started
         return result
 
@@ -185,16 +182,26 @@ class ModelRunner:
         self.num_eager_steps += 1
         return self.model(flat.input_ids, flat.positions, flat.attention)
 
-    def _keep_sampled(self, states: list[RequestState], token_ids: list[int] | None) -> None:
-        """Every rank appends the step's sampled tokens to its requests: the next step's inputs, which the head
-        therefore never sends back (and may schedule before it has seen them). Rank 0 tells the others."""
-        if self.tp.size > 1:
+    def _advance(self, flat: FlatBatch, token_ids: list[int] | None) -> None:
+        """Move the step's requests past the tokens it computed, and append the tokens it sampled: the next step's
+        inputs, which the head therefore never sends back (and may schedule before it has seen them). Every rank
+        does this; rank 0 sampled and tells the others."""
+        ordered, states = flat.ordered, flat.sample_states
+        if states and self.tp.size > 1:
             shared = torch.empty(len(states), dtype=torch.long)
             if token_ids is not None:
                 shared.copy_(torch.tensor(token_ids, dtype=torch.long))
             token_ids = self.tp.broadcast(shared.to(self.tp_device)).tolist()
-        for state, token_id in zip(states, token_ids, strict=True):
+        if len(states) == len(ordered):
+            # Every request sampled (the common step): one pass does both.
+            for state, token_id in zip(ordered, token_ids, strict=True):
+                state.token_ids.append(token_id)
+                state.num_computed_tokens += state.num_scheduled_tokens
+            return
+        for state, token_id in zip(states, token_ids or (), strict=True):
             state.token_ids.append(token_id)
+        for state in ordered:
+            state.num_computed_tokens += state.num_scheduled_tokens
 
     def _forget(self, state: RequestState) -> None:
         """A request left this worker: free its block-table row and its penalty row."""
@@ -208,7 +215,7 @@ class ModelRunner:
         constraints = self.constraints
         constraints.seconds = 0.0
         sampled = None
-        if all(state.argmax_only for state in states):
+        if self.states.all_argmax_only or all(state.argmax_only for state in states):
             # The common greedy step: no per-row settings to build, one argmax after the constraint masks.
             constraints.mask(logits, states)
             token_ids = row_argmax(logits)

@@ -89,6 +89,14 @@ class RequestStates:
         self.states: dict[int, RequestState] = {}
         # Told of every state this table forgets, so per-request rows kept elsewhere are freed with it.
         self.on_drop = on_drop
+        # States whose tokens are not all the argmax of their logits; none (the common case) spares the sampler a
+        # look at each request of a step.
+        self._num_not_argmax_only = 0
+
+    @property
+    def all_argmax_only(self) -> bool:
+        """True when every request held here samples each token as the argmax of its logits."""
+        return not self._num_not_argmax_only
 
     def apply(self, batch: step_pb2.StepBatch) -> list[RequestState]:
         """Apply one step's deltas; return the states scheduled in this step, in message order."""
@@ -118,6 +126,8 @@ class RequestStates:
             )
             self._drop(states.get(new.handle))
             states[new.handle] = state
+            if not state.argmax_only:
+                self._num_not_argmax_only += 1
             scheduled.append(state)
         for delta in batch.cached_requests:
             state = states[delta.handle]
@@ -145,7 +155,12 @@ class RequestStates:
         return scheduled
 
     def _drop(self, state: RequestState | None) -> None:
-        if state is not None and self.on_drop is not None:
+        """A state leaves the table (finished, or replaced by a new request under its handle)."""
+        if state is None:
+            return
+        if not state.argmax_only:
+            self._num_not_argmax_only -= 1
+        if self.on_drop is not None:
             self.on_drop(state)
 
     def _generator(self, sampling: step_pb2.SamplingParams) -> torch.Generator | None:
