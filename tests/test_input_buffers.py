@@ -247,6 +247,68 @@ class InputBuffersMachine(RuleBasedStateMachine):
         assert len(rows) == len(set(rows)) and not set(rows) & set(self.buffers._free)
         assert set(self.buffers._rows) <= set(self.ours.states)
 
+    @invariant()
+    def a_state_marked_current_has_its_block_list_in_its_row(self) -> None:
+        if not hasattr(self, "buffers"):
+            return
+        table = self.buffers.block_table
+        for state in self.ours.states.values():
+            if state.table_row >= 0:
+                row = table[state.table_row]
+                count = len(state.block_ids)
+                assert row[:count].tolist() == state.block_ids and not row[count:].any(), state.handle
+
+
+def test_every_change_of_a_block_list_marks_its_row_for_a_rewrite():
+    states = RequestStates(CPU)
+    greedy = step_pb2.SamplingParams(temperature=0.0)
+    batch = step_pb2.StepBatch()
+    batch.new_requests.add(handle=1, token_ids=[1, 2, 3], num_prompt_tokens=3, sampling=greedy, block_ids=[4])
+    (state,) = states.apply(batch)
+    assert state.table_row == -1  # never written
+    state.table_row = 5  # as the input buffers leave it once they wrote the row
+
+    def step(**delta) -> None:
+        batch = step_pb2.StepBatch()
+        if delta:
+            batch.cached_requests.add(handle=1, num_scheduled_tokens=1, **delta)
+        else:
+            batch.decode_handles.append(1)
+        states.apply(batch)
+
+    step()
+    assert state.table_row == 5  # a bare decode keeps its blocks
+    step(new_block_ids=[7])
+    assert state.table_row == -1 and state.block_ids == [4, 7]
+    state.table_row = 5
+    step(resumed=True, new_block_ids=[8, 9], num_computed_tokens=2)
+    assert state.table_row == -1 and state.block_ids == [8, 9]
+    state.table_row = 5
+    states.apply(step_pb2.StepBatch(preempted=[1]))
+    assert state.table_row == -1 and state.block_ids == []
+
+
+def test_the_table_knows_when_every_request_samples_by_argmax():
+    states = RequestStates(CPU)
+    greedy, sampled = step_pb2.SamplingParams(temperature=0.0), step_pb2.SamplingParams(temperature=0.8)
+
+    def new(handle: int, sampling: step_pb2.SamplingParams) -> None:
+        batch = step_pb2.StepBatch()
+        batch.new_requests.add(handle=handle, token_ids=[1, 2], num_prompt_tokens=2, sampling=sampling, block_ids=[0])
+        states.apply(batch)
+
+    new(1, greedy)
+    assert states.all_argmax_only
+    new(2, sampled)
+    assert not states.all_argmax_only
+    new(2, greedy)  # the handle reused by a greedy request replaces the sampled one
+    assert states.all_argmax_only
+    new(3, sampled)
+    states.apply(step_pb2.StepBatch(finished=[3]))
+    assert states.all_argmax_only
+    states.apply(step_pb2.StepBatch(finished=[3, 1, 2]))  # finishing an unknown handle changes nothing
+    assert states.all_argmax_only and not states.states
+
 
 def _same(mine: torch.Tensor | None, theirs: torch.Tensor | None, name: str) -> None:
     if mine is None or theirs is None:

@@ -102,3 +102,36 @@ def test_promtool_accepts_the_live_exposition(served):
     text = httpx.get(served + "/metrics").text
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_inter_token_latency_counts_one_gap_per_request_and_step():
+    from prometheus_client import generate_latest
+
+    from cluster.core.engine_metrics import EngineMetrics
+    from cluster.core.request import Request, RequestStatus
+
+    metrics = EngineMetrics("m")
+
+    def request(name: str, outputs: int, last: float | None, first: float | None) -> Request:
+        r = Request(name, len(name), [1, 2], SamplingParams(), None, frozenset(), arrival_time=0.0)
+        r.output_token_ids = [5] * outputs
+        r.num_reported_tokens = outputs - (2 if name == "two" else 1)
+        r.status = RequestStatus.RUNNING
+        r.last_token_time, r.first_token_time = last, first
+        return r
+
+    changed = [
+        request("first", 1, None, None),  # its first token: a TTFT, no gap
+        request("a", 5, 10.0, 1.0),
+        request("b", 5, 10.0, 1.0),  # same previous time as a: grouped, still two gaps
+        request("two", 6, 9.0, 1.0),  # two tokens in one step: one gap of half the time
+    ]
+    changed[-1].status = RequestStatus.FINISHED_LENGTH
+    metrics._observe_tokens(changed, now=12.0)
+    text = generate_latest(metrics.registry).decode()
+    assert value(text, "inter_token_latency_seconds_count") == 3
+    assert value(text, "inter_token_latency_seconds_sum") == pytest.approx(2 * 2.0 + 3.0 / 2)
+    assert value(text, "time_to_first_token_seconds_count") == 1
+    assert value(text, "generation_tokens_total") == 5
+    assert value(text, "e2e_request_latency_seconds_count") == 1  # the finished one, counted once
+    assert all(r.last_token_time == 12.0 for r in changed)

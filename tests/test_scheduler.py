@@ -247,3 +247,47 @@ def test_peak_running_counts_sequences_holding_blocks_at_once():
         scheduler.add_request(make_request(f"r{i}", 6, 4))
     run_all(scheduler)
     assert scheduler.stats.peak_running == 3
+
+
+def test_a_plain_decode_item_is_handed_out_again_only_within_its_epoch():
+    # Blocks of 4 and a prompt of 5: the second and third decodes fit the blocks already held, so they are plain.
+    scheduler = make_scheduler(num_blocks=6, block_size=4, budget=64)
+    a, b = make_request("a", 5, 12), make_request("b", 5, 12)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    first = run_step(scheduler)  # both prompts, admitted: not plain decodes
+    assert not any(item.plain for item in first.scheduled) and first.has_admissions
+    decodes = [run_step(scheduler).scheduled for _ in range(2)]
+    items = [{item.request.request_id: item for item in step} for step in decodes]
+    plain = [step_items["a"] for step_items in items if step_items["a"].plain]
+    assert plain and all(item is plain[0] for item in plain)  # the same object, step after step
+    assert plain[0].num_tokens == 1 and not plain[0].new_block_ids and not plain[0].skip_sampling
+    # Squeeze b out: after its preemption (a new epoch) it is admitted again and its first plain decode is a new
+    # item, while the old one keeps the epoch it was scheduled under (a step in flight still reads it).
+    old_b = items[-1]["b"]
+    old_epoch = old_b.epoch
+    preempted = []
+    while not preempted:
+        preempted = run_step(scheduler).preempted
+    assert preempted == [b] and b.epoch > old_epoch
+    for _ in range(200):
+        out = run_step(scheduler)
+        again = [item for item in out.scheduled if item.request is b and item.plain]
+        if again:
+            assert again[0] is not old_b and again[0].epoch == b.epoch and old_b.epoch == old_epoch
+            break
+    else:
+        raise AssertionError("b never decoded again")
+    run_all(scheduler)
+    assert a.num_output_tokens == b.num_output_tokens == 12
+
+
+def test_the_mixed_step_count_sees_a_partial_chunk_beside_plain_decodes():
+    scheduler = make_scheduler(block_size=4, budget=8)
+    scheduler.add_request(make_request("short", 2, 20))
+    run_step(scheduler)
+    run_step(scheduler)  # a plain decode; the next one still fits the first block of 4
+    scheduler.add_request(make_request("long", 30, 4))
+    out = run_step(scheduler)
+    assert out.has_partial_prefill and any(item.plain for item in out.scheduled)
+    assert scheduler.stats.num_mixed_steps == 1
