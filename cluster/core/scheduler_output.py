@@ -32,7 +32,7 @@ class ScheduledRequest:
     epoch: int = 0
     # A plain decode: one token, sampled, no new blocks, no resync (what most of a busy step is). The scheduler
     # keeps one such item per request and epoch and hands the same object out step after step (see
-    # Scheduler._plain_decode), so it must never be changed once made.
+    # Scheduler._schedule_running), so it must never be changed once made.
     plain: bool = False
 
 
