@@ -280,6 +280,8 @@ def test_a_plain_decode_item_is_handed_out_again_only_within_its_epoch():
         raise AssertionError("b never decoded again")
     run_all(scheduler)
     assert a.num_output_tokens == b.num_output_tokens == 12
+    # A finished request lets go of its item, which points back at it: no cycle is left for the collector.
+    assert a.decode_item is None and b.decode_item is None
 
 
 def test_the_mixed_step_count_sees_a_partial_chunk_beside_plain_decodes():

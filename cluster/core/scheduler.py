@@ -465,6 +465,7 @@ class Scheduler:
         self.block_table.free(request.request_id)
         request.status = status
         request.input_open = False
+        request.decode_item = None  # it points back at the request: a cycle only the garbage collector would break
         del self.requests[request.request_id]
         self._finished_handles.append(request.handle)
         self.stats.num_finished += 1
