@@ -24,7 +24,8 @@ def test_objects_alive_at_freeze_leave_the_collected_generations(thawed):
     before = _Node()
     frozen = freeze_startup_heap()
     after = _Node()
-    assert frozen == gc.get_freeze_count() > 0
+    # Other threads of the test process may free frozen objects meanwhile; nothing can add to them.
+    assert 0 < gc.get_freeze_count() <= frozen
     collected = {id(obj) for generation in range(3) for obj in gc.get_objects(generation)}
     assert id(before) not in collected  # a full collection no longer walks it
     assert id(after) in collected  # what serving creates is still collected
