@@ -13,7 +13,8 @@ from cluster.core.config import SchedulerConfig
 from cluster.core.errors import QueueFullError
 from cluster.core.request import Request, RequestStatus
 from cluster.core.scheduler_output import PauseMode, ScheduledRequest, SchedulerOutput, SchedulerStats
-from cluster.core.stop_conditions import ends_in_flight, stop_status
+from cluster.core.step_update import apply_step_output
+from cluster.core.stop_conditions import ends_in_flight
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class Scheduler:
         if request is None:
             return None
         self.stats.num_aborted += 1
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self.finish_request(request, RequestStatus.FINISHED_ABORTED)
         return request
 
     def requeue_all(self) -> None:
@@ -124,7 +125,7 @@ class Scheduler:
         for request in expired:
             request.error = f"the session received no input for {timeout:g} s (session_idle_timeout) and was closed"
             request.error_code = "session_idle_timeout"
-            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
         return expired
 
     def replace_block_table(self, block_table: BlockTable) -> None:
@@ -161,7 +162,7 @@ class Scheduler:
         if not preempted_running and self.pause_mode is PauseMode.NONE:
             budget = self._schedule_waiting(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
-        self._record_stats(out)
+        self.stats.record_step(out, self.running, self.block_table)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -356,77 +357,13 @@ class Scheduler:
 
         Returns the requests that changed (got a token or finished), for streaming to callers.
         """
-        changed: list[Request] = []
-        # Runs once per scheduled request per step: the block table is asked to hash only when a block filled
-        # (hash_due_at), and stop_status only when some stop rule can fire (the same rules, tested cheaply).
-        commit_computed = self.block_table.commit_computed
-        hash_due_at = self.block_table.hash_due_at
-        running = RequestStatus.RUNNING
-        max_model_len = self.max_model_len
-        for item in out.scheduled:
-            request = item.request
-            if request.status is not running and request.finished:
-                continue
-            if not item.skip_sampling:
-                request.num_pending_samples -= 1
-            if item.epoch == request.epoch:
-                request.num_inflight_tokens -= item.num_tokens
-                computed = request.num_computed_tokens = request.num_computed_tokens + item.num_tokens
-                due = hash_due_at.get(request.request_id)
-                if due is not None and computed >= due:
-                    # The step succeeded: the blocks it filled may now serve other requests from the prefix cache.
-                    commit_computed(request.request_id, request.all_token_ids, computed)
-            # else: preempted after this step was scheduled; its sampled token still counts, its KV is gone.
-            token_id = sampled.get(request.handle)
-            if token_id is None:
-                if (
-                    request.input_open
-                    and request.num_computed_tokens == request.num_tokens
-                    and not request.num_inflight_tokens
-                ):
-                    self.running.remove(request)
-                    request.status = RequestStatus.AWAITING_INPUT
-                    request.idle_since = self.clock()
-                    self.idle_sessions[request.request_id] = request
-                elif (
-                    item.skip_sampling
-                    and request.status is running
-                    and not request.num_inflight_tokens
-                    and not request.num_pending_samples
-                    and request.num_computed_tokens == request.num_tokens
-                ):
-                    # The input closed while this chunk was in flight, so it was computed without logits:
-                    # recompute its last position to sample the first output token (as append_input does for
-                    # a session that was already waiting for input).
-                    request.num_computed_tokens -= 1
-                    request.needs_resync = True
-                continue
-            outputs = request.output_token_ids
-            outputs.append(token_id)
-            all_tokens = request.all_token_ids
-            all_tokens.append(token_id)
-            if logprobs is not None:
-                logprob, top = logprobs[request.handle]
-                request.logprobs.append(logprob)
-                request.top_logprobs.append(top)
-            max_tokens = request.max_tokens
-            if (
-                token_id in request.stop_token_ids
-                or (max_tokens is not None and len(outputs) >= max_tokens)
-                or len(all_tokens) >= max_model_len
-                or (constraint_done and request.handle in constraint_done)
-            ):
-                status = stop_status(request, token_id, max_model_len, request.handle in constraint_done)
-                if status is not None:
-                    self._finish(request, status)
-            changed.append(request)
-        return changed
+        return apply_step_output(self, out, sampled, constraint_done, logprobs)
 
     def finish(self, request_id: str, status: RequestStatus) -> None:
         """Finish a request for a reason found outside the scheduler (a stop string)."""
         request = self.requests.get(request_id)
         if request is not None:
-            self._finish(request, status)
+            self.finish_request(request, status)
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -453,7 +390,8 @@ class Scheduler:
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """End a request: out of its queue, its blocks freed, its handle sent to the workers to forget."""
         if request.finished:
             return
         if request.status is RequestStatus.RUNNING:
@@ -469,20 +407,3 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_handles.append(request.handle)
         self.stats.num_finished += 1
-
-    def _record_stats(self, out: SchedulerOutput) -> None:
-        stats = self.stats
-        stats.num_steps += 1
-        stats.num_computed_tokens += out.num_batched_tokens
-        stats.peak_running = max(stats.peak_running, len(self.running))
-        if out.has_partial_prefill and any(s.num_tokens == 1 and not s.skip_sampling for s in out.scheduled):
-            stats.num_mixed_steps += 1  # a partial prefill chunk next to decodes
-        # Slot utilisation is read at the step that holds the most blocks.
-        slots = self.block_table.num_used_blocks * self.block_table.block_size
-        if slots and slots >= stats.peak_used_slots:
-            live = sum(r.num_computed_tokens for r in self.running) + out.num_batched_tokens
-            if slots > stats.peak_used_slots:
-                stats.peak_utilisation = 0.0
-            stats.peak_used_slots = slots
-            stats.peak_live_tokens = max(stats.peak_live_tokens, live)
-            stats.peak_utilisation = max(stats.peak_utilisation, live / slots)

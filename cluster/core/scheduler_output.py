@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cluster.core.request import Request
+
+if TYPE_CHECKING:
+    from cluster.core.block_table import BlockTable
 
 
 class PauseMode(enum.Enum):
@@ -75,3 +79,20 @@ class SchedulerStats:
     peak_used_slots: int = 0
     peak_utilisation: float = 0.0
     peak_running: int = 0  # most sequences holding KV blocks at once
+
+    def record_step(self, out: SchedulerOutput, running: list[Request], block_table: BlockTable) -> None:
+        """Count a scheduled step: its tokens, the running batch's peak, and the KV slots' peak utilisation."""
+        self.num_steps += 1
+        self.num_computed_tokens += out.num_batched_tokens
+        self.peak_running = max(self.peak_running, len(running))
+        if out.has_partial_prefill and any(s.num_tokens == 1 and not s.skip_sampling for s in out.scheduled):
+            self.num_mixed_steps += 1  # a partial prefill chunk next to decodes
+        # Slot utilisation is read at the step that holds the most blocks.
+        slots = block_table.num_used_blocks * block_table.block_size
+        if slots and slots >= self.peak_used_slots:
+            live = sum(r.num_computed_tokens for r in running) + out.num_batched_tokens
+            if slots > self.peak_used_slots:
+                self.peak_utilisation = 0.0
+            self.peak_used_slots = slots
+            self.peak_live_tokens = max(self.peak_live_tokens, live)
+            self.peak_utilisation = max(self.peak_utilisation, live / slots)
