@@ -1,7 +1,7 @@
 """Time of one native CPU decode-attention call over three layouts of the same blocks: each sequence's blocks
 in a row, interleaved (the engine's pattern when every sequence grows by a block in the same step), and
-scattered at random. With --against, a second kernel source (an older build's, say) runs alternately with the
-shipped one on the same inputs, and both must give the same output.
+scattered at random. With --against, a second kernel source (an older build's, say) takes turns call by call
+with the shipped one on the same inputs (each figure is the median call), and both must give the same output.
 
 Usage:
   .venv/bin/python bench/cpu_attention.py [--seqs 256] [--context 130 384] [--rounds 2] [--against OLD.c]
@@ -12,6 +12,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -31,13 +32,19 @@ def _layouts(seqs: int, max_blocks: int, generator: torch.Generator) -> dict[str
     }
 
 
-def _ms_per_call(kernel: NativeKernel, inputs: tuple, calls: int) -> float:
-    for _ in range(3):
-        kernel.decode(*inputs)
-    started = time.perf_counter()
+def _ms_per_call(kernels: list[NativeKernel], inputs: tuple, calls: int) -> list[float]:
+    """Median ms of one call for each kernel, the kernels taking turns call by call, so a change in the
+    machine's speed during the measurement reaches every kernel alike."""
+    for kernel in kernels:
+        for _ in range(3):
+            kernel.decode(*inputs)
+    times: list[list[float]] = [[] for _ in kernels]
     for _ in range(calls):
-        kernel.decode(*inputs)
-    return (time.perf_counter() - started) / calls * 1e3
+        for kernel, kernel_times in zip(kernels, times, strict=True):
+            started = time.perf_counter()
+            kernel.decode(*inputs)
+            kernel_times.append(time.perf_counter() - started)
+    return [statistics.median(kernel_times) * 1e3 for kernel_times in times]
 
 
 def main() -> None:
@@ -73,7 +80,7 @@ def main() -> None:
             outputs = [kernel.decode(*inputs) for kernel in kernels.values()]
             if any(not torch.allclose(out, outputs[0], atol=1e-5) for out in outputs[1:]):
                 raise SystemExit("the kernels disagree")
-            times = [_ms_per_call(kernel, inputs, args.calls) for kernel in kernels.values()]
+            times = _ms_per_call(list(kernels.values()), inputs, args.calls)
             print(f"{round_number:5d}  {layout:11s}  " + "  ".join(f"{ms:12.2f}" for ms in times))
 
 
