@@ -390,6 +390,13 @@ class Scheduler:
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
 
+    def park_until_input(self, request: Request) -> None:
+        """A running session computed all the input it has: it waits, out of the batch, for its next chunk."""
+        self.running.remove(request)
+        request.status = RequestStatus.AWAITING_INPUT
+        request.idle_since = self.clock()
+        self.idle_sessions[request.request_id] = request
+
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """End a request: out of its queue, its blocks freed, its handle sent to the workers to forget."""
         if request.finished:

@@ -48,10 +48,7 @@ def apply_step_output(
                 and request.num_computed_tokens == request.num_tokens
                 and not request.num_inflight_tokens
             ):
-                scheduler.running.remove(request)
-                request.status = RequestStatus.AWAITING_INPUT
-                request.idle_since = scheduler.clock()
-                scheduler.idle_sessions[request.request_id] = request
+                scheduler.park_until_input(request)
             elif (
                 item.skip_sampling
                 and request.status is running
