@@ -55,7 +55,8 @@ int paged_attention_isa(void) { return HAVE_AVX512 ? 512 : 0; }
 #define PREFETCH_BYTES 8192
 
 static inline int64_t blocks_ahead(int64_t block_bytes) {
-    return block_bytes >= PREFETCH_BYTES / 2 ? 2 : PREFETCH_BYTES / block_bytes;
+    const int64_t blocks = PREFETCH_BYTES / block_bytes;
+    return blocks < 2 ? 2 : blocks;
 }
 
 static inline void prefetch_block(const float *block, int64_t bytes) {
