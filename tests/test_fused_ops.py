@@ -53,13 +53,13 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generat
 
 
 def _torch_path(fn, *args):
-    from worker.layers import triton_fused
+    from worker.layers import cpu_fused, triton_fused
 
-    triton_fused.ENABLED = False
+    triton_fused.ENABLED = cpu_fused.ENABLED = False
     try:
         return fn(*args)
     finally:
-        triton_fused.ENABLED = True
+        triton_fused.ENABLED = cpu_fused.ENABLED = True
 
 
 def _norm_errors(dtype: torch.dtype, generator: torch.Generator) -> dict[str, float]:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.layers import triton_fused
+from worker.layers import cpu_fused, triton_fused
 
 
 class SiluAndMul(nn.Module):
@@ -15,5 +15,9 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if triton_fused.fused_available(x):
             return triton_fused.silu_and_mul(x)
+        if x.device.type == "cpu":
+            kernels = cpu_fused.fused_kernels()
+            if kernels is not None and cpu_fused.fits(x) and x.shape[1] % 2 == 0:
+                return kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # in place: one fewer activation-sized temporary

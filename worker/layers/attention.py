@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers import cpu_fused
 from worker.layers.cpu_paged_attention import native_kernel
 from worker.layers.triton_attention import paged_decode_attention, triton_available
 from worker.layers.triton_mixed_attention import paged_mixed_attention
@@ -82,12 +83,18 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, heads*head_dim], k/v: [T, kv_heads*head_dim] → [T, heads*head_dim]."""
         num_tokens = q.shape[0]
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
-        key_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        value_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        kernels = cpu_fused.fused_kernels() if key_cache.device.type == "cpu" else None
+        if kernels is not None and cpu_fused.fits(k, v) and key_cache.dtype == torch.float32:
+            kernels.write_kv(k, v, meta.slot_mapping, key_cache, value_cache)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        else:
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            key_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+            value_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
 
         if meta.mixed_query_starts is not None:
             # Decodes and prefill chunks alike read their context in place through the block table.
@@ -103,8 +110,11 @@ class Attention(nn.Module):
             )
             return out.view(num_tokens, self.num_heads * self.head_dim)
 
-        out = torch.empty_like(q)
         n = meta.num_decodes
+        if n == num_tokens:
+            # A decode-only step: the kernel's output is the whole answer, no copy into a larger one.
+            return self._decode(q, key_cache, value_cache, meta).reshape(num_tokens, self.num_heads * self.head_dim)
+        out = torch.empty_like(q)
         if n:
             out[:n] = self._decode(q[:n], key_cache, value_cache, meta)
         for span in meta.prefills:

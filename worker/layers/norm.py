@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from worker.layers import triton_fused
+from worker.layers import cpu_fused, triton_fused
 
 
 class RMSNorm(nn.Module):
@@ -27,11 +27,19 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with `residual`, (norm(residual + x), residual + x), the sum rounded in x's dtype.
 
-        On CUDA one Triton kernel does the add and the norm and updates `residual` in place; elsewhere the
-        sum is a new tensor, so CPU results are exactly those of adding and norming separately.
+        On CUDA one Triton kernel does the add and the norm and updates `residual` in place; on the CPU the
+        native kernel (float32) or torch writes the sum to a new tensor, leaving `residual` as it was.
         """
         if triton_fused.norm_fits(x, self.weight):
             return triton_fused.rms_norm(x, self.weight, self.eps, residual)
+        if x.device.type == "cpu":
+            kernels = cpu_fused.fused_kernels()
+            if (
+                kernels is not None
+                and cpu_fused.fits(x, self.weight[None])
+                and (residual is None or cpu_fused.fits(residual))
+            ):
+                return kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         residual = residual + x

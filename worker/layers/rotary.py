@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.layers import triton_fused
+from worker.layers import cpu_fused, triton_fused
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -89,8 +89,15 @@ class RotaryEmbedding(nn.Module):
     def apply(
         self, q: torch.Tensor, k: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated; q and k themselves may be overwritten (the CPU kernel rotates them in place)."""
         if triton_fused.fused_available(q, k, *tables):
             return triton_fused.rotary_embedding(q, k, tables[0], tables[1], self.head_dim)
+        if q.device.type == "cpu":
+            kernels = cpu_fused.fused_kernels()
+            cos, sin = tables[0].squeeze(1), tables[1].squeeze(1)
+            if kernels is not None and cpu_fused.fits(q, k, cos, sin) and cos.is_contiguous() and sin.is_contiguous():
+                kernels.rotary(q, k, cos, sin, self.head_dim)
+                return q, k
         cos, sin = (t.to(q.dtype) for t in tables)  # [T, 1, D/2] broadcasts over heads
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
