@@ -172,6 +172,62 @@ def test_decode_attention_runs_in_the_native_kernel(kernel, fresh_native_kernel,
     torch.testing.assert_close(got, _torch_decode(q, cache, table, lens, 3, 16), rtol=1e-5, atol=1e-5)
 
 
+def _mixed_step(paged: bool) -> tuple[Attention, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """One step of a decode (context 10), a prefill chunk after a cached prefix (rows at positions 6..11) and a
+    fresh prefill (positions 0..4), block size 4, laid out as InputBuffers lays it; `paged` adds every row's
+    table row and context length, the native kernel's one-call view of the same step."""
+    from worker.layers.attention import PrefillSpan
+
+    bs, heads, kv_heads, dim = 4, 4, 2, 16
+    generator = torch.Generator().manual_seed(7)
+    attention = Attention(heads, kv_heads, dim, dim**-0.5)
+    attention.kv_cache = torch.randn(2, kv_heads, 16 * bs, dim, generator=generator)  # block 0 .. 15
+    blocks = {"decode": [3, 7, 1], "chunk": [5, 2, 8], "fresh": [0, 6]}
+    positions = [("decode", 9)] + [("chunk", p) for p in range(6, 12)] + [("fresh", p) for p in range(5)]
+    slots = [blocks[name][p // bs] * bs + p % bs for name, p in positions]
+    q = torch.randn(len(positions), heads * dim, generator=generator)
+    k = torch.randn(len(positions), kv_heads * dim, generator=generator)
+    v = torch.randn(len(positions), kv_heads * dim, generator=generator)
+    keys = torch.arange(12)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_size=bs,
+        num_decodes=1,
+        decode_block_table=torch.tensor([blocks["decode"]]),
+        decode_context_lens=torch.tensor([10]),
+        prefills=[
+            PrefillSpan(1, 7, torch.tensor(blocks["chunk"]), 12, keys[None, :] <= torch.arange(6, 12)[:, None]),
+            PrefillSpan(7, 12),
+        ],
+    )
+    if paged:
+        rows = [blocks["decode"]] + [blocks["chunk"]] * 6 + [blocks["fresh"] + [0]] * 5
+        meta.paged_block_table = torch.tensor(rows)
+        meta.paged_context_lens = torch.tensor([p + 1 for _, p in positions])
+    return attention, q, k, v, meta
+
+
+def test_a_step_of_decodes_and_short_prefill_chunks_runs_as_one_paged_call(kernel, fresh_native_kernel, monkeypatch):
+    """The native kernel over every row (each its own query, its context its position + 1) gives what the decode
+    kernel plus SDPA over each chunk give, in one call per layer."""
+    reference = _mixed_step(paged=False)
+    want = reference[0](*reference[1:])
+    attention, q, k, v, meta = _mixed_step(paged=True)
+    used = native_kernel()
+    calls = []
+    decode = used.decode
+
+    def counting_decode(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(used, "decode", counting_decode)
+    got = attention(q, k, v, meta)
+    assert calls == [12], "one call for all twelve rows"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(attention.kv_cache, reference[0].kv_cache), "both wrote the same K/V"
+
+
 def _warnings(caplog) -> str:
     return "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
 

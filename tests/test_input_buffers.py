@@ -52,13 +52,23 @@ class InputBuffersMachine(RuleBasedStateMachine):
         torch_decode=st.booleans(),
         in_place=st.booleans(),
         mixed=st.booleans(),
+        paged_limit=st.sampled_from([0, 8, 64, 1 << 20]),
     )
     def setup(
-        self, block_size: int, capacity: tuple[int, int, int], torch_decode: bool, in_place: bool, mixed: bool
+        self,
+        block_size: int,
+        capacity: tuple[int, int, int],
+        torch_decode: bool,
+        in_place: bool,
+        mixed: bool,
+        paged_limit: int,
     ) -> None:
         """`in_place` False runs the device path on the CPU: table writes staged, then applied by index. `mixed`:
-        steps with prefill chunks are laid out for the mixed-batch Triton kernel."""
+        steps with prefill chunks are laid out for the mixed-batch Triton kernel. `paged_limit`: steps whose
+        prefill chunks end within it also get every row's table row and context length (the native CPU path)."""
         self.block_size = block_size
+        self.paged_limit = paged_limit
+        self.in_place = in_place and self.device.type == "cpu"
         self.mixed = mixed and not torch_decode  # the mixed kernel runs where the decode path is Triton's
         self.torch_decode = torch_decode
         num_seqs, blocks_per_seq, num_tokens = capacity
@@ -73,6 +83,7 @@ class InputBuffersMachine(RuleBasedStateMachine):
             workspace=self._workspace(),
             mixed_attention=self.mixed,
             in_place=in_place if self.device.type == "cpu" else None,
+            paged_prefill_max_context=paged_limit,
         )
         self.ours = RequestStates(self.device, on_drop=self.buffers.release)
         self.reference = RequestStates(self.device)
@@ -233,11 +244,30 @@ class InputBuffersMachine(RuleBasedStateMachine):
         for name in ("decode_key_buffer", "decode_value_buffer"):
             mine, theirs = getattr(got, name), getattr(want, name)
             assert (mine is None and theirs is None) or mine.shape == theirs.shape, name
+        self._compare_paged_rows(ours, reference)
         assert len(got.prefills) == len(want.prefills)
         for mine, theirs in zip(got.prefills, want.prefills, strict=True):
             assert (mine.start, mine.end, mine.context_len) == (theirs.start, theirs.end, theirs.context_len)
             _same(mine.context_blocks, theirs.context_blocks, "context_blocks")
             _same(mine.mask, theirs.mask, "prefill mask")
+
+    def _compare_paged_rows(self, ours: FlatBatch, reference: FlatBatch) -> None:
+        """Every row's table row and context length, when (and only when) the step's prefill chunks are short."""
+        got, n = ours.attention, ours.attention.num_decodes
+        spans = reference.attention.prefills
+        positions = reference.positions.cpu()
+        expected = bool(spans) and self.in_place and not self.mixed and int(positions[n:].max()) + 1 <= self.paged_limit
+        assert (got.paged_block_table is not None) == expected, "the paged rows are built exactly when they apply"
+        if not expected:
+            return
+        _same(got.paged_context_lens, positions + 1, "paged_context_lens")
+        owners = list(ours.ordered[:n])
+        for span, state in zip(spans, ours.ordered[n:], strict=True):
+            owners += [state] * (span.end - span.start)
+        width = got.paged_block_table.shape[1]
+        assert width == -(-int(positions.max() + 1) // self.block_size)
+        rows = [(state.block_ids + [0] * width)[:width] for state in owners]
+        assert got.paged_block_table.tolist() == rows
 
     @invariant()
     def rows_are_owned_once(self) -> None:

@@ -63,8 +63,12 @@ class InputBuffers:
         mixed_attention: bool = False,
         workspace: GatherWorkspace | None = None,
         in_place: bool | None = None,
+        paged_prefill_max_context: int = 0,
     ) -> None:
         self.block_size = block_size
+        # Steps whose prefill chunks all end within this context get per-row table rows and context lengths, so
+        # the native CPU kernel attends every row in one call (AttentionMetadata.paged_block_table); 0: never.
+        self.paged_prefill_max_context = paged_prefill_max_context
         self.device = torch.device(device)
         # Attention runs the Triton kernels: steps with prefill rows get the mixed-batch kernel's metadata.
         self.mixed_attention = mixed_attention
@@ -189,7 +193,18 @@ class InputBuffers:
             flat_table = self.block_table.view(-1)
             flat_table.index_copy_(0, staged[write_at : write_at + num_writes], staged[write_at + num_writes : end])
         meta = AttentionMetadata(slot_mapping=staged[slot_at:rows_at], block_size=bs, num_decodes=n)
-        if mixed:
+        paged = (
+            spans
+            and not mixed
+            and self._in_place
+            and max(start + span.end - span.start for span, _, start in spans) <= self.paged_prefill_max_context
+        )
+        if paged:
+            meta.paged_block_table, meta.paged_context_lens = self._paged_rows(buf, rows_at, lens_at, n, spans)
+            if n:  # the decodes' own view, as wide as their longest context (what the decode path reads)
+                table = meta.paged_block_table[:n, : -(-(max(positions) + 1) // bs)]
+                self._add_decode_context(meta, table, meta.paged_context_lens[:n])
+        elif mixed:
             meta.mixed_block_table = self._gather_rows(buf, staged, rows_at, lens_at, -(-max_context // bs))
             meta.mixed_context_lens = staged[lens_at:starts_at]
             meta.mixed_query_starts = staged[starts_at:sample_at]
@@ -213,6 +228,20 @@ class InputBuffers:
             sample_states=sample_states,
             sample_rows=staged[sample_at:write_at],
         )
+
+    def _paged_rows(
+        self, buf: np.ndarray, rows_at: int, lens_at: int, n: int, spans: list[tuple[PrefillSpan, int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's table row and context length: the decodes' as staged, each prefill row its span's table row
+        and its own position + 1."""
+        counts = [span.end - span.start for span, _, _ in spans]
+        table_rows = np.concatenate((buf[rows_at : rows_at + n], np.repeat([row for _, row, _ in spans], counts)))
+        lens = np.concatenate(
+            [buf[lens_at : lens_at + n]]
+            + [np.arange(start + 1, start + count + 1) for (_, _, start), count in zip(spans, counts, strict=True)]
+        )
+        width = -(-int(lens.max()) // self.block_size)
+        return torch.from_numpy(self._table_np[:, :width][table_rows]), torch.from_numpy(lens)
 
     def _gather_rows(self, buf: np.ndarray, staged: torch.Tensor, rows_at: int, end: int, width: int) -> torch.Tensor:
         """The block-table rows whose indices sit at rows_at:end of the staging buffer, `width` entries each."""

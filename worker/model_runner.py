@@ -20,7 +20,7 @@ from worker.cuda_graphs import (
 )
 from worker.input_batch import FlatBatch, GatherWorkspace
 from worker.input_buffers import InputBuffers
-from worker.layers.attention import decode_path
+from worker.layers.attention import decode_path, paged_prefill_max_context
 from worker.parallel_state import TensorParallelGroup
 from worker.penalty_state import PenaltyState
 from worker.request_state import RequestState, RequestStates, sampling_row
@@ -95,6 +95,9 @@ class ModelRunner:
             build_decode_mask=torch_decode,
             mixed_attention=decode_path_of(model, device, dtype) == "triton",
             workspace=self.workspace,
+            paged_prefill_max_context=paged_prefill_max_context(
+                device, model.num_heads_per_rank, model.num_kv_heads_per_rank, model.head_dim, dtype
+            ),
         )
         self.num_replayed_steps = 0
         self.num_eager_steps = 0

@@ -61,6 +61,11 @@ class AttentionMetadata:
     mixed_query_starts: torch.Tensor | None = None  # [S + 1]
     mixed_context_lens: torch.Tensor | None = None  # [S]
     mixed_block_table: torch.Tensor | None = None  # [S, max_blocks], rows of the persistent table
+    # The native CPU kernel's view of a step whose prefill chunks are short (see paged_prefill_max_context): every
+    # row, decode or prefill, is one query over its own sequence's blocks, its context its position + 1. Set, the
+    # attention layers use them instead of the decode fields and the spans (which stay built, for any other path).
+    paged_block_table: torch.Tensor | None = None  # [T, max_blocks]: each row's sequence's table row
+    paged_context_lens: torch.Tensor | None = None  # [T]
 
 
 class Attention(nn.Module):
@@ -110,6 +115,20 @@ class Attention(nn.Module):
             )
             return out.view(num_tokens, self.num_heads * self.head_dim)
 
+        if meta.paged_block_table is not None:
+            kernel = native_kernel()
+            if kernel is not None:
+                # Decodes and short prefill chunks alike in one call: each row reads its context in place.
+                out = kernel.decode(
+                    q,
+                    key_cache,
+                    value_cache,
+                    meta.paged_block_table,
+                    meta.paged_context_lens,
+                    meta.block_size,
+                    self.scale,
+                )
+                return out.reshape(num_tokens, self.num_heads * self.head_dim)
         n = meta.num_decodes
         if n == num_tokens:
             # A decode-only step: the kernel's output is the whole answer, no copy into a larger one.
@@ -202,6 +221,20 @@ def decode_path(device: torch.device, num_heads: int, num_kv_heads: int, head_di
         if kernel is not None and kernel.supports(num_heads, num_kv_heads, head_dim, dtype):
             return "native"
     return "torch"
+
+
+# Context (K and V of one KV head, float32) up to which a prefill chunk's rows run as single queries through the
+# native kernel, each re-reading its context from cache, rather than through SDPA over the chunk: 128 KiB stays in
+# L2 between rows. Measured on 13 chunks of 160 tokens (4 query / 2 KV heads of 32): 1.7x faster; at 2048 tokens
+# SDPA's reuse of K and V across query rows wins by 1.4x.
+PAGED_PREFILL_CONTEXT_BYTES = 128 << 10
+
+
+def paged_prefill_max_context(device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    """The longest prefill context whose rows the native kernel attends as single queries; 0 off that kernel."""
+    if decode_path(device, num_heads, num_kv_heads, head_dim, dtype) != "native":
+        return 0
+    return PAGED_PREFILL_CONTEXT_BYTES // (2 * 4 * head_dim)
 
 
 def decode_key_mask(context_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
