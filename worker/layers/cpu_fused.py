@@ -13,12 +13,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
 
-from worker.layers.native_build import CSRC, KernelBuildError, load_kernel
+from worker.layers.native_build import CSRC, kernel_or_fallback, load_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -131,13 +130,8 @@ def fused_kernels() -> FusedKernels | None:
 
 @functools.cache
 def _shipped_kernels() -> FusedKernels | None:
-    if os.environ.get(_ENV_SWITCH, "native").strip().lower() == "torch":
-        return None
-    try:
-        return build_fused_kernels()
-    except KernelBuildError as error:
-        logger.warning("native CPU kernels for norm and rotary unavailable, the torch path runs: %s", error)
-        return None
+    unavailable = "native CPU kernels for norm, rotary, activation and KV write unavailable, the torch path runs"
+    return kernel_or_fallback(_ENV_SWITCH, lambda: build_fused_kernels(), logger, unavailable)
 
 
 def fits(*tensors: torch.Tensor) -> bool:

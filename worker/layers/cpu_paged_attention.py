@@ -12,12 +12,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
 
-from worker.layers.native_build import CSRC, KernelBuildError, find_compiler, load_kernel
+from worker.layers.native_build import CSRC, KernelBuildError, find_compiler, kernel_or_fallback, load_kernel
 
 __all__ = ["KernelBuildError", "NativeKernel", "build_native_kernel", "find_compiler", "native_kernel"]
 
@@ -92,10 +91,5 @@ def build_native_kernel(source: Path | None = None, cache_dir: Path | None = Non
 @functools.cache
 def native_kernel() -> NativeKernel | None:
     """The kernel CPU decode attention uses; None (the torch path) when switched off or when it cannot be built."""
-    if os.environ.get(_ENV_SWITCH, "native").strip().lower() == "torch":
-        return None
-    try:
-        return build_native_kernel()
-    except KernelBuildError as error:
-        logger.warning("native CPU attention unavailable, decode attention uses the slower torch path: %s", error)
-        return None
+    unavailable = "native CPU attention unavailable, decode attention uses the slower torch path"
+    return kernel_or_fallback(_ENV_SWITCH, lambda: build_native_kernel(), logger, unavailable)

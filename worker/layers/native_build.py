@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shlex
@@ -72,6 +73,20 @@ def load_kernel(source: Path, wrap: Callable[[ctypes.CDLL], Kernel], cache_dir: 
         return wrap(library)
     except AttributeError as error:
         raise KernelBuildError(f"the native kernel {library._name} lacks an entry point: {error}") from error
+
+
+def kernel_or_fallback(
+    switch: str, build: Callable[[], Kernel], logger: logging.Logger, unavailable: str
+) -> Kernel | None:
+    """`build()`, or None (the caller's torch path) when the environment variable `switch` says "torch" or the build
+    fails; a failure is logged on `logger` as "<unavailable>: <the compiler's error>"."""
+    if os.environ.get(switch, "native").strip().lower() == "torch":
+        return None
+    try:
+        return build()
+    except KernelBuildError as error:
+        logger.warning("%s: %s", unavailable, error)
+        return None
 
 
 def _build(source: Path, target: Path) -> None:
