@@ -1,6 +1,7 @@
 // Fused float32 CPU kernels for the small per-layer operations of a forward pass: RMSNorm (with the residual add),
-// rotary position embedding in place, and the paged KV cache write. Each replaces a chain of torch operations on
-// tensors of a few hundred kilobytes, where a step spends more time dispatching and walking memory than computing.
+// rotary position embedding in place, the paged KV cache write and the gated SiLU activation. Each replaces a chain
+// of torch operations on tensors of a few hundred kilobytes, where a step spends more time dispatching and walking
+// memory than computing.
 #include <math.h>
 #include <stdint.h>
 
