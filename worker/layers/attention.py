@@ -90,16 +90,15 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
         kernels = cpu_fused.fused_kernels() if key_cache.device.type == "cpu" else None
-        if kernels is not None and cpu_fused.fits(k, v) and key_cache.dtype == torch.float32:
+        written = kernels is not None and cpu_fused.fits(k, v) and key_cache.dtype == torch.float32
+        if written:
             kernels.write_kv(k, v, meta.slot_mapping, key_cache, value_cache)
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        else:
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if not written:
             key_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
             value_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
 
         if meta.mixed_query_starts is not None:
             # Decodes and prefill chunks alike read their context in place through the block table.
@@ -230,7 +229,9 @@ def decode_path(device: torch.device, num_heads: int, num_kv_heads: int, head_di
 PAGED_PREFILL_CONTEXT_BYTES = 128 << 10
 
 
-def paged_prefill_max_context(device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+def paged_prefill_max_context(
+    device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     """The longest prefill context whose rows the native kernel attends as single queries; 0 off that kernel."""
     if decode_path(device, num_heads, num_kv_heads, head_dim, dtype) != "native":
         return 0

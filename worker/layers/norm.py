@@ -36,7 +36,8 @@ class RMSNorm(nn.Module):
             kernels = cpu_fused.fused_kernels()
             if (
                 kernels is not None
-                and cpu_fused.fits(x, self.weight[None])
+                and self.weight.dtype == torch.float32  # a 1-D parameter, always contiguous
+                and cpu_fused.fits(x)
                 and (residual is None or cpu_fused.fits(residual))
             ):
                 return kernels.rms_norm(x, self.weight, self.eps, residual)
