@@ -170,7 +170,11 @@ def test_serve_parts_stream_to_the_server_and_read_its_step_metrics(tmp_path, ca
         assert report["share_of_ceiling"][name] == pytest.approx(
             run["output_tokens_per_s"] / report["parts"]["ceiling"]["output_tokens_per_s"]
         )
+        # Where the cores went over the measured stream: this process streamed, the stand-in server served.
+        assert run["cpu_seconds"]["client (bench process)"] > 0
+        assert set(run["cpu_seconds"]) <= {"client (bench process)", "python -m tests.stand_in_server"}
     assert "serve_tp1_share_of_ceiling" in report["targets"] and "serve_tp1_outside_forward_share" in report["targets"]
+    assert "pagerail serve, TP 1, HTTP streaming: CPU seconds by process over the stream" in table
     assert "pagerail serve, TP 1" in table and "pagerail serve, TP 2" in table and "TTFT p50 ms" in table
     assert (tmp_path / "work" / "serve-tp1.log").exists()
     # Each server gets its tensor-parallel size, a sequence limit for every request and the same KV block count.

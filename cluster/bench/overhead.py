@@ -133,6 +133,7 @@ def run_offline(settings: RunSettings) -> dict[str, Any]:
 def run_served(settings: RunSettings, tensor_parallel_size: int, users: int, log_path: Path) -> dict[str, Any]:
     """`pagerail serve` as a child process, streamed to by `users` concurrent clients over HTTP."""
     from cluster.bench.online import benchmark_serving, resolve_model
+    from cluster.bench.process_cpu import cpu_spent, session_cpu
     from cluster.bench.server_process import ServerProcess, free_port, pagerail_serve_command
     from worker.kv_cache import bytes_per_block
     from worker.worker import resolve_device, resolve_dtype
@@ -176,7 +177,12 @@ def run_served(settings: RunSettings, tensor_parallel_size: int, users: int, log
         model = resolve_model(base_url, api_key)
         stream(settings.warmup, len(settings.warmup))
         before_text = server.metrics_text()
+        # The server leads a session of its own, which its Ray daemons and actors join; the client streams from
+        # this process. Together they are every process that competes for the cores during the stream.
+        cpu_before, client_before = session_cpu(server.process.pid), time.process_time()
         results = stream(settings.requests, users)
+        cpu = {"client (bench process)": round(time.process_time() - client_before, 3)}
+        cpu |= cpu_spent(cpu_before, session_cpu(server.process.pid))
         after_text = server.metrics_text()
     expected = sum(r.output_len for r in settings.requests)
     return {
@@ -194,6 +200,7 @@ def run_served(settings: RunSettings, tensor_parallel_size: int, users: int, log
         "tpot_p50_ms": results["tpot_ms"]["p50"],
         "preemptions": int(counter_total(after_text, PREEMPTIONS) - counter_total(before_text, PREEMPTIONS)),
         "phases": outside_forward(totals_from_text(before_text), totals_from_text(after_text), results["duration_s"]),
+        "cpu_seconds": cpu,
     }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 
+from cluster.bench.process_cpu import usable_cores
 from cluster.bench.stats import format_table
 from cluster.bench.tiny_llama import TinyLlamaShape
 
@@ -40,6 +41,7 @@ def build_report(shape: TinyLlamaShape, workload: dict[str, int], args: argparse
     return {
         "model": {**asdict(shape), "seed": args.seed},
         "device": device.type,
+        "cores": usable_cores(),
         "dtype": str(resolve_dtype(args.dtype, device)).removeprefix("torch."),
         "async_scheduling": args.async_scheduling,
         "workload": {**workload, "prompt_len": args.prompt_len, "output_len": args.output_len, "users": args.users},
@@ -121,6 +123,7 @@ def format_report(report: dict) -> str:
                 ]
             )
     lines.append(format_table(header, rows))
+    lines += _cpu_lines(report)
     for name, _ in RUNS:
         run = parts.get(name, {})
         if run and not run.get("complete", True):
@@ -132,3 +135,23 @@ def format_report(report: dict) -> str:
             verdict = "met" if check["met"] else "NOT met"
             lines.append(f"  {name:<34} {_pct(check['value']):>7}  ({relation} {_pct(check['target'])}: {verdict})")
     return "\n".join(lines)
+
+
+def _cpu_lines(report: dict) -> list[str]:
+    """Each served run's CPU seconds by process over its measured stream, against what the cores could give."""
+    lines = []
+    for name, label in RUNS:
+        run = report["parts"].get(name, {})
+        cpu = run.get("cpu_seconds")
+        if not cpu:
+            continue
+        capacity = report["cores"] * run["seconds"]
+        used = sum(cpu.values())
+        lines += [
+            "",
+            f"{label}: CPU seconds by process over the stream ({report['cores']} cores × {run['seconds']:.2f} s = "
+            f"{capacity:.2f} s; {_pct(used / capacity)} used)",
+        ]
+        rows = [[process, seconds, _pct(seconds / capacity)] for process, seconds in cpu.items()]
+        lines.append(format_table(["process", "CPU s", "of the cores"], rows))
+    return lines

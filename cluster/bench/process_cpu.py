@@ -1,0 +1,84 @@
+"""CPU seconds spent by each process of a server's session, read from /proc (Linux), so a served benchmark can
+say where the machine's cores went: the client, the HTTP frontend, the head, the ranks, Ray's own daemons."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+def _ticks_per_second() -> int:
+    return os.sysconf("SC_CLK_TCK")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity where the OS tells it, else every core)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def process_label(cmdline: list[str]) -> str:
+    """A short name for a process from its command line: Ray's actor title ("ray::HeadActor"), the module a
+    Python process runs ("python -m cluster.cli"), else the executable's file name."""
+    if not cmdline:
+        return "?"
+    first = cmdline[0]
+    if first.startswith("ray::"):
+        return first.split()[0]
+    name = Path(first).name
+    if name.startswith("python"):
+        if "-c" in cmdline:
+            return "python -c"
+        if "-m" in cmdline[:-1]:
+            return f"python -m {cmdline[cmdline.index('-m') + 1]}"
+        scripts = [arg for arg in cmdline[1:] if not arg.startswith("-")]
+        return f"python {Path(scripts[0]).name}" if scripts else "python"
+    return name
+
+
+def _read_process(pid: str) -> tuple[int, float, str] | None:
+    """(session id, CPU seconds of user and system time, label) of one process; None once it is gone."""
+    try:
+        stat = (PROC / pid / "stat").read_text()
+        raw = (PROC / pid / "cmdline").read_bytes()
+    except OSError:
+        return None
+    # The command name in parentheses may hold spaces: the fields after it are counted from its closing ")".
+    fields = stat[stat.rindex(")") + 2 :].split()
+    session, utime, stime = int(fields[3]), int(fields[11]), int(fields[12])
+    cmdline = [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+    if not cmdline:  # a kernel thread or a zombie: its name in parentheses
+        cmdline = [stat[stat.index("(") + 1 : stat.rindex(")")]]
+    return session, (utime + stime) / _ticks_per_second(), process_label(cmdline)
+
+
+def session_cpu(session_id: int) -> dict[int, tuple[str, float]]:
+    """pid → (label, CPU seconds so far) for every live process of the session (a server started with
+    start_new_session=True leads a session of its own, which its Ray daemons and actors join)."""
+    found: dict[int, tuple[str, float]] = {}
+    if not PROC.is_dir():
+        return found
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        read = _read_process(entry.name)
+        if read is not None and read[0] == session_id:
+            found[int(entry.name)] = (read[2], read[1])
+    return found
+
+
+def cpu_spent(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per label between two readings; a process that started in between counts from zero, one that
+    ended in between is missing (its time is lost, which the caller's total then understates)."""
+    spent: Counter[str] = Counter()
+    for pid, (label, seconds) in after.items():
+        earlier = before.get(pid)
+        # A pid reused by another process in between starts from zero as well.
+        base = earlier[1] if earlier is not None and earlier[0] == label and earlier[1] <= seconds else 0.0
+        spent[label] += seconds - base
+    return {label: round(seconds, 3) for label, seconds in spent.most_common() if seconds > 0}
