@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench.process_cpu import cpu_spent, process_label, session_cpu
+from cluster.bench.process_cpu import ProcessCpu, cpu_spent, process_label, session_cpu
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 
@@ -73,8 +73,10 @@ def test_a_sessions_processes_and_their_descendants_are_counted_and_nothing_else
 
 
 def test_spent_time_counts_new_processes_from_zero_and_ignores_a_reused_pid():
-    before = {1: ("a", 2.0), 2: ("b", 5.0), 3: ("c", 1.0)}
-    after = {1: ("a", 2.5), 2: ("other", 0.25), 4: ("a", 0.5)}
-    # pid 2 now belongs to another process: its time counts from zero; pid 3 ended and is missing; 4 is new.
+    before = {1: ProcessCpu("a", 2.0, 100), 2: ProcessCpu("b", 5.0, 100), 3: ProcessCpu("c", 1.0, 100)}
+    after = {1: ProcessCpu("a", 2.5, 100), 2: ProcessCpu("other", 0.25, 900), 4: ProcessCpu("a", 0.5, 950)}
+    # pid 2 now belongs to a process started later: its time counts from zero; pid 3 ended; pid 4 is new.
     assert cpu_spent(before, after) == {"a": 1.0, "other": 0.25}
     assert cpu_spent(before, before) == {}
+    # The same process under a new title (Ray retitles its workers) is not counted from zero.
+    assert cpu_spent(before, {1: ProcessCpu("ray::Renamed", 3.0, 100)}) == {"ray::Renamed": 1.0}

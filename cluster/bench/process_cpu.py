@@ -6,8 +6,17 @@ from __future__ import annotations
 import os
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 PROC = Path("/proc")
+
+
+class ProcessCpu(NamedTuple):
+    """One process at one reading."""
+
+    label: str
+    seconds: float  # user and system CPU time so far
+    started: int  # clock ticks after boot at which it started: a reused pid shows another value
 
 
 def _ticks_per_second() -> int:
@@ -41,8 +50,8 @@ def process_label(cmdline: list[str]) -> str:
     return name
 
 
-def _read_process(pid: str) -> tuple[int, float, str] | None:
-    """(session id, CPU seconds of user and system time, label) of one process; None once it is gone."""
+def _read_process(pid: str) -> tuple[int, ProcessCpu] | None:
+    """(session id, its CPU so far) of one process; None once it is gone."""
     try:
         stat = (PROC / pid / "stat").read_text()
         raw = (PROC / pid / "cmdline").read_bytes()
@@ -50,17 +59,17 @@ def _read_process(pid: str) -> tuple[int, float, str] | None:
         return None
     # The command name in parentheses may hold spaces: the fields after it are counted from its closing ")".
     fields = stat[stat.rindex(")") + 2 :].split()
-    session, utime, stime = int(fields[3]), int(fields[11]), int(fields[12])
+    session, utime, stime, started = int(fields[3]), int(fields[11]), int(fields[12]), int(fields[19])
     cmdline = [part.decode(errors="replace") for part in raw.split(b"\0") if part]
     if not cmdline:  # a kernel thread or a zombie: its name in parentheses
         cmdline = [stat[stat.index("(") + 1 : stat.rindex(")")]]
-    return session, (utime + stime) / _ticks_per_second(), process_label(cmdline)
+    return session, ProcessCpu(process_label(cmdline), (utime + stime) / _ticks_per_second(), started)
 
 
-def session_cpu(session_id: int) -> dict[int, tuple[str, float]]:
-    """pid → (label, CPU seconds so far) for every live process of the session (a server started with
-    start_new_session=True leads a session of its own, which its Ray daemons and actors join)."""
-    found: dict[int, tuple[str, float]] = {}
+def session_cpu(session_id: int) -> dict[int, ProcessCpu]:
+    """Every live process of the session by pid (a server started with start_new_session=True leads a session of
+    its own, which its Ray daemons and actors join)."""
+    found: dict[int, ProcessCpu] = {}
     if not PROC.is_dir():
         return found
     for entry in PROC.iterdir():
@@ -68,17 +77,19 @@ def session_cpu(session_id: int) -> dict[int, tuple[str, float]]:
             continue
         read = _read_process(entry.name)
         if read is not None and read[0] == session_id:
-            found[int(entry.name)] = (read[2], read[1])
+            found[int(entry.name)] = read[1]
     return found
 
 
-def cpu_spent(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
-    """CPU seconds per label between two readings; a process that started in between counts from zero, one that
-    ended in between is missing (its time is lost, which the caller's total then understates)."""
+def cpu_spent(before: dict[int, ProcessCpu], after: dict[int, ProcessCpu]) -> dict[str, float]:
+    """CPU seconds per label (as of the later reading) between two readings, most first; a process that started
+    in between counts from zero, one that ended in between is missing (its time is lost, which the total then
+    understates)."""
     spent: Counter[str] = Counter()
-    for pid, (label, seconds) in after.items():
+    for pid, now in after.items():
         earlier = before.get(pid)
-        # A pid reused by another process in between starts from zero as well.
-        base = earlier[1] if earlier is not None and earlier[0] == label and earlier[1] <= seconds else 0.0
-        spent[label] += seconds - base
+        # A pid reused by another process in between starts from zero as well; a process renamed in between
+        # (Ray retitles its workers) is still the same one.
+        base = earlier.seconds if earlier is not None and earlier.started == now.started else 0.0
+        spent[now.label] += now.seconds - base
     return {label: round(seconds, 3) for label, seconds in spent.most_common() if seconds > 0}
