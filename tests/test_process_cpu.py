@@ -35,6 +35,8 @@ def test_labels_name_ray_actors_python_modules_and_executables():
     assert process_label(["/venv/bin/python3.11", "-u", "-m", "cluster.cli", "serve"]) == "python -m cluster.cli"
     assert process_label(["/venv/bin/python", "/x/ray/_private/log_monitor.py", "--a"]) == "python log_monitor.py"
     assert process_label(["python", "-c", "print(1)"]) == "python -c"
+    assert process_label(["python3", "tool.py", "-c", "x", "-m", "y"]) == "python tool.py"  # the script's flags
+    assert process_label(["python", "-u"]) == "python"
     assert process_label(["/venv/lib/ray/core/src/ray/raylet/raylet", "--raylet_socket_name=x"]) == "raylet"
     assert process_label([]) == "?"
 

@@ -40,14 +40,17 @@ def process_label(cmdline: list[str]) -> str:
     if first.startswith("ray::"):
         return first.split()[0]
     name = Path(first).name
-    if name.startswith("python"):
-        if "-c" in cmdline:
+    if not name.startswith("python"):
+        return name
+    # The interpreter's own options come first; the first of -c, -m or a script ends them.
+    for index, arg in enumerate(cmdline[1:], start=1):
+        if arg == "-c":
             return "python -c"
-        if "-m" in cmdline[:-1]:
-            return f"python -m {cmdline[cmdline.index('-m') + 1]}"
-        scripts = [arg for arg in cmdline[1:] if not arg.startswith("-")]
-        return f"python {Path(scripts[0]).name}" if scripts else "python"
-    return name
+        if arg == "-m":
+            return f"python -m {cmdline[index + 1]}" if index + 1 < len(cmdline) else "python -m"
+        if not arg.startswith("-"):
+            return f"python {Path(arg).name}"
+    return "python"
 
 
 def _read_process(pid: str) -> tuple[int, ProcessCpu] | None:
