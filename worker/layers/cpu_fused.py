@@ -131,7 +131,7 @@ def fused_kernels() -> FusedKernels | None:
 @functools.cache
 def _shipped_kernels() -> FusedKernels | None:
     unavailable = "native CPU kernels for norm, rotary, activation and KV write unavailable, the torch path runs"
-    return kernel_or_fallback(_ENV_SWITCH, lambda: build_fused_kernels(), logger, unavailable)
+    return kernel_or_fallback(_ENV_SWITCH, build_fused_kernels, logger, unavailable)
 
 
 def fits(*tensors: torch.Tensor) -> bool:

@@ -92,4 +92,4 @@ def build_native_kernel(source: Path | None = None, cache_dir: Path | None = Non
 def native_kernel() -> NativeKernel | None:
     """The kernel CPU decode attention uses; None (the torch path) when switched off or when it cannot be built."""
     unavailable = "native CPU attention unavailable, decode attention uses the slower torch path"
-    return kernel_or_fallback(_ENV_SWITCH, lambda: build_native_kernel(), logger, unavailable)
+    return kernel_or_fallback(_ENV_SWITCH, build_native_kernel, logger, unavailable)
