@@ -89,11 +89,13 @@ def test_parity_verdicts():
 
 
 def test_parity_dry_run_on_cpu(tmp_path):
-    """The parity script end to end on the CPU in fp32, where pagerail must equal transformers outright."""
+    """The parity script end to end on the CPU in fp32, where pagerail must equal transformers outright; run as
+    the bare GPU image would run it, with every module the image lacks refused (bench/gpu_image.py)."""
     report_path = tmp_path / "parity.json"
     done = subprocess.run(
         [
             sys.executable,
+            str(BENCH / "gpu_image.py"),
             str(BENCH / "gpu_parity.py"),
             "--device",
             "cpu",
