@@ -12,6 +12,15 @@ from worker.layers.attention import AttentionMetadata, PrefillSpan, decode_key_m
 from worker.request_state import RequestState
 
 
+# Every section of the staging buffer starts on a multiple of this many int64 entries (16 bytes).
+_SECTION_ALIGNMENT = 2
+
+
+def _aligned(count: int) -> int:
+    """`count` entries rounded up to a whole number of aligned units."""
+    return -(-count // _SECTION_ALIGNMENT) * _SECTION_ALIGNMENT
+
+
 @dataclass
 class _Row:
     """The block-table row one request owns, and how much of its block list the row already holds."""
@@ -41,6 +50,9 @@ class InputBuffers:
 
         | input_ids T | positions T | slot_mapping T | table rows R | context lens R | query starts | sample rows |
         table writes: flat index K | value K |
+
+    Each section starts 16 bytes aligned (a pad entry after an odd-length one), so the pointers the Triton
+    kernels receive keep one alignment whatever the batch shape and never select another compiled variant.
 
     R counts the decodes, or on the mixed path (one Triton kernel for the whole step, taken when a step has a
     prefill chunk) every scheduled sequence, which then also stages its R + 1 query starts; the mixed path builds
@@ -134,13 +146,17 @@ class InputBuffers:
         num_writes = len(writes[0])
         mixed = self.mixed_attention and bool(prefills)
         num_seqs = len(ordered) if mixed else n  # sequences whose table row and context length are staged
-        # Offsets of the sections of the staging buffer (see the class docstring).
-        pos_at, slot_at, rows_at = num_tokens, 2 * num_tokens, 3 * num_tokens
-        lens_at = rows_at + num_seqs
-        starts_at = lens_at + num_seqs
-        sample_at = starts_at + (num_seqs + 1 if mixed else 0)
-        write_at = sample_at + len(sample_states)
-        end = write_at + 2 * num_writes
+        # Offsets of the sections of the staging buffer (see the class docstring), each 16-byte aligned: a kernel
+        # argument's alignment is part of what Triton specialises on, so it must not move with the batch shape.
+        pos_at = _aligned(num_tokens)
+        slot_at = pos_at + _aligned(num_tokens)
+        rows_at = slot_at + _aligned(num_tokens)
+        lens_at = rows_at + _aligned(num_seqs)
+        starts_at = lens_at + _aligned(num_seqs)
+        sample_at = starts_at + (_aligned(num_seqs + 1) if mixed else 0)
+        write_at = sample_at + _aligned(len(sample_states))
+        values_at = write_at + _aligned(num_writes)
+        end = values_at + num_writes
         self._grow_staging(end)
         buf = self._host_np
 
@@ -183,16 +199,16 @@ class InputBuffers:
             row += count
             if not state.skip_sampling:
                 sample_rows.append(row - 1)
-        buf[sample_at:write_at] = sample_rows
+        buf[sample_at : sample_at + len(sample_rows)] = sample_rows
         if num_writes:
             buf[write_at : write_at + num_writes] = writes[0]
-            buf[write_at + num_writes : end] = writes[1]
+            buf[values_at:end] = writes[1]
 
         staged = self._stage(end)
         if num_writes:
             flat_table = self.block_table.view(-1)
-            flat_table.index_copy_(0, staged[write_at : write_at + num_writes], staged[write_at + num_writes : end])
-        meta = AttentionMetadata(slot_mapping=staged[slot_at:rows_at], block_size=bs, num_decodes=n)
+            flat_table.index_copy_(0, staged[write_at : write_at + num_writes], staged[values_at:end])
+        meta = AttentionMetadata(slot_mapping=staged[slot_at : slot_at + num_tokens], block_size=bs, num_decodes=n)
         paged = (
             spans
             and not mixed
@@ -205,12 +221,12 @@ class InputBuffers:
                 table = meta.paged_block_table[:n, : -(-(max(positions) + 1) // bs)]
                 self._add_decode_context(meta, table, meta.paged_context_lens[:n])
         elif mixed:
-            meta.mixed_block_table = self._gather_rows(buf, staged, rows_at, lens_at, -(-max_context // bs))
-            meta.mixed_context_lens = staged[lens_at:starts_at]
-            meta.mixed_query_starts = staged[starts_at:sample_at]
+            meta.mixed_block_table = self._gather_rows(buf, staged, rows_at, num_seqs, -(-max_context // bs))
+            meta.mixed_context_lens = staged[lens_at : lens_at + num_seqs]
+            meta.mixed_query_starts = staged[starts_at : starts_at + num_seqs + 1]
         elif n:
-            table = self._gather_rows(buf, staged, rows_at, lens_at, -(-(max(positions) + 1) // bs))
-            self._add_decode_context(meta, table, staged[lens_at:starts_at])
+            table = self._gather_rows(buf, staged, rows_at, n, -(-(max(positions) + 1) // bs))
+            self._add_decode_context(meta, table, staged[lens_at : lens_at + n])
         for span, table_row, start in spans:
             if start > 0 and not mixed:
                 # Part of the context is already cached: attend over all of it, causally offset.
@@ -221,12 +237,12 @@ class InputBuffers:
                 span.mask = keys[None, :] <= torch.arange(start, stop, device=self.device)[:, None]
             meta.prefills.append(span)
         return FlatBatch(
-            input_ids=staged[:pos_at],
-            positions=staged[pos_at:slot_at],
+            input_ids=staged[:num_tokens],
+            positions=staged[pos_at : pos_at + num_tokens],
             attention=meta,
             ordered=ordered,
             sample_states=sample_states,
-            sample_rows=staged[sample_at:write_at],
+            sample_rows=staged[sample_at : sample_at + len(sample_rows)],
         )
 
     def _paged_rows(
@@ -243,8 +259,11 @@ class InputBuffers:
         width = -(-int(lens.max()) // self.block_size)
         return torch.from_numpy(self._table_np[:, :width][table_rows]), torch.from_numpy(lens)
 
-    def _gather_rows(self, buf: np.ndarray, staged: torch.Tensor, rows_at: int, end: int, width: int) -> torch.Tensor:
-        """The block-table rows whose indices sit at rows_at:end of the staging buffer, `width` entries each."""
+    def _gather_rows(
+        self, buf: np.ndarray, staged: torch.Tensor, rows_at: int, count: int, width: int
+    ) -> torch.Tensor:
+        """The `count` block-table rows whose indices sit at rows_at of the staging buffer, `width` entries each."""
+        end = rows_at + count
         if self._in_place:
             # numpy's gather: one small single-threaded copy, no parallel region for a few kilobytes.
             return torch.from_numpy(self._table_np[:, :width][buf[rows_at:end]])

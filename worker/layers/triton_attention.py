@@ -44,9 +44,15 @@ def dot_operands(cache_dtype: torch.dtype) -> dict[str, object]:
     return {"DOT_DTYPE": TL_DTYPES[dot_dtype], "DOT_PRECISION": "ieee" if dot_dtype == torch.float32 else None}
 
 
+# Plain int arguments that change from step to step are not specialised: Triton would otherwise compile a variant
+# per "== 1" / "divisible by 16" pattern of them (a step with one partition, a table 16 blocks wide, ...), each
+# costing seconds on the first step that meets it. Strides of the cache and head counts stay specialised: they
+# are fixed for a model.
+_DECODE_DYNAMIC = ("partition_size", "num_partitions", "stride_table_seq")
+
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_DECODE_DYNAMIC)
     def _paged_decode_kernel(
         out_ptr,
         q_ptr,
@@ -161,7 +167,7 @@ if triton is not None:
                 mask=q_mask,
             )
 
-    @triton.jit
+    @triton.jit(do_not_specialize=("partition_size", "num_partitions"))
     def _reduce_partitions_kernel(
         out_ptr,
         part_max_ptr,
@@ -285,6 +291,11 @@ def paged_decode_attention(
     elif partition_size <= 0 or partition_size % tile:
         raise ValueError(f"partition_size must be a positive multiple of {tile}, got {partition_size}")
     num_partitions = 1 if partition_size is None else max(1, -(-max_context // partition_size))
+    if num_partitions > _MAX_PARTITIONS:
+        raise ValueError(
+            f"partition_size {partition_size} splits a {max_context}-token table into {num_partitions} partitions; "
+            f"at most {_MAX_PARTITIONS} are supported"
+        )
     split = num_partitions > 1
     if split:
         part_max = torch.empty((num_seqs, num_heads, num_partitions), dtype=torch.float32, device=q.device)
@@ -339,6 +350,7 @@ def paged_decode_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
-            PARTITIONS_PAD=triton.next_power_of_2(num_partitions),
+            # One width for every split, so the split count never selects another compiled variant.
+            PARTITIONS_PAD=_MAX_PARTITIONS,
         )
     return out

@@ -51,7 +51,8 @@ if triton is not None:
             x = tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))  # NaN payloads must not carry
         return x.to(DTYPE)
 
-    @triton.jit
+    # The row count is the step's token count: not specialised, or each "== 1" / "divisible by 16" step compiles anew.
+    @triton.jit(do_not_specialize=("num_rows",))
     def _rms_norm_kernel(
         out_ptr,
         x_ptr,
@@ -198,7 +199,8 @@ def rms_norm(
     else:
         residual_rows, stride_residual = x3, 0  # never touched
     block_cols = triton.next_power_of_2(n_cols)
-    block_rows = max(1, min(_TILE_ELEMENTS // block_cols, triton.next_power_of_2(num_rows)))
+    # Rows per program from the width alone: sized by the row count too, every batch size would be a new variant.
+    block_rows = max(1, _TILE_ELEMENTS // block_cols)
     if num_rows:
         _rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
             out,

@@ -79,7 +79,8 @@ if triton is not None:
         acc = acc * rescale[:, None] + tl.dot(probs.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         return acc, new_max, row_sum
 
-    @triton.jit
+    # The sequence count and the table view's width change every step: not specialised (see triton_attention).
+    @triton.jit(do_not_specialize=("num_seqs", "stride_table_seq"))
     def _paged_mixed_kernel(
         out_ptr,
         q_ptr,

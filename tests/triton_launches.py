@@ -1,0 +1,194 @@
+"""The engine's Triton launches as an sm_90 build would see them: specialisation keys and Hopper builds, no GPU.
+
+`LaunchRecorder` stands in for every kernel of `worker/layers/triton_*.py` while the engine (or a wrapper) runs
+on the CPU. Each launch is bound by Triton's own argument binder for an sm_90 target, which yields the key that
+decides whether a GPU process compiles a new variant (argument types, "divisible by 16" and "== 1"
+specialisations of plain ints, 16-byte alignment of pointers, constexprs, launch options). With `forward=True`
+the launch then runs (under TRITON_INTERPRET=1 on the CPU), so the engine's results stay real.
+
+`build_for_hopper` compiles one recorded launch for `GPUTarget("cuda", 90, 32)` with whatever Triton is imported,
+and reads registers and spills from ptxas and shared memory from the compiled metadata.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KERNEL_MODULES = (
+    "worker.layers.triton_attention",
+    "worker.layers.triton_mixed_attention",
+    "worker.layers.triton_fused",
+)
+# sm_90 with 32-thread warps: the H100 and H200.
+HOPPER_CAPABILITY = 90
+# Shared memory one block may opt into on sm_90 (227 KiB).
+HOPPER_SHARED_MEMORY = 232448
+
+
+def _target():
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", HOPPER_CAPABILITY, 32)
+
+
+def _is_kernel(value: object) -> bool:
+    return type(value).__name__ in ("JITFunction", "InterpretedFunction") and value.fn.__name__.endswith("_kernel")
+
+
+def engine_kernels() -> dict[str, tuple[object, str]]:
+    """Every launchable Triton kernel of the kernel modules (jit functions named *_kernel), by name."""
+    found = {}
+    for module_name in KERNEL_MODULES:
+        module = importlib.import_module(module_name)
+        for attr, value in vars(module).items():
+            if _is_kernel(value):
+                found[value.fn.__name__] = (module, attr)
+    return found
+
+
+def _as_jit(kernel):
+    """A JITFunction of the kernel's Python function, specialised as the kernel is (also under the interpreter)."""
+    from triton.runtime.jit import JITFunction
+
+    if type(kernel).__name__ == "JITFunction":
+        return kernel
+    options = getattr(kernel, "kwargs", {})
+    return JITFunction(
+        kernel.fn,
+        do_not_specialize=options.get("do_not_specialize"),
+        do_not_specialize_on_alignment=options.get("do_not_specialize_on_alignment"),
+    )
+
+
+@dataclass
+class Launch:
+    """One recorded launch: the kernel, its sm_90 cache key, and what compiling it needs."""
+
+    kernel: str
+    key: str
+    jit: object
+    bound_args: dict
+    specialization: list
+    launch_options: dict
+    kwargs: dict = field(repr=False)
+
+
+class _Recording:
+    """Replaces one kernel object: `kernel[grid](*args, **kwargs)` records the launch, then runs it if asked."""
+
+    def __init__(self, recorder: LaunchRecorder, name: str, kernel) -> None:
+        from triton.compiler import make_backend
+        from triton.runtime.jit import create_function_from_signature
+
+        self.recorder, self.name, self.kernel = recorder, name, kernel
+        self.jit = _as_jit(kernel)
+        self.backend = make_backend(_target())
+        self.binder = create_function_from_signature(self.jit.signature, self.jit.params, self.backend)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            bound, specialization, options = self.binder(*args, **kwargs)
+            key = str(specialization) + str(options)
+            self.recorder.launches.append(Launch(self.name, key, self.jit, bound, specialization, options, kwargs))
+            if self.recorder.forward:
+                return self.kernel[grid](*args, **kwargs)
+            return None
+
+        return launch
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+
+class LaunchRecorder:
+    """Within the `with` block every engine kernel is recorded (and run when `forward`)."""
+
+    def __init__(self, forward: bool = True) -> None:
+        self.forward = forward
+        self.launches: list[Launch] = []
+        self._patched: list[tuple[object, str, object]] = []
+
+    def __enter__(self) -> LaunchRecorder:
+        for name, (module, attr) in engine_kernels().items():
+            kernel = getattr(module, attr)
+            setattr(module, attr, _Recording(self, name, kernel))
+            self._patched.append((module, attr, kernel))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, attr, kernel in self._patched:
+            setattr(module, attr, kernel)
+        self._patched.clear()
+
+    def keys(self) -> dict[str, set[str]]:
+        """The distinct sm_90 cache keys each kernel was launched with: the variants a GPU would compile."""
+        keys: dict[str, set[str]] = {}
+        for launch in self.launches:
+            keys.setdefault(launch.kernel, set()).add(launch.key)
+        return keys
+
+    def distinct(self) -> list[Launch]:
+        """One launch per distinct (kernel, key), in first-seen order."""
+        seen, out = set(), []
+        for launch in self.launches:
+            if (launch.kernel, launch.key) not in seen:
+                seen.add((launch.kernel, launch.key))
+                out.append(launch)
+        return out
+
+
+@dataclass
+class HopperBuild:
+    """What ptxas and the compiler say of one kernel variant built for sm_90."""
+
+    kernel: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    shared_bytes: int
+    num_warps: int
+    constexprs: dict
+
+
+_PTXAS_USED = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def build_for_hopper(launch: Launch) -> HopperBuild:
+    """Compile a recorded launch for sm_90 (no GPU needed) and read its resource usage."""
+    import triton
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource, make_backend
+
+    backend = make_backend(_target())
+    kwargs = {**launch.kwargs}
+    options, signature, constexprs, attrs = launch.jit._pack_args(
+        backend, kwargs, launch.bound_args, launch.specialization, launch.launch_options
+    )
+    compiled = triton.compile(ASTSource(launch.jit, signature, constexprs, attrs), target=_target(),
+                              options=options.__dict__)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        done = subprocess.run(
+            [get_ptxas(HOPPER_CAPABILITY).path, "-lineinfo", "-v", f"--gpu-name=sm_{HOPPER_CAPABILITY}a", str(ptx),
+             "-o", str(Path(tmp) / "kernel.cubin")],
+            capture_output=True, text=True, check=True,
+        )
+    log = done.stdout + done.stderr
+    spills = _PTXAS_SPILLS.search(log)
+    named = {launch.jit.arg_names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
+    return HopperBuild(
+        kernel=launch.kernel,
+        registers=int(_PTXAS_USED.search(log).group(1)),
+        spill_stores=int(spills.group(1)) if spills else 0,
+        spill_loads=int(spills.group(2)) if spills else 0,
+        shared_bytes=int(compiled.metadata.shared),
+        num_warps=int(options.num_warps),
+        constexprs={k: str(v) for k, v in named.items()},
+    )
