@@ -25,6 +25,7 @@ from worker.parallel_state import TensorParallelGroup
 from worker.penalty_state import PenaltyState
 from worker.request_state import RequestState, RequestStates, sampling_row
 from worker.sampler import Sampler, row_argmax
+from worker.warmup import warmup_steps
 
 logger = logging.getLogger(__name__)
 _tracer = get_tracer("pagerail.worker")
@@ -62,6 +63,7 @@ class ModelRunner:
         scratch_block: int | None = None,
         max_capture_size: int | None = DEFAULT_MAX_CAPTURE_SIZE,
         graph_backend: GraphBackend | None = None,
+        warm_up: bool | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -102,6 +104,10 @@ class ModelRunner:
         self.num_replayed_steps = 0
         self.num_eager_steps = 0
         self.graphs: DecodeGraphs | None = None
+        # On a GPU the first steps compile kernels and choose cuBLAS algorithms: run their shapes now (None: on
+        # CUDA only, where that costs seconds; the CPU has nothing to compile).
+        if device.type == "cuda" if warm_up is None else warm_up:
+            self.warm_up(max_num_tokens, max_blocks_per_seq * block_size)
         if not enforce_eager:
             # The scheduler never runs more decodes in a step than it has tokens for.
             plan = CapturePlan.for_limits(max(1, min(max_num_seqs, max_num_tokens)), max_capture_size)
@@ -141,6 +147,19 @@ class ModelRunner:
                 logger.exception("rank %d: capturing decode graphs failed; decode steps run eagerly", self.tp.rank)
                 return None
         return graphs
+
+    def warm_up(self, max_num_tokens: int, max_context: int) -> None:
+        """Run the warm-up steps (worker/warmup.py) through the scratch block, then forget them and their counts."""
+        if self.scratch_block is None:
+            logger.info("rank %d: no scratch KV block, no warm-up", self.tp.rank)
+            return
+        started = time.perf_counter()
+        for batch in warmup_steps(self.block_size, self.scratch_block, max_num_tokens, max_context):
+            self.execute(batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.num_replayed_steps = self.num_eager_steps = 0
+        logger.info("rank %d: warm-up steps ran in %.2f s", self.tp.rank, time.perf_counter() - started)
 
     def prepare(self, batch: step_pb2.StepBatch) -> FlatBatch | None:
         """Apply the step's deltas to the request states and the input buffers; the model's inputs, if any."""
