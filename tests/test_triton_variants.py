@@ -55,8 +55,15 @@ def _report() -> None:
     model_dir = make_tiny_model("qwen3", tempfile.mkdtemp() + "/qwen3")  # q/k norms: one more norm call site
     report = {"kernels": sorted(engine_kernels())}
     with LaunchRecorder(forward=True) as recorder:
-        llm = LLM(str(model_dir), device="cpu", block_size=8, num_gpu_blocks=160, max_num_batched_tokens=40,
-                  max_num_seqs=16, max_model_len=256)
+        llm = LLM(
+            str(model_dir),
+            device="cpu",
+            block_size=8,
+            num_gpu_blocks=160,
+            max_num_batched_tokens=40,
+            max_num_seqs=16,
+            max_model_len=256,
+        )
         runner = llm.engine.executor.worker.runner
         runner.inputs = _device_path_inputs(runner)
         runner.warm_up(40, 256)

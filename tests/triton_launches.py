@@ -170,15 +170,25 @@ def build_for_hopper(launch: Launch) -> HopperBuild:
     options, signature, constexprs, attrs = launch.jit._pack_args(
         backend, kwargs, launch.bound_args, launch.specialization, launch.launch_options
     )
-    compiled = triton.compile(ASTSource(launch.jit, signature, constexprs, attrs), target=_target(),
-                              options=options.__dict__)
+    compiled = triton.compile(
+        ASTSource(launch.jit, signature, constexprs, attrs), target=_target(), options=options.__dict__
+    )
     with tempfile.TemporaryDirectory() as tmp:
         ptx = Path(tmp) / "kernel.ptx"
         ptx.write_text(compiled.asm["ptx"])
         done = subprocess.run(
-            [get_ptxas(HOPPER_CAPABILITY).path, "-lineinfo", "-v", f"--gpu-name=sm_{HOPPER_CAPABILITY}a", str(ptx),
-             "-o", str(Path(tmp) / "kernel.cubin")],
-            capture_output=True, text=True, check=True,
+            [
+                get_ptxas(HOPPER_CAPABILITY).path,
+                "-lineinfo",
+                "-v",
+                f"--gpu-name=sm_{HOPPER_CAPABILITY}a",
+                str(ptx),
+                "-o",
+                str(Path(tmp) / "kernel.cubin"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
         )
     log = done.stdout + done.stderr
     spills = _PTXAS_SPILLS.search(log)

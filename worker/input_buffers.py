@@ -11,7 +11,6 @@ from worker.input_batch import FlatBatch, GatherWorkspace
 from worker.layers.attention import AttentionMetadata, PrefillSpan, decode_key_mask
 from worker.request_state import RequestState
 
-
 # Every section of the staging buffer starts on a multiple of this many int64 entries (16 bytes).
 _SECTION_ALIGNMENT = 2
 
