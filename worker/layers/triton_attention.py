@@ -182,6 +182,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr,
         PARTITIONS_PAD: tl.constexpr,
+        PARTITION_CHUNK: tl.constexpr,
     ):
         # One program per (sequence, query head): merge the partial softmax results of its partitions.
         seq = tl.program_id(0)
@@ -197,15 +198,25 @@ if triton is not None:
         part_index = (seq * num_heads + head) * num_partitions + parts
         part_max = tl.load(part_max_ptr + part_index, mask=part_mask, other=float("-inf"))
         part_sum = tl.load(part_sum_ptr + part_index, mask=part_mask, other=0.0)
-        weights = tl.where(part_mask, tl.exp2(part_max - tl.max(part_max, axis=0)), 0.0)
-        total = tl.sum(part_sum * weights, axis=0)
+        top = tl.max(part_max, axis=0)
+        total = tl.sum(part_sum * tl.where(part_mask, tl.exp2(part_max - top), 0.0), axis=0)
 
-        part_acc = tl.load(
-            part_acc_ptr + part_index[:, None] * HEAD_DIM + dims[None, :],
-            mask=part_mask[:, None] & dim_mask[None, :],
-            other=0.0,
-        )
-        out = tl.sum(part_acc * weights[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+        # The partial outputs are summed a chunk of partitions at a time: all 64 rows of a wide head at once
+        # would not fit the registers of four warps.
+        acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+        for chunk in range(0, used, PARTITION_CHUNK):
+            rows = chunk + tl.arange(0, PARTITION_CHUNK)
+            row_mask = rows < used
+            row_index = (seq * num_heads + head) * num_partitions + rows
+            row_max = tl.load(part_max_ptr + row_index, mask=row_mask, other=float("-inf"))
+            row_weights = tl.where(row_mask, tl.exp2(row_max - top), 0.0)
+            rows_acc = tl.load(
+                part_acc_ptr + row_index[:, None] * HEAD_DIM + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :],
+                other=0.0,
+            )
+            acc += tl.sum(rows_acc * row_weights[:, None], axis=0)
+        out = acc / tl.where(total > 0, total, 1.0)
         tl.store(
             out_ptr + seq * stride_out_seq + head * stride_out_head + dims,
             out.to(out_ptr.dtype.element_ty),
@@ -352,5 +363,6 @@ def paged_decode_attention(
             HEAD_DIM_PAD=head_dim_pad,
             # One width for every split, so the split count never selects another compiled variant.
             PARTITIONS_PAD=_MAX_PARTITIONS,
+            PARTITION_CHUNK=16,
         )
     return out

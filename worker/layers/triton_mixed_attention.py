@@ -243,18 +243,20 @@ def _check_inputs(
         raise ValueError(f"a context of {max(lens)} tokens exceeds the block table's {capacity} slots per sequence")
 
 
-def _tile_shape(dtype: torch.dtype, head_dim_pad: int, group_pad: int) -> tuple[int, int]:
-    """(query tokens per program, keys per K/V tile), from register budgets of four warps on sm_90.
+def _tile_shape(dtype: torch.dtype, head_dim_pad: int, group_pad: int) -> tuple[int, int, int]:
+    """(query tokens per program, keys per K/V tile, warps), from register budgets on sm_90.
 
     A program holds rows = query tokens x group_pad query heads: 64 rows and 64 keys keep a 128-wide fp16/bf16
-    head in registers; wider heads get half of both. fp32 runs its dots as exact FMAs, which need far more
-    registers: it gets the smallest tiles (16 rows, 32 keys). The interpreter runs the same shapes as a GPU.
+    head in the registers of four warps. A 256-wide head gets 32 rows and eight warps: at four warps every tile
+    shape that keeps 64 keys spills (ptxas, see tests/test_hopper_builds.py). fp32 runs its dots as exact FMAs,
+    which need far more registers: it gets the smallest tiles (16 rows, 32 keys). The interpreter runs the same
+    shapes as a GPU.
     """
-    rows, keys = (64, 64) if head_dim_pad <= 128 else (32, 32)
+    rows, keys, warps = (64, 64, 4) if head_dim_pad <= 128 else (32, 64, 8)
     if dtype == torch.float32:
         rows, keys = 16, 32
     # tl.dot needs at least 16 rows; a group wider than that gets one query token per program.
-    return max(1, rows // group_pad, 16 // group_pad), keys
+    return max(1, rows // group_pad, 16 // group_pad), keys, warps
 
 
 def paged_mixed_attention(
@@ -294,7 +296,7 @@ def paged_mixed_attention(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    block_q, tile_n = _tile_shape(key_cache.dtype, head_dim_pad, group_pad)
+    block_q, tile_n, num_warps = _tile_shape(key_cache.dtype, head_dim_pad, group_pad)
     # (query tile, KV head) programs, tiles numbered across all sequences (see the kernel). A (sequence, tile,
     # head) grid would be sized by the longest chunk, so one long prefill beside hundreds of decodes would launch
     # hundreds of idle programs per tile; a host-built tile map would tie the input buffers to this kernel's tile
@@ -327,7 +329,7 @@ def paged_mixed_attention(
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         **dot_operands(key_cache.dtype),
-        num_warps=4,
+        num_warps=num_warps,
         # Double-buffered K/V tiles fit shared memory for every dtype and head size up to 256.
         num_stages=2,
     )
