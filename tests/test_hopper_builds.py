@@ -56,8 +56,9 @@ def _launch_shape(name, heads, kv_heads, head_dim, hidden, intermediate, block_s
     triton_attention.paged_decode_attention(q, key_cache, value_cache, table, lens, block_size, scale)
     # The split-context pass: a table wide enough for two partitions.
     wide = torch.zeros(seqs, -(-1024 // block_size), dtype=torch.long)
-    triton_attention.paged_decode_attention(q, key_cache, value_cache, wide, lens, block_size, scale,
-                                            partition_size=512)
+    triton_attention.paged_decode_attention(
+        q, key_cache, value_cache, wide, lens, block_size, scale, partition_size=512
+    )
     starts = torch.arange(seqs + 1, dtype=torch.long)
     triton_mixed_attention.paged_mixed_attention(q, key_cache, value_cache, table, starts, lens, block_size, scale)
     x = torch.zeros(seqs, hidden, dtype=dtype)
@@ -87,8 +88,17 @@ def _report() -> None:
     for name, heads, kv_heads, head_dim, hidden, intermediate, block_size, qk_norm, dtypes in SHAPES:
         for dtype_name in dtypes:
             with LaunchRecorder(forward=False) as recorder:
-                _launch_shape(name, heads, kv_heads, head_dim, hidden, intermediate, block_size, qk_norm,
-                              getattr(torch, dtype_name))
+                _launch_shape(
+                    name,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    hidden,
+                    intermediate,
+                    block_size,
+                    qk_norm,
+                    getattr(torch, dtype_name),
+                )
             for launch in recorder.distinct():
                 try:
                     build = build_for_hopper(launch)
@@ -96,8 +106,17 @@ def _report() -> None:
                     failures.append(dict(shape=name, dtype=dtype_name, kernel=launch.kernel, error=repr(error)[:2000]))
                     continue
                 builds.append(dict(shape=name, dtype=dtype_name, **asdict(build)))
-    print(json.dumps(dict(triton=triton.__version__, kernels=sorted(engine_kernels()), builds=builds,
-                          failures=failures, seconds=round(time.perf_counter() - started, 1))))
+    print(
+        json.dumps(
+            dict(
+                triton=triton.__version__,
+                kernels=sorted(engine_kernels()),
+                builds=builds,
+                failures=failures,
+                seconds=round(time.perf_counter() - started, 1),
+            )
+        )
+    )
 
 
 def _run_report(extra_path: Path | None) -> dict:
@@ -114,7 +133,11 @@ def _run_report(extra_path: Path | None) -> dict:
         env.pop("TRITON_INTERPRET", None)
         done = subprocess.run(
             [sys.executable, "-c", "from tests.test_hopper_builds import _report; _report()"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -150,9 +173,24 @@ def test_every_kernel_builds_for_sm90_with_the_gpu_images_triton():
 
 def _table(report: dict) -> str:
     """Markdown: one row per kernel variant at bf16 (registers, spills, shared memory, warps)."""
-    rows = ["| kernel | shape | constexprs | registers | spills (B) | shared (B) | warps |", "|---|---|---|---|---|---|---|"]
-    keep = ("HEAD_DIM", "GROUP_PAD", "BLOCK_SIZE", "BLOCK_Q", "TILE", "TILE_N", "SPLIT", "BLOCK_ROWS", "BLOCK_COLS",
-            "HAS_RESIDUAL", "HEADS", "BLOCK")
+    rows = [
+        "| kernel | shape | constexprs | registers | spills (B) | shared (B) | warps |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    keep = (
+        "HEAD_DIM",
+        "GROUP_PAD",
+        "BLOCK_SIZE",
+        "BLOCK_Q",
+        "TILE",
+        "TILE_N",
+        "SPLIT",
+        "BLOCK_ROWS",
+        "BLOCK_COLS",
+        "HAS_RESIDUAL",
+        "HEADS",
+        "BLOCK",
+    )
     for build in report["builds"]:
         if build["dtype"] != "bfloat16":
             continue

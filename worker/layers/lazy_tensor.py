@@ -69,9 +69,7 @@ class LazyTensor:
         """A lazy view of `length` entries from `start` along `dim`; reads nothing."""
         dim = self._check_dim(dim)
         if start < 0 or length < 0 or start + length > self.shape[dim]:
-            raise ValueError(
-                f"window start={start} length={length} exceeds size {self.shape[dim]} of dimension {dim}"
-            )
+            raise ValueError(f"window start={start} length={length} exceeds size {self.shape[dim]} of dimension {dim}")
         shape = list(self.shape)
         shape[dim] = length
         offsets = list(self._offsets)
