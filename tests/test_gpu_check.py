@@ -46,9 +46,7 @@ print(json.dumps({{"pagerail": {{"output_tokens_per_s": 1.0, "total_tokens_per_s
     )
     fake.chmod(0o755)
     env = {**os.environ, "PYTHON": str(fake), "OUT": str(tmp_path / "out"), "MODEL_DIR": str(tmp_path / "model")}
-    done = subprocess.run(
-        ["bash", str(BENCH / "gpu.sh")], env=env, capture_output=True, text=True, timeout=60
-    )
+    done = subprocess.run(["bash", str(BENCH / "gpu.sh")], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(calls) == 4

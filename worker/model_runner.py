@@ -18,6 +18,7 @@ from worker.cuda_graphs import (
     GraphBackend,
     StaticDecodeInputs,
 )
+from worker.host_readback import HostReadback
 from worker.input_batch import FlatBatch, GatherWorkspace
 from worker.input_buffers import InputBuffers
 from worker.layers.attention import decode_path, paged_prefill_max_context
@@ -76,7 +77,14 @@ class ModelRunner:
         # Collectives run where the process group's backend lives: NCCL on the GPU, gloo on the CPU.
         self.tp_device = device
         self.states = RequestStates(device, on_drop=self._forget)
-        self.sampler = Sampler()
+        # On CUDA a step's tokens come back through pinned buffers and one event: the step's only host wait.
+        self.readback = HostReadback(device) if device.type == "cuda" else None
+        self.sampler = Sampler(readback=self.readback)
+        self._forward_events = (
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            if (device.type == "cuda")
+            else None
+        )
         # Created on rank 0 when the first request with penalties samples.
         self.penalties: PenaltyState | None = None
         # Output constraints are enforced where tokens are sampled; the tokenizer they compile against is read
@@ -177,20 +185,29 @@ class ModelRunner:
             self.constraints.start([states[new.handle] for new in batch.new_requests if new.sampling.constraint_kind])
         if flat is not None:
             forward_started = time.perf_counter()
+            events = self._forward_events
+            if events is not None:
+                events[0].record()
             with traced(_tracer, "forward"):
                 hidden = self._forward(flat)
                 logits = None
                 if flat.sample_states:
                     # Every rank sends its vocabulary slice; only rank 0 receives the logits, samples and answers.
                     logits = self.model.compute_logits(hidden[flat.sample_rows])
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-            result.forward_seconds = time.perf_counter() - forward_started
+            if events is not None:
+                events[1].record()
+            else:
+                result.forward_seconds = time.perf_counter() - forward_started
             token_ids = None
             if flat.sample_states and self.tp.rank == 0:
                 with traced(_tracer, "sample"):
                     token_ids = self._sample(logits, flat.sample_states, result)
             self._advance(flat, token_ids)
+            if events is not None:
+                # The device's own time for the forward. Where the step sampled, the tokens' wait already covered
+                # this event; otherwise it is the step's one wait, so no step returns with work still queued.
+                events[1].synchronize()
+                result.forward_seconds = events[0].elapsed_time(events[1]) / 1000.0
         result.compute_seconds = time.perf_counter() - started
         return result
 
@@ -213,7 +230,10 @@ class ModelRunner:
             shared = torch.empty(len(states), dtype=torch.long)
             if token_ids is not None:
                 shared.copy_(torch.tensor(token_ids, dtype=torch.long))
-            token_ids = self.tp.broadcast(shared.to(self.tp_device)).tolist()
+            received = self.tp.broadcast(shared.to(self.tp_device))
+            if token_ids is None:
+                # Rank 0 already holds the tokens: only the other ranks wait for them.
+                token_ids = received.tolist() if self.readback is None else self.readback.read(received)[0]
         if len(states) == len(ordered):
             # Every request sampled (the common step): one pass does both.
             for state, token_id in zip(ordered, token_ids, strict=True):
@@ -240,7 +260,7 @@ class ModelRunner:
         if self.states.all_argmax_only or all(state.argmax_only for state in states):
             # The common greedy step: no per-row settings to build, one argmax after the constraint masks.
             constraints.mask(logits, states)
-            token_ids = row_argmax(logits)
+            token_ids = row_argmax(logits, self.readback)
         else:
             rows = [sampling_row(state) for state in states]
             history = None

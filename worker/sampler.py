@@ -6,19 +6,29 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.host_readback import HostReadback
+
 # Below this temperature a row is decoded by argmax; the same threshold as SamplingParams.greedy.
 GREEDY_TEMPERATURE = 1e-5
 
 
-def row_argmax(logits: torch.Tensor) -> list[int]:
+def row_argmax(logits: torch.Tensor, readback: HostReadback | None = None) -> list[int]:
     """Each row's index of its largest logit (the first one on ties), as a list.
 
     On the CPU numpy's argmax is used: about ten times faster than torch's for a decode step's [rows, vocab]
-    float32 logits, and it picks the same index (the first maximum, or the first NaN).
+    float32 logits, and it picks the same index (the first maximum, or the first NaN). Elsewhere the ids come
+    back through `readback` when given (one wait on an event, not a device-wide synchronize).
     """
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         return logits.detach().numpy().argmax(axis=-1).tolist()
-    return logits.argmax(dim=-1).tolist()
+    return _read(readback, logits.argmax(dim=-1))[0]
+
+
+def _read(readback: HostReadback | None, *tensors: torch.Tensor) -> list[list]:
+    """The tensors' values on the host: through `readback` (one wait for all), else one tolist() each."""
+    if readback is not None:
+        return readback.read(*tensors)
+    return [tensor.tolist() for tensor in tensors]
 
 
 @dataclass(slots=True)
@@ -82,9 +92,11 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per row; seeded rows draw only from their own generator, so batching never changes them."""
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None, readback: HostReadback | None = None) -> None:
         # Unseeded rows share this generator (None: torch's default one for the device).
         self.generator = generator
+        # How a step's results reach the host (None: one tolist() per tensor, what the CPU wants).
+        self.readback = readback
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow], history: TokenHistory | None = None
@@ -106,7 +118,7 @@ class Sampler:
 
         if all(greedy) and not (penalized or any_banned or any_logprobs):
             # The common decode step: one kernel, one transfer.
-            token_ids = row_argmax(logits)
+            token_ids = row_argmax(logits, self.readback)
             return SamplerOutput(token_ids, [None] * num_rows, [[] for _ in rows], [[] for _ in rows])
 
         if penalized or any_banned:
@@ -122,10 +134,10 @@ class Sampler:
             logits = _apply_temperature_and_filters(logits, rows)
             token_ids_t = self._draw(logits, rows, greedy)
 
-        token_ids = token_ids_t.tolist()
         if not any_logprobs:
+            token_ids = _read(self.readback, token_ids_t)[0]
             return SamplerOutput(token_ids, [None] * num_rows, [[] for _ in rows], [[] for _ in rows])
-        return _gather_logprobs(logits, token_ids_t, token_ids, rows)
+        return _gather_logprobs(logits, token_ids_t, rows, self.readback)
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
         """Exponential race: argmax(p / q) with q ~ Exp(1) is a draw from p, and each row's noise is its own."""
@@ -169,9 +181,7 @@ def _check_history(history: TokenHistory | None, rows: list[SamplingRow], vocab_
             raise ValueError(f"{len(rows)} rows have penalties: history.{name} needs one [vocab_size] row for each")
 
 
-def _apply_penalties(
-    logits: torch.Tensor, rows: list[SamplingRow], indices: list[int], history: TokenHistory
-) -> None:
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], indices: list[int], history: TokenHistory) -> None:
     """Repetition penalty over prompt and output tokens, presence/frequency over output tokens, for every
     penalized row at once, in place. A neutral penalty (1.0, 0.0) leaves its row's logits bit-identical, and a
     kind of penalty no row uses costs nothing."""
@@ -244,17 +254,19 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 
 
 def _gather_logprobs(
-    logits: torch.Tensor, token_ids_t: torch.Tensor, token_ids: list[int], rows: list[SamplingRow]
+    logits: torch.Tensor, token_ids_t: torch.Tensor, rows: list[SamplingRow], readback: HostReadback | None
 ) -> SamplerOutput:
     """Logprobs of the sampled tokens and of each row's top tokens, from the distribution they were drawn from."""
     logprobs = logits.log_softmax(dim=-1)
-    sampled = logprobs.gather(1, token_ids_t.unsqueeze(1)).squeeze(1).tolist()
+    sampled_t = logprobs.gather(1, token_ids_t.unsqueeze(1)).squeeze(1)
     max_top = max(row.num_logprobs or 0 for row in rows)
     top_values: list[list[float]] = []
     top_indices: list[list[int]] = []
     if max_top > 0:
         top = logprobs.topk(max_top, dim=-1)
-        top_values, top_indices = top.values.tolist(), top.indices.tolist()
+        token_ids, sampled, top_values, top_indices = _read(readback, token_ids_t, sampled_t, top.values, top.indices)
+    else:
+        token_ids, sampled = _read(readback, token_ids_t, sampled_t)
 
     out_logprobs: list[float | None] = []
     out_top_ids: list[list[int]] = []
