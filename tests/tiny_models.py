@@ -50,10 +50,13 @@ def tiny_config(kind: str):
     raise ValueError(f"kind must be one of {', '.join(TINY_KINDS)}, got {kind!r}")
 
 
-def make_tiny_model(kind: str, path: str | Path, seed: int = 0, vocab_size: int | None = None) -> Path:
+def make_tiny_model(
+    kind: str, path: str | Path, seed: int = 0, vocab_size: int | None = None, num_layers: int | None = None
+) -> Path:
     """Save a tiny random `kind` model (config + model.safetensors) into `path` and return it.
 
-    `vocab_size` overrides the tiny vocabulary, e.g. to match a real tokenizer's for tests that send text.
+    `vocab_size` overrides the tiny vocabulary, e.g. to match a real tokenizer's for tests that send text;
+    `num_layers` the number of decoder layers.
 
     Weights are drawn larger than the default init, norms and biases away from 1 and 0, so that every
     parameter visibly moves the logits and a wrong mapping cannot hide.
@@ -66,6 +69,10 @@ def make_tiny_model(kind: str, path: str | Path, seed: int = 0, vocab_size: int 
     config = tiny_config(kind)
     if vocab_size is not None:
         config.vocab_size = vocab_size
+    if num_layers is not None:
+        config.num_hidden_layers = num_layers
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = [config.layer_types[0]] * num_layers
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
