@@ -62,6 +62,12 @@ class ConstraintMatchers:
         self._executor: Any = None  # llguidance.LLExecutor, fills the masks of a batch in parallel
         self.seconds = 0.0  # time spent on this step's constraints, reset by the caller
 
+    def close(self) -> None:
+        """Stop the compiler thread; compiles still queued are dropped."""
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
+            self._compiler = None
+
     def start(self, states: list[RequestState]) -> None:
         """Begin compiling the matchers of newly arrived constrained requests."""
         for state in states:

@@ -169,6 +169,12 @@ class ModelRunner:
         self.num_replayed_steps = self.num_eager_steps = 0
         logger.info("rank %d: warm-up steps ran in %.2f s", self.tp.rank, time.perf_counter() - started)
 
+    def close(self) -> None:
+        """Drop the captured graphs (and their memory pool) and stop the constraint compiler's thread."""
+        self.graphs = None
+        if self.constraints is not None:
+            self.constraints.close()
+
     def prepare(self, batch: step_pb2.StepBatch) -> FlatBatch | None:
         """Apply the step's deltas to the request states and the input buffers; the model's inputs, if any."""
         return self.inputs.prepare(self.states.apply(batch))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from pathlib import Path
@@ -135,3 +136,17 @@ class Worker:
 
     def execute_step(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
         return self.runner.execute(batch)
+
+    def close(self) -> None:
+        """Free the model, the KV cache and the captured graphs now, not when the last reference happens to go:
+        another rank started in this process profiles the device's free memory and must not count them."""
+        if self.model is not None:
+            for layer in self.model.attention_layers():
+                layer.kv_cache = None
+        if self.runner is not None:
+            self.runner.close()
+        self.model = self.runner = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()

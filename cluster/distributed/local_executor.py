@@ -79,4 +79,6 @@ class InProcessExecutor:
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)
-        self.worker = None
+        if self.worker is not None:
+            worker, self.worker = self.worker, None
+            worker.close()

@@ -102,6 +102,7 @@ class LLM:
         self._ids = itertools.count()
         self._remote = None
         self.engine = None
+        self._shut_down = False
         if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
         if data_parallel_size > 1:
@@ -133,6 +134,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched together; outputs come back in prompt order."""
         prompts = _as_prompt_list(prompts)
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down; create a new one")
         params_list = _as_params_list(params, len(prompts))
         self._check_constraints(params_list)
         outputs: list[RequestOutput] = []
@@ -189,10 +192,22 @@ class LLM:
         return self.engine.scheduler.stats
 
     def shutdown(self) -> None:
-        """Stop the head actor and its workers (tensor parallel); nothing to do in-process."""
+        """Stop the head actor and its workers (tensor parallel), or release the in-process engine: its model, KV
+        cache and captured graphs are freed (and CUDA's cached memory returned), so another engine in this process
+        measures its memory from a clean device. Calling it again does nothing."""
+        self._shut_down = True
         if self._remote is not None:
             self._remote.shutdown()
             self._remote = None
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            engine.executor.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     # -- internals -----------------------------------------------------------------------------
 
