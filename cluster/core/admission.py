@@ -15,7 +15,9 @@ def check_fits(
     if request.max_tokens is None:
         # Up to the context: the prompt must leave room for at least one output token.
         if num_tokens >= limit:
-            raise ValueError(f"the prompt ({num_tokens} tokens) leaves no room for output within max_model_len={limit}")
+            raise ValueError(
+                f"the prompt ({num_tokens} tokens) leaves no room for output within max_model_len={limit}"
+            )
         total = num_tokens + 1
     else:
         total = num_tokens + request.max_tokens
