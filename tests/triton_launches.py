@@ -12,18 +12,14 @@ and reads registers and spills from ptxas and shared memory from the compiled me
 
 from __future__ import annotations
 
-import importlib
 import re
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-KERNEL_MODULES = (
-    "worker.layers.triton_attention",
-    "worker.layers.triton_mixed_attention",
-    "worker.layers.triton_fused",
-)
+from worker.layers.kernel_variants import kernel_attributes
+
 # sm_90 with 32-thread warps: the H100 and H200.
 HOPPER_CAPABILITY = 90
 # Shared memory one block may opt into on sm_90 (227 KiB).
@@ -36,19 +32,9 @@ def _target():
     return GPUTarget("cuda", HOPPER_CAPABILITY, 32)
 
 
-def _is_kernel(value: object) -> bool:
-    return type(value).__name__ in ("JITFunction", "InterpretedFunction") and value.fn.__name__.endswith("_kernel")
-
-
 def engine_kernels() -> dict[str, tuple[object, str]]:
     """Every launchable Triton kernel of the kernel modules (jit functions named *_kernel), by name."""
-    found = {}
-    for module_name in KERNEL_MODULES:
-        module = importlib.import_module(module_name)
-        for attr, value in vars(module).items():
-            if _is_kernel(value):
-                found[value.fn.__name__] = (module, attr)
-    return found
+    return kernel_attributes()
 
 
 def _as_jit(kernel):

@@ -112,8 +112,10 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
         return {**throughput(requests, seconds, produced, "pagerail"), "steps": None}
 
     from cluster.core.scheduler_output import SchedulerStats
+    from worker.layers.kernel_variants import compiled_variants
 
     engine = llm.engine
+    variants_before = compiled_variants()
     engine.scheduler.stats = SchedulerStats()  # the warm-up request must not count toward peaks
     timing = _StepTiming()
     submit = engine.executor.submit
@@ -139,6 +141,8 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
     finally:
         engine.executor.submit = submit
     forward_seconds, decode_steps = timing.forward_seconds, timing.decode_steps
+    variants = compiled_variants()
+    runner = engine.executor.worker.runner if hasattr(engine.executor, "worker") else None
     stats = engine.scheduler.stats
     block_table = engine.block_table
     kv_slots = block_table.num_blocks * block_table.block_size
@@ -160,6 +164,13 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
         "contiguous_seqs_at_max_model_len": kv_slots // engine.max_model_len,
         "contiguous_seqs_at_longest_request": kv_slots // longest,
         "decode_step": _typical_decode_step(decode_steps),
+        # Triton variants compiled by the end of the run, and inside the timed part (each one seconds on a GPU).
+        "kernel_variants": variants,
+        "kernel_variants_compiled_in_run": {name: count - variants_before[name] for name, count in variants.items()},
+        # Steps of the in-process rank that replayed a CUDA graph and that ran eagerly (warm-up included).
+        "graph_steps": None
+        if runner is None
+        else {"replayed": runner.num_replayed_steps, "eager": runner.num_eager_steps},
     }
 
 
