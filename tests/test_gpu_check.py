@@ -86,6 +86,18 @@ def test_parity_verdicts():
     assert verdict["passed"] == 2
 
 
+def test_graphs_vs_eager_verdicts():
+    eager = [_run([1, 2, 3]), _run([4, 5, 6], [{4}, {5, 7}, {6}]), _run([7, 8, 9])]
+    graphs = [_run([1, 2, 3]), _run([4, 7, 6], [{4}, {7, 5}, {6}]), _run([7, 1, 9])]
+    verdict = gpu_parity.graphs_vs_eager(eager, graphs)
+    assert [(p["diverges"], p["identical"], p["near_tie"]) for p in verdict["prompts"]] == [
+        (3, True, False),
+        (1, False, True),  # each side's pick is in the other's top tokens: rounding
+        (1, False, False),  # 1 was nowhere near eager's choice: a wrong graph
+    ]
+    assert (verdict["identical"], verdict["near_ties"], verdict["passed"]) == (1, 1, 2)
+
+
 def test_parity_dry_run_on_cpu(tmp_path):
     """The parity script end to end on the CPU in fp32, where pagerail must equal transformers outright; run as
     the bare GPU image would run it, with every module the image lacks refused (bench/gpu_image.py)."""
@@ -119,4 +131,5 @@ def test_parity_dry_run_on_cpu(tmp_path):
     assert all(p["diverges"] == 8 for p in model["eager"]["prompts"])
     steps = model["eager"]["graph_steps"]
     assert steps["replayed"] == 0 and steps["eager"] > 0  # no graphs on the CPU
+    assert model["graphs_vs_eager"]["identical"] == 3 and report["complete"] is True
     assert "parity: PASS" in done.stdout
