@@ -4,7 +4,8 @@
 # Reports output tokens/s and the typical decode step next to its HBM-bandwidth bound (every weight and live KV
 # byte read once at 4.8 TB/s), plus the in-run matmul roofline. Results land in $OUT as JSON, one file per run.
 # Usage: bench/gpu.sh   (PYTHON=... picks the interpreter, OUT=... the results folder, WORKLOADS="small long"
-#                        and MODES="graphs eager" pick the runs)
+#                        and MODES="graphs eager" pick the runs; DRY_RUN=1: the same runs on the CPU in fp32 with
+#                        a tiny model of the same family and small shapes, to try the script without a GPU)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -12,27 +13,43 @@ OUT=${OUT:-bench-results/gpu}
 HBM_GBS=${HBM_GBS:-4800}
 WORKLOADS=${WORKLOADS:-"small long"}
 MODES=${MODES:-"graphs eager"}
-MODEL_DIR=${MODEL_DIR:-/tmp/pagerail-llama-3.1-8b-shape}
+DRY_RUN=${DRY_RUN:-0}
+if [ "$DRY_RUN" = 1 ]; then
+  MODEL_DIR=${MODEL_DIR:-/tmp/pagerail-llama-tiny-shape}
+  device=(--device cpu --dtype float32 --kv-cache-memory-bytes 67108864 --vocab-size 512)
+  small=(16 16 16); long=(4 64 64)
+else
+  MODEL_DIR=${MODEL_DIR:-/tmp/pagerail-llama-3.1-8b-shape}
+  device=(--device cuda --dtype bfloat16 --vocab-size 128256)
+  small=(1000 128 128); long=(200 1000 1000)
+fi
 mkdir -p "$OUT" "$MODEL_DIR" || exit 1
 failed=0
 
-# The architecture of Llama 3.1 8B (no weights: the engine fills them with --load-format dummy).
-"$PYTHON" - "$MODEL_DIR" <<'PY'
+# The architecture of Llama 3.1 8B (no weights: the engine fills them with --load-format dummy); a tiny one of
+# the same family for a dry run.
+"$PYTHON" - "$MODEL_DIR" "$DRY_RUN" <<'PY'
 import sys
 from transformers import LlamaConfig
 
 rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
             original_max_position_embeddings=8192)
+if sys.argv[2] == "1":
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+else:
+    shape = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8)
 LlamaConfig(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
-    bos_token_id=128000, eos_token_id=128001, tie_word_embeddings=False, rope_parameters=rope,
+    **shape, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    bos_token_id=128000 % shape["vocab_size"], eos_token_id=128001 % shape["vocab_size"], tie_word_embeddings=False,
+    rope_parameters=rope,
 ).save_pretrained(sys.argv[1])
 PY
 [ $? -eq 0 ] || exit 1
 
 common=(
-  --model "$MODEL_DIR" --load-format dummy --device cuda --dtype bfloat16 --vocab-size 128256
+  --model "$MODEL_DIR" --load-format dummy "${device[@]}"
   --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens 8192
   --baseline roofline --memory-bandwidth-gbs "$HBM_GBS"
 )
@@ -54,10 +71,11 @@ PY
 }
 for workload in $WORKLOADS; do
   case $workload in
-    small) shape=(--num-requests 1000 --prompt-len 128 128 --output-len 128 128); label=1000x128x128 ;;
-    long) shape=(--num-requests 200 --prompt-len 1000 1000 --output-len 1000 1000); label=200x1000x1000 ;;
+    small) n=${small[0]} p=${small[1]} o=${small[2]} ;;
+    long) n=${long[0]} p=${long[1]} o=${long[2]} ;;
     *) echo "unknown workload $workload (small, long)" >&2; exit 2 ;;
   esac
+  shape=(--num-requests "$n" --prompt-len "$p" "$p" --output-len "$o" "$o"); label=${n}x${p}x${o}
   for mode in $MODES; do
     case $mode in
       graphs) run "$label-graphs" "${shape[@]}" || failed=1 ;;

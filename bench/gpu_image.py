@@ -10,6 +10,7 @@ path fails on this machine before it can fail on that one.
     python bench/gpu_image.py SCRIPT [ARGS...]         # run a script as the image would (missing modules refused)
     python bench/gpu_image.py -m MODULE [ARGS...]      # the same for `python -m MODULE`
     python bench/gpu_image.py -c CODE                  # and for `python -c CODE`
+    python bench/gpu_image.py - [ARGS...] < PROGRAM     # and for a program on stdin
 """
 
 from __future__ import annotations
@@ -83,7 +84,11 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 0 if argv else 2
     refuse_missing()
-    if argv[0] == "-c":
+    if argv[0] == "-":
+        # `python - ARGS` with the program on stdin, as the check's inline helpers are run.
+        sys.argv = argv
+        exec(compile(sys.stdin.read(), "<stdin>", "exec"), {"__name__": "__main__"})
+    elif argv[0] == "-c":
         sys.argv = ["-c", *argv[2:]]
         exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
     elif argv[0] == "-m":

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,38 +100,64 @@ def test_graphs_vs_eager_verdicts():
     assert (verdict["identical"], verdict["near_ties"], verdict["passed"]) == (1, 1, 2)
 
 
-def test_parity_dry_run_on_cpu(tmp_path):
-    """The parity script end to end on the CPU in fp32, where pagerail must equal transformers outright; run as
-    the bare GPU image would run it, with every module the image lacks refused (bench/gpu_image.py)."""
-    report_path = tmp_path / "parity.json"
+EXPECTED_FILES = [
+    "16x16x16-eager.json",
+    "16x16x16-graphs.json",
+    "4x64x64-eager.json",
+    "4x64x64-graphs.json",
+    "check.log",
+    "gpu-tests.xml",
+    "parity.json",
+    "summary.txt",
+]
+
+
+def test_gpu_check_dry_run_writes_every_file_within_its_budget(tmp_path):
+    """bench/gpu_check.sh --dry-run: every stage on the CPU, every Python command as the bare image would run it
+    (bench/gpu_image.py refuses its missing modules); all 8 files, every stage passing, in under 8 minutes."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
+    started = time.perf_counter()
     done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / "gpu_image.py"),
-            str(BENCH / "gpu_parity.py"),
-            "--device",
-            "cpu",
-            "--models",
-            "qwen3",
-            "--prompts",
-            "3",
-            "--new-tokens",
-            "8",
-            "--json",
-            str(report_path),
-        ],
+        ["bash", str(BENCH / "gpu_check.sh"), "--dry-run"],
         cwd=REPO_ROOT,
+        env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=480,
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    report = json.loads(report_path.read_text())
+    seconds = time.perf_counter() - started
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == EXPECTED_FILES
+    assert seconds < 480
+    summary = (out / "summary.txt").read_text()
+    limits = [int(m) for m in re.findall(r"\(limit (\d+) s\)", summary)]
+    assert len(limits) == 8 and sum(limits) <= 480 and "limits add up to 480 s" in summary
+    assert summary.count(": pass in ") == 7
+    assert "tests/gpu: 0 passed, 0 failed, 0 errors" in summary  # collected, and skipped without CUDA
+    assert "graphs vs eager 3/3 identical" in summary and "16x16x16: graphs" in summary
+    assert "_paged_mixed_kernel: 16x16x16-graphs 0" in summary
+    assert "not judged off a GPU" in summary
+    log = (out / "check.log").read_text()
+    assert "engine imports: ok" in log and "gcc:" in log and "present here: none" in log
+    # The parity stage, in fp32 on the CPU, where pagerail must equal transformers outright.
+    report = json.loads((out / "parity.json").read_text())
     (model,) = report["models"]
-    assert model["transformers_float32"]["identical_to_fp32"] == 3
-    assert model["eager"]["passed"] == 3
+    assert report["complete"] is True and model["prompts"] == 3
+    assert model["transformers_float32"]["identical_to_fp32"] == 3 and model["eager"]["passed"] == 3
     assert all(p["diverges"] == 8 for p in model["eager"]["prompts"])
-    steps = model["eager"]["graph_steps"]
-    assert steps["replayed"] == 0 and steps["eager"] > 0  # no graphs on the CPU
-    assert model["graphs_vs_eager"]["identical"] == 3 and report["complete"] is True
-    assert "parity: PASS" in done.stdout
+    assert model["eager"]["graph_steps"]["replayed"] == 0 and model["eager"]["graph_steps"]["eager"] > 0
+    throughput = json.loads((out / "16x16x16-graphs.json").read_text())["pagerail"]
+    assert throughput["graph_steps"]["replayed"] == 0 and set(throughput["kernel_variants"]) >= {"_rms_norm_kernel"}
+
+
+def test_an_interrupted_pytest_stage_still_writes_its_report(tmp_path):
+    """The check stops a stage over its limit with SIGINT, on which pytest still writes the junit report."""
+    (tmp_path / "test_slow.py").write_text(
+        "import time\n\ndef test_fast():\n    pass\n\ndef test_slow():\n    time.sleep(60)\n"
+    )
+    report = tmp_path / "report.xml"
+    command = ["timeout", "-s", "INT", "-k", "10", "6", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    done = subprocess.run([*command, str(tmp_path / "test_slow.py"), f"--junitxml={report}"], cwd=tmp_path)
+    assert done.returncode == 124
+    assert 'name="test_fast"' in report.read_text()

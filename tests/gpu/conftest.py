@@ -16,3 +16,14 @@ def smollm2_dir() -> Path:
     from worker.model_loader import resolve_model_dir
 
     return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernel_variants_in_report(record_testsuite_property):
+    """After the run: how many Triton variants each engine kernel compiled, as a property of gpu-tests.xml."""
+    yield
+    import json
+
+    from worker.layers.kernel_variants import compiled_variants
+
+    record_testsuite_property("kernel_variants", json.dumps(compiled_variants()))
