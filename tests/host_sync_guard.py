@@ -135,35 +135,12 @@ class HostSyncGuard(TorchDispatchMode):
         raise HostSync(f"host sync in a captured region: {what}\n{where}")
 
 
-class _ExemptLaunch:
-    """Stands in for one kernel object: `kernel[grid](...)` runs with the guard suspended."""
-
-    def __init__(self, guard: HostSyncGuard, kernel) -> None:
-        self.guard, self.kernel = guard, kernel
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            with self.guard.suspend():
-                return self.kernel[grid](*args, **kwargs)
-
-        return launch
-
-    def __getattr__(self, name):
-        return getattr(self.kernel, name)
-
-
-@contextlib.contextmanager
 def exempt_kernels(guard: HostSyncGuard):
     """Within the block, every engine Triton kernel launches with `guard` suspended."""
-    from tests.triton_launches import engine_kernels
+    from tests.triton_launches import around_kernel_launches
 
-    patched = []
-    for module, attr in engine_kernels().values():
-        kernel = getattr(module, attr)
-        setattr(module, attr, _ExemptLaunch(guard, kernel))
-        patched.append((module, attr, kernel))
-    try:
-        yield
-    finally:
-        for module, attr, kernel in patched:
-            setattr(module, attr, kernel)
+    def suspended(launch, args, kwargs):
+        with guard.suspend():
+            return launch(*args, **kwargs)
+
+    return around_kernel_launches(suspended)

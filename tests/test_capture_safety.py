@@ -118,11 +118,10 @@ class GuardedBackend:
 
 def _run_guarded_decodes() -> GuardedBackend:
     """A runner on the Triton decode path with guarded stand-in graphs, through prefills and padded decodes."""
-    import random
     import tempfile
     from pathlib import Path
 
-    from tests.test_cuda_graphs import SHORT_STAGES, Head, make_runner
+    from tests.test_cuda_graphs import SHORT_STAGES, make_runner, run_stages
     from tests.tiny_models import make_tiny_model
     from worker.model_runner import decode_path_of
 
@@ -130,15 +129,7 @@ def _run_guarded_decodes() -> GuardedBackend:
     with tempfile.TemporaryDirectory() as tmp:
         runner = make_runner(make_tiny_model("qwen3", Path(tmp) / "qwen3"), 8, backend)
         assert decode_path_of(runner.model, torch.device("cpu"), torch.float32) == "triton"
-        rng, head, next_handle = random.Random(5), Head(), 0
-        for stage in SHORT_STAGES:
-            for handle in stage.finish:
-                head.finish(handle)
-            for handle in range(next_handle, next_handle + stage.add):
-                head.add(handle, [rng.randrange(3, 250) for _ in range(rng.randint(3, 14))])
-            next_handle += stage.add
-            for _ in range(stage.steps):
-                head.keep(runner.execute(head.batch()))
+        run_stages(SHORT_STAGES, 5, lambda stage, batch: runner.execute(batch))
     assert runner.num_replayed_steps == backend.replays
     return backend
 

@@ -285,6 +285,21 @@ class Stage:
     decode_rows: int | None
 
 
+def run_stages(stages: list[Stage], seed: int, step) -> Head:
+    """Drive `step(stage, batch) -> StepResult` through `stages` as a head would: requests with random prompts
+    join and leave, and each result's sampled tokens become the next step's inputs. Returns the head."""
+    rng, head, next_handle = random.Random(seed), Head(), 0
+    for stage in stages:
+        for handle in stage.finish:
+            head.finish(handle)
+        for handle in range(next_handle, next_handle + stage.add):
+            head.add(handle, [rng.randrange(3, 250) for _ in range(rng.randint(3, 14))])
+        next_handle += stage.add
+        for _ in range(stage.steps):
+            head.keep(step(stage, head.batch()))
+    return head
+
+
 # Captured sizes 1, 2, 4, 8, 16, 24: decode steps of 3 → 4, 5 → 8, 17 → 24, 9 → 16 and 2 (exact), with requests
 # joining in mixed steps (eager) and leaving between steps.
 STAGES = [
@@ -326,24 +341,17 @@ def test_replayed_decodes_match_eager(model_dir, decode_path, monkeypatch):
     assert eager.graphs is None and replayed.graphs is not None
     assert backend.captured == sorted(CapturePlan.for_limits(max_num_seqs).sizes, reverse=True)
     assert decode_path_of(replayed.model, CPU, torch.float32) == decode_path
-    rng = random.Random(3)
-    head = Head()
-    next_handle = 0
-    for stage in stages:
-        for handle in stage.finish:
-            head.finish(handle)
-        for handle in range(next_handle, next_handle + stage.add):
-            head.add(handle, [rng.randrange(3, 250) for _ in range(rng.randint(3, 14))])
-        next_handle += stage.add
-        for _ in range(stage.steps):
-            batch = head.batch()
-            ours, theirs = replayed.execute(batch), eager.execute(batch)
-            if stage.decode_rows is not None:
-                assert len(batch.new_requests) == 0 and len(ours.handles) == stage.decode_rows
-            assert list(ours.handles) == list(theirs.handles)
-            assert list(ours.token_ids) == list(theirs.token_ids), f"step {batch.step_id}"
-            torch.testing.assert_close(list(ours.logprobs), list(theirs.logprobs), atol=1e-5, rtol=0)
-            head.keep(ours)
+
+    def step(stage: Stage, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
+        ours, theirs = replayed.execute(batch), eager.execute(batch)
+        if stage.decode_rows is not None:
+            assert len(batch.new_requests) == 0 and len(ours.handles) == stage.decode_rows
+        assert list(ours.handles) == list(theirs.handles)
+        assert list(ours.token_ids) == list(theirs.token_ids), f"step {batch.step_id}"
+        torch.testing.assert_close(list(ours.logprobs), list(theirs.logprobs), atol=1e-5, rtol=0)
+        return ours
+
+    head = run_stages(stages, 3, step)
 
     num_replays = sum(stage.steps for stage in stages if stage.decode_rows is not None)
     num_eager = sum(stage.steps for stage in stages if stage.decode_rows is None)

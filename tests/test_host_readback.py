@@ -100,9 +100,7 @@ class TimingEvent(CountingEvent):
 
 def test_runner_on_the_cuda_branch_times_the_forward_by_events_and_waits_once_per_step(tmp_path):
     """The runner's CUDA branch (events around the forward, readback for tokens) run on the CPU with stand-ins."""
-    import random
-
-    from tests.test_cuda_graphs import SHORT_STAGES, Head, make_runner
+    from tests.test_cuda_graphs import SHORT_STAGES, make_runner, run_stages
     from tests.tiny_models import make_tiny_model
 
     model_dir = make_tiny_model("qwen3", tmp_path / "qwen3")
@@ -113,17 +111,13 @@ def test_runner_on_the_cuda_branch_times_the_forward_by_events_and_waits_once_pe
             runner._forward_events = (TimingEvent(), TimingEvent())
             runner.readback, _ = _readback()
             runner.sampler.readback = runner.readback
-        rng, head, next_handle, results = random.Random(5), Head(), 0, []
-        for stage in SHORT_STAGES:
-            for handle in stage.finish:
-                head.finish(handle)
-            for handle in range(next_handle, next_handle + stage.add):
-                head.add(handle, [rng.randrange(3, 250) for _ in range(rng.randint(3, 14))])
-            next_handle += stage.add
-            for _ in range(stage.steps):
-                result = runner.execute(head.batch())
-                head.keep(result)
-                results.append(result)
+        results = []
+
+        def step(stage, batch, runner=runner, results=results):
+            results.append(runner.execute(batch))
+            return results[-1]
+
+        run_stages(SHORT_STAGES, 5, step)
         runs.append(results)
     cpu, cuda = runs
     assert [list(r.token_ids) for r in cuda] == [list(r.token_ids) for r in cpu]

@@ -8,7 +8,6 @@ tests.test_mixed_step_launches` prints the counts and the host time per launch o
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import tempfile
@@ -41,40 +40,19 @@ class LaunchCounter(TorchDispatchMode):
             self.ops += 1
         return func(*args, **(kwargs or {}))
 
-    @contextlib.contextmanager
     def counting_triton(self):
         """Each engine kernel launch counts once; what the interpreter runs inside it does not."""
-        from tests.triton_launches import engine_kernels
+        from tests.triton_launches import around_kernel_launches
 
-        counter, patched = self, []
+        def counted(launch, args, kwargs):
+            self.triton += 1
+            self._inside_kernel += 1
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                self._inside_kernel -= 1
 
-        class Counted:
-            def __init__(self, kernel) -> None:
-                self.kernel = kernel
-
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    counter.triton += 1
-                    counter._inside_kernel += 1
-                    try:
-                        return self.kernel[grid](*args, **kwargs)
-                    finally:
-                        counter._inside_kernel -= 1
-
-                return launch
-
-            def __getattr__(self, name):
-                return getattr(self.kernel, name)
-
-        for module, attr in engine_kernels().values():
-            kernel = getattr(module, attr)
-            setattr(module, attr, Counted(kernel))
-            patched.append((module, attr, kernel))
-        try:
-            yield
-        finally:
-            for module, attr, kernel in patched:
-                setattr(module, attr, kernel)
+        return around_kernel_launches(counted)
 
     @property
     def total(self) -> int:

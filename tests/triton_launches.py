@@ -12,6 +12,7 @@ and reads registers and spills from ptxas and shared memory from the compiled me
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import tempfile
@@ -35,6 +36,34 @@ def _target():
 def engine_kernels() -> dict[str, tuple[object, str]]:
     """Every launchable Triton kernel of the kernel modules (jit functions named *_kernel), by name."""
     return kernel_attributes()
+
+
+class _WrappedLaunch:
+    """Stands in for one kernel object: `kernel[grid](...)` calls `around(kernel[grid], args, kwargs)`."""
+
+    def __init__(self, kernel, around) -> None:
+        self.kernel, self.around = kernel, around
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.around(self.kernel[grid], args, kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+
+@contextlib.contextmanager
+def around_kernel_launches(around):
+    """Within the block every engine kernel launch runs as `around(launch, args, kwargs)`."""
+    patched = []
+    for module, attr in engine_kernels().values():
+        kernel = getattr(module, attr)
+        setattr(module, attr, _WrappedLaunch(kernel, around))
+        patched.append((module, attr, kernel))
+    try:
+        yield
+    finally:
+        for module, attr, kernel in patched:
+            setattr(module, attr, kernel)
 
 
 def _as_jit(kernel):
