@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 TINY_KINDS = ("llama", "llama_tied", "mistral", "qwen2", "qwen3")
 
 _COMMON = dict(
@@ -61,11 +59,10 @@ def make_tiny_model(
     Weights are drawn larger than the default init, norms and biases away from 1 and 0, so that every
     parameter visibly moves the logits and a wrong mapping cannot hide.
     """
-    from transformers import AutoModelForCausalLM
+    from cluster.bench.random_checkpoints import save_random_weights
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
     config = tiny_config(kind)
     if vocab_size is not None:
         config.vocab_size = vocab_size
@@ -73,11 +70,4 @@ def make_tiny_model(
         config.num_hidden_layers = num_layers
         if getattr(config, "layer_types", None) is not None:
             config.layer_types = [config.layer_types[0]] * num_layers
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.08 * noise)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_random_weights(config, path, seed, scale=0.08)

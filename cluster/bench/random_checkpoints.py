@@ -25,7 +25,7 @@ _SMOLLM2_SHAPE = dict(
 
 def random_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
     """A random-weight checkpoint whose logits are peaked enough for greedy decoding to mean something."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config
 
     if kind == "qwen3":
         config = Qwen3Config(
@@ -44,14 +44,23 @@ def random_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
         )
     else:
         config = LlamaConfig(**_SMOLLM2_SHAPE)
+    return save_random_weights(config, path, seed, scale=0.05)
+
+
+def save_random_weights(config, path: Path, seed: int, scale: float) -> Path:
+    """A transformers `config`'s model with seeded weights, saved as safetensors into `path`.
+
+    Weights are N(0, scale²), wider than the default init, and norms N(1, 0.01): every weight moves the logits.
+    """
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
-            # Wider than the default init, norms away from 1: every weight moves the logits.
-            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.05 * noise)
+            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else scale * noise)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
