@@ -1,15 +1,22 @@
-# Two entry points: `make run` (serve the embedded model) and `make test` (the whole suite).
-# Each creates .venv and installs everything on a fresh machine; later runs reuse it.
+# Two entry points: `make run` (serve the embedded model) and `make test` (the whole suite); `make test-fast` is the
+# inner loop (no Ray, servers, soak, interpreter or child processes). Each creates .venv and installs everything on
+# a fresh machine; later runs reuse it, and a changed TORCH_SPEC reinstalls.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch; on a CUDA machine set TORCH_SPEC to the CUDA wheel you want.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+TORCH_STAMP := $(VENV)/.torch-spec
 
-.PHONY: venv run test lint proto clean
+.PHONY: venv run test test-fast lint proto clean FORCE
 
-$(STAMP): pyproject.toml
+# Rewritten only when TORCH_SPEC differs from the one installed, which then makes the install run again.
+$(TORCH_STAMP): FORCE
+	@mkdir -p $(VENV)
+	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
+
+$(STAMP): pyproject.toml $(TORCH_STAMP)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
@@ -31,6 +38,10 @@ lint: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -m "not slow"
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. proto/step.proto

@@ -15,11 +15,16 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = ROOT / "bench" / "gpu_image.py"
 sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_image import MISSING_MODULES  # noqa: E402
+
+# Child processes, the Triton interpreter or offline GPU builds: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
 
 # Runs under bench/gpu_image.py, which refuses every missing module before the first line here.
 CHILD = textwrap.dedent(

@@ -167,6 +167,7 @@ def test_interpreted_guard_catches_a_sync_in_the_captured_forward(monkeypatch):
     assert backend.replays == 0  # the runner fell back to eager decodes
 
 
+@pytest.mark.slow
 def test_captured_decode_forward_on_the_triton_path_never_syncs():
     command = ["-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"]
     result = run_interpreted(command, timeout=600)

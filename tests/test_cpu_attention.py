@@ -295,6 +295,7 @@ print(before, loaded, subnormals_kept())
 """
 
 
+@pytest.mark.slow
 def test_loading_and_running_the_kernel_leave_the_process_float_mode_alone(tmp_path):
     # A library linked with -ffast-math turns on flush-to-zero for the whole process when it is loaded: every
     # later float operation of torch and of the caller would drop its subnormals. A fresh interpreter, so no

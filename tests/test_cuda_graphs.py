@@ -371,6 +371,7 @@ def test_replayed_decodes_match_eager(model_dir, decode_path, monkeypatch):
         assert not paged[:, :, unused].any()
 
 
+@pytest.mark.slow
 def test_replayed_decodes_match_eager_through_interpreted_triton():
     """The Triton decode kernel (and fused ops) the GPU captures, reading the static full-width table, on the CPU."""
     command = ["-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "match_eager[triton]"]

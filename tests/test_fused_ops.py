@@ -228,6 +228,7 @@ def test_residual_norm_on_cpu_adds_out_of_place() -> None:
     assert torch.equal(residual, before) and torch.equal(summed, before + x) and torch.equal(out, norm(before + x))
 
 
+@pytest.mark.slow
 def test_switch_and_missing_triton_keep_the_torch_path() -> None:
     # PAGERAIL_FUSED_OPS=0 turns the kernels off even with the interpreter on; without triton the modules run.
     code = (

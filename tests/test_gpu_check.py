@@ -18,6 +18,9 @@ sys.path.insert(0, str(BENCH))
 
 import gpu_parity  # noqa: E402
 
+# Child processes, the Triton interpreter or offline GPU builds: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("script", ["gpu_check.sh", "gpu.sh", "gpu_wheels.sh"])
 def test_scripts_parse(script):

@@ -18,7 +18,12 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+import pytest
+
 from tests.requirements import TRITON_REQUIRED, missing, require_module
+
+# Child processes, the Triton interpreter or offline GPU builds: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
 
 require_module("triton", "needs Triton", required_in_ci=TRITON_REQUIRED)
 

@@ -20,6 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.triton_interpreter import run_interpreted
 
+# Child processes, the Triton interpreter or offline GPU builds: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
+
 # (decodes running, prompts joining, prompt length range): each pair of steps is one mixed step then decodes.
 COMPOSITIONS = [(1, 1, (3, 6)), (4, 1, (20, 40)), (8, 2, (3, 14)), (2, 3, (30, 60))]
 # What a launch-free op never reaches: views, metadata and allocations.

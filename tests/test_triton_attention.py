@@ -130,6 +130,7 @@ def test_kernel_matches_reference(case: Case, interpreter_errors: dict[str, floa
     assert error <= case.atol, f"{asdict(case)}: max abs error {error:.3g}"
 
 
+@pytest.mark.slow
 def test_module_imports_and_reports_without_triton() -> None:
     # A CPU-only install has no triton: the module must still import, and report the kernel as unavailable.
     code = (

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.requirements import TRITON_REQUIRED, require_module
 from tests.triton_interpreter import interpreted_report
+
+# Child processes, the Triton interpreter or offline GPU builds: left out of `make test-fast`.
+pytestmark = pytest.mark.slow
 
 require_module("triton", "needs Triton", required_in_ci=TRITON_REQUIRED)
 
