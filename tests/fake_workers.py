@@ -55,11 +55,9 @@ class FakeKVWorkers:
         failure, self.fail_next = self.fail_next, None
         if any(state.handle in self.poison_handles for state in scheduled):
             failure = "worker"
-        writes = [
-            (state, pos)
-            for state in scheduled
-            for pos in range(state.num_computed_tokens, state.num_computed_tokens + state.num_scheduled_tokens)
-        ]
+        writes = [(state, pos) for state in scheduled for pos in range(
+            state.num_computed_tokens, state.num_computed_tokens + state.num_scheduled_tokens
+        )]
         if failure is not None:
             # A rank that fails part-way has written some of the step's KV; the rest of the slots keep whatever
             # they held before (another sequence's KV, or nothing).

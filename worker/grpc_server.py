@@ -87,10 +87,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         """The steps in the order they arrive, each answered in turn; the head queues step N+1 while step N runs.
         A failed step ends the stream with INTERNAL, and the steps queued behind it are not run."""
         return serve_step_stream(
-            request_iterator,
-            context,
-            self._run_step,
-            lambda batch: self._step_span(batch, "StepStream"),
+            request_iterator, context, self._run_step, lambda batch: self._step_span(batch, "StepStream"),
             self.worker.tp.rank,
         )
 

@@ -258,7 +258,9 @@ class InputBuffers:
         width = -(-int(lens.max()) // self.block_size)
         return torch.from_numpy(self._table_np[:, :width][table_rows]), torch.from_numpy(lens)
 
-    def _gather_rows(self, buf: np.ndarray, staged: torch.Tensor, rows_at: int, count: int, width: int) -> torch.Tensor:
+    def _gather_rows(
+        self, buf: np.ndarray, staged: torch.Tensor, rows_at: int, count: int, width: int
+    ) -> torch.Tensor:
         """The `count` block-table rows whose indices sit at rows_at of the staging buffer, `width` entries each."""
         end = rows_at + count
         if self._in_place:
