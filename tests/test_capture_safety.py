@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.host_sync_guard import HostSync, HostSyncGuard, exempt_kernels
-from tests.triton_interpreter import run_interpreted
+from tests.triton_interpreter import assert_interpreted_tests_pass
 
 x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
 mask = x > 5
@@ -169,7 +169,4 @@ def test_interpreted_guard_catches_a_sync_in_the_captured_forward(monkeypatch):
 
 @pytest.mark.slow
 def test_captured_decode_forward_on_the_triton_path_never_syncs():
-    command = ["-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"]
-    result = run_interpreted(command, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
-    assert "2 passed" in result.stdout
+    assert_interpreted_tests_pass(__file__, "interpreted", 2)

@@ -17,7 +17,7 @@ import worker.layers.triton_attention as triton_attention
 from proto import step_pb2
 from tests.requirements import require
 from tests.tiny_models import make_tiny_model
-from tests.triton_interpreter import run_interpreted
+from tests.triton_interpreter import assert_interpreted_tests_pass
 from worker.cuda_graphs import CapturePlan, DecodeGraphs, StaticDecodeInputs, capture_sizes
 from worker.input_batch import FlatBatch
 from worker.kv_cache import allocate_kv_caches
@@ -374,7 +374,4 @@ def test_replayed_decodes_match_eager(model_dir, decode_path, monkeypatch):
 @pytest.mark.slow
 def test_replayed_decodes_match_eager_through_interpreted_triton():
     """The Triton decode kernel (and fused ops) the GPU captures, reading the static full-width table, on the CPU."""
-    command = ["-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "match_eager[triton]"]
-    result = run_interpreted(command, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "1 passed" in result.stdout
+    assert_interpreted_tests_pass(__file__, "match_eager[triton]", 1)

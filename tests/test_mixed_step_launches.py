@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.triton_interpreter import run_interpreted
+from tests.triton_interpreter import assert_interpreted_tests_pass, run_interpreted
 
 # Child processes, the Triton interpreter or offline GPU builds: left out of `make test-fast`.
 pytestmark = pytest.mark.slow
@@ -142,10 +142,7 @@ def test_interpreted_mixed_step_launches_do_not_grow_with_the_step():
 
 
 def test_mixed_step_launches_on_the_triton_path():
-    command = ["-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interpreted"]
-    result = run_interpreted(command, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
-    assert "1 passed" in result.stdout
+    assert_interpreted_tests_pass(__file__, "interpreted", 1)
 
 
 if __name__ == "__main__":

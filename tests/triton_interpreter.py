@@ -34,3 +34,11 @@ def interpreted_report(module: str, timeout: int = 300, env: dict[str, str] | No
     result = run_interpreted(["-c", f"from {module} import _report; _report()"], timeout=timeout, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def assert_interpreted_tests_pass(test_file: str, selector: str, passed: int, timeout: int = 600) -> None:
+    """Run `pytest test_file -k selector` under the interpreter; exactly `passed` tests must pass there."""
+    command = ["-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", selector]
+    result = run_interpreted(command, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+    assert f"{passed} passed" in result.stdout

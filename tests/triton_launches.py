@@ -19,7 +19,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from worker.layers.kernel_variants import kernel_attributes
+# Every launchable engine kernel by name → (module, attribute).
+from worker.layers.kernel_variants import kernel_attributes as engine_kernels
 
 # sm_90 with 32-thread warps: the H100 and H200.
 HOPPER_CAPABILITY = 90
@@ -31,11 +32,6 @@ def _target():
     from triton.backends.compiler import GPUTarget
 
     return GPUTarget("cuda", HOPPER_CAPABILITY, 32)
-
-
-def engine_kernels() -> dict[str, tuple[object, str]]:
-    """Every launchable Triton kernel of the kernel modules (jit functions named *_kernel), by name."""
-    return kernel_attributes()
 
 
 class _WrappedLaunch:

@@ -51,3 +51,10 @@ class HostReadback:
             # Doubling keeps reallocations (and their pinning) rare as batches grow.
             grown = max(size, 2 * (buffer.numel() if buffer is not None else 256))
             self._buffers[dtype] = torch.empty(grown, dtype=dtype, pin_memory=self._pinned)
+
+
+def to_host(readback: HostReadback | None, *tensors: torch.Tensor) -> list[list]:
+    """The tensors' values on the host: through `readback` (one wait for all), else one tolist() each (the CPU)."""
+    if readback is not None:
+        return readback.read(*tensors)
+    return [tensor.tolist() for tensor in tensors]

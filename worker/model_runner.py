@@ -18,7 +18,7 @@ from worker.cuda_graphs import (
     GraphBackend,
     StaticDecodeInputs,
 )
-from worker.host_readback import HostReadback
+from worker.host_readback import HostReadback, to_host
 from worker.input_batch import FlatBatch, GatherWorkspace
 from worker.input_buffers import InputBuffers
 from worker.layers.attention import decode_path, paged_prefill_max_context
@@ -80,11 +80,10 @@ class ModelRunner:
         # On CUDA a step's tokens come back through pinned buffers and one event: the step's only host wait.
         self.readback = HostReadback(device) if device.type == "cuda" else None
         self.sampler = Sampler(readback=self.readback)
-        self._forward_events = (
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            if (device.type == "cuda")
-            else None
-        )
+        # The forward is timed on the device there, so timing it needs no wait of its own.
+        self._forward_events = None
+        if device.type == "cuda":
+            self._forward_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         # Created on rank 0 when the first request with penalties samples.
         self.penalties: PenaltyState | None = None
         # Output constraints are enforced where tokens are sampled; the tokenizer they compile against is read
@@ -190,9 +189,10 @@ class ModelRunner:
             states = self.states.states
             self.constraints.start([states[new.handle] for new in batch.new_requests if new.sampling.constraint_kind])
         if flat is not None:
-            forward_started = time.perf_counter()
             events = self._forward_events
-            if events is not None:
+            if events is None:
+                forward_started = time.perf_counter()
+            else:
                 events[0].record()
             with traced(_tracer, "forward"):
                 hidden = self._forward(flat)
@@ -239,7 +239,7 @@ class ModelRunner:
             received = self.tp.broadcast(shared.to(self.tp_device))
             if token_ids is None:
                 # Rank 0 already holds the tokens: only the other ranks wait for them.
-                token_ids = received.tolist() if self.readback is None else self.readback.read(received)[0]
+                token_ids = to_host(self.readback, received)[0]
         if len(states) == len(ordered):
             # Every request sampled (the common step): one pass does both.
             for state, token_id in zip(ordered, token_ids, strict=True):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.host_readback import HostReadback
+from worker.host_readback import HostReadback, to_host
 
 # Below this temperature a row is decoded by argmax; the same threshold as SamplingParams.greedy.
 GREEDY_TEMPERATURE = 1e-5
@@ -21,14 +21,7 @@ def row_argmax(logits: torch.Tensor, readback: HostReadback | None = None) -> li
     """
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         return logits.detach().numpy().argmax(axis=-1).tolist()
-    return _read(readback, logits.argmax(dim=-1))[0]
-
-
-def _read(readback: HostReadback | None, *tensors: torch.Tensor) -> list[list]:
-    """The tensors' values on the host: through `readback` (one wait for all), else one tolist() each."""
-    if readback is not None:
-        return readback.read(*tensors)
-    return [tensor.tolist() for tensor in tensors]
+    return to_host(readback, logits.argmax(dim=-1))[0]
 
 
 @dataclass(slots=True)
@@ -135,7 +128,7 @@ class Sampler:
             token_ids_t = self._draw(logits, rows, greedy)
 
         if not any_logprobs:
-            token_ids = _read(self.readback, token_ids_t)[0]
+            token_ids = to_host(self.readback, token_ids_t)[0]
             return SamplerOutput(token_ids, [None] * num_rows, [[] for _ in rows], [[] for _ in rows])
         return _gather_logprobs(logits, token_ids_t, rows, self.readback)
 
@@ -264,9 +257,9 @@ def _gather_logprobs(
     top_indices: list[list[int]] = []
     if max_top > 0:
         top = logprobs.topk(max_top, dim=-1)
-        token_ids, sampled, top_values, top_indices = _read(readback, token_ids_t, sampled_t, top.values, top.indices)
+        token_ids, sampled, top_values, top_indices = to_host(readback, token_ids_t, sampled_t, top.values, top.indices)
     else:
-        token_ids, sampled = _read(readback, token_ids_t, sampled_t)
+        token_ids, sampled = to_host(readback, token_ids_t, sampled_t)
 
     out_logprobs: list[float | None] = []
     out_top_ids: list[list[int]] = []
