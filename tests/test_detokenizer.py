@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.frontend.detokenizer import IncrementalDetokenizer
+from cluster.frontend.generation import token_text
 
 TEXTS = [
     "Hello world, this is a plain sentence.",
@@ -111,8 +112,7 @@ def test_finish_adds_the_last_tokens(tokenizer) -> None:
 
 def test_token_text(tokenizer) -> None:
     ids = tokenizer.encode("Hello world")
-    detok = IncrementalDetokenizer(tokenizer, [])
-    assert [detok.token_text(t) for t in ids] == ["Hello", " world"]
+    assert [token_text(tokenizer, t) for t in ids] == ["Hello", " world"]
 
 
 class CountingTokenizer:

@@ -106,29 +106,18 @@ async def test_generate_by_text_detokenizes(tokenizer):
     assert responses[-1].finish_reason == "length" and responses[-1].usage.completion_tokens == 8
 
 
-class StopAfter:
-    """A detokenizer that writes one letter per token and stops after `limit` tokens."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.seen, self.stopped = limit, 0, False
-
-    def add(self, token_ids: list[int]) -> str:
-        self.seen += len(token_ids)
-        self.stopped = self.seen >= self.limit
-        return "x" * len(token_ids)
-
-    def flush(self) -> str:
-        return ""
-
-
 @async_test
-async def test_stop_from_detokenizer_finishes_with_stop_and_aborts_engine():
+async def test_stop_string_finishes_with_stop_cuts_tokens_and_aborts_engine(tokenizer):
+    tokens = fake_tokens([300], 100)
+    stop = tokenizer.decode(tokens[2:3])
+    assert stop.strip() and stop not in tokenizer.decode(tokens[:2])  # the third token completes the stop string
     engine = FakeEngineClient(step_delay_s=0.01)
-    factory = lambda tokenizer, prompt_ids, params: StopAfter(3)  # noqa: E731
-    async with serve(engine, object(), detokenizer_factory=factory) as channel:
-        call = api_pb2_grpc.GenerationStub(channel).Generate(token_request([5], "r-stop", max_tokens=100))
+    async with serve(engine, tokenizer) as channel:
+        request = token_request([300], "r-stop", max_tokens=100, stop=[stop])
+        call = api_pb2_grpc.GenerationStub(channel).Generate(request)
         responses = [response async for response in call]
-    assert "".join(r.text for r in responses) == "xxx"
+    assert "".join(r.text for r in responses) == tokenizer.decode(tokens[:2])
+    assert [t for r in responses for t in r.token_ids] == tokens[:3]  # none of the tokens after the stop
     assert responses[-1].finish_reason == "stop" and responses[-1].usage.completion_tokens == 3
     await wait_until(lambda: len(engine.aborted) == 1)  # the engine id is made by the server
 

@@ -22,14 +22,37 @@ def _as_ids(value: object) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
+def _tokenizer_eos_ids(model_dir: Path) -> tuple[int, ...]:
+    """The id of the tokenizer's own end-of-sequence token (tokenizer_config.json's eos_token, looked up in
+    tokenizer.json), or () when the model ships no such tokenizer."""
+    config_file, tokenizer_file = model_dir / "tokenizer_config.json", model_dir / "tokenizer.json"
+    if not config_file.exists() or not tokenizer_file.exists():
+        return ()
+    eos = json.loads(config_file.read_text()).get("eos_token")
+    if isinstance(eos, dict):  # the AddedToken form
+        eos = eos.get("content")
+    if not isinstance(eos, str):
+        return ()
+    tokenizer = json.loads(tokenizer_file.read_text())
+    for added in tokenizer.get("added_tokens", []):
+        if added.get("content") == eos:
+            return (int(added["id"]),)
+    token_id = tokenizer.get("model", {}).get("vocab", {}).get(eos)
+    return (int(token_id),) if isinstance(token_id, int) else ()
+
+
 def read_model_info(model_dir: Path) -> ModelInfo:
-    """Read config.json (and generation_config.json, whose eos list wins) without loading weights."""
+    """Read config.json without loading weights. The end-of-sequence ids: generation_config.json's list wins over
+    config.json's, and a model naming none in either stops at its tokenizer's eos token, so the same model stops
+    at the same token whichever entry point serves it."""
     config = json.loads((model_dir / "config.json").read_text())
     text_config = config.get("text_config", config)
     eos = _as_ids(text_config.get("eos_token_id"))
     generation = model_dir / "generation_config.json"
     if generation.exists():
         eos = _as_ids(json.loads(generation.read_text()).get("eos_token_id")) or eos
+    if not eos:
+        eos = _tokenizer_eos_ids(model_dir)
     return ModelInfo(
         max_position_embeddings=int(text_config.get("max_position_embeddings", 2048)),
         vocab_size=int(text_config["vocab_size"]),

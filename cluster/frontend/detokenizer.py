@@ -32,7 +32,6 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
     ) -> None:
-        self._tokenizer = tokenizer
         self._decode = token_decoder(tokenizer, skip_special_tokens)
         self._stop = tuple(s for s in stop if s)
         self._max_stop_len = max((len(s) for s in self._stop), default=0)
@@ -61,7 +60,17 @@ class IncrementalDetokenizer:
         return self._num_output_tokens
 
     def add(self, token_ids: list[int]) -> str:
-        """Take new output tokens; return the text they complete (possibly ""). Returns "" once stopped."""
+        """Take new output tokens; return the text they complete (possibly ""). Returns "" once stopped.
+
+        Once stopped, `num_output_tokens` counts the tokens up to the one that completed the stop string: those
+        after it were never taken.
+        """
+        if not self._stop and len(token_ids) > 1:
+            # Nothing to look for between tokens: the chunk is decoded as one window (two decodes, not two per
+            # token), holding back only what ends inside a character however many tokens came with it.
+            self._ids.extend(token_ids)
+            self._num_output_tokens += len(token_ids)
+            return self._emit(self._decode_step(force=False, max_held=len(token_ids) - 1 + _MAX_HELD_TOKENS))
         delta: list[str] = []
         for token_id in token_ids:
             if self.stopped:
@@ -85,19 +94,14 @@ class IncrementalDetokenizer:
         text = self.add(list(token_ids_remaining))
         return text + self.flush()
 
-    def token_text(self, token_id: int) -> str:
-        """The text of one token on its own, as logprobs show it."""
-        tokens = self._tokenizer.convert_ids_to_tokens([token_id])
-        return self._tokenizer.convert_tokens_to_string(tokens)
-
-    def _decode_step(self, force: bool) -> str:
+    def _decode_step(self, force: bool, max_held: int = _MAX_HELD_TOKENS) -> str:
         """Text that the tokens past read_offset add; "" while they end inside a multi-byte character."""
         if self._read_offset >= len(self._ids):
             return ""
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset :])
         held = len(self._ids) - self._read_offset
-        if full_text.endswith(_REPLACEMENT) and not force and held < _MAX_HELD_TOKENS:
+        if full_text.endswith(_REPLACEMENT) and not force and held < max_held:
             return ""
         # A prompt ending inside a character decodes to a replacement char that the output then completes;
         # the prefix is then not a prefix of the full text, and the whole new window is the best answer.

@@ -1,29 +1,17 @@
-"""Turns engine token deltas into text deltas for one request's n choices: detokenizing, stop strings, usage."""
+"""Streams one request's n choices to a front door: each choice's engine deltas through its ChoiceState, usage."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 from opentelemetry import trace
 
 from cluster.core.engine_client import EngineClient
 from cluster.core.sampling_params import SamplingParams
 from cluster.frontend import tracing
-from cluster.frontend.detokenizer import IncrementalDetokenizer
-
-
-@dataclass
-class ChoiceDelta:
-    """New text of one choice; the last one carries finish_reason."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    # Per new token: (token text, logprob, [(top token text, logprob), ...]) when logprobs were asked for.
-    logprobs: list[tuple[str, float, list[tuple[str, float]]]] = field(default_factory=list)
-    finish_reason: str | None = None
+from cluster.frontend.output_processor import ChoiceDelta, ChoiceState, choice_params
 
 
 @dataclass
@@ -47,36 +35,24 @@ async def stream_choice(
     usage: Usage,
 ) -> AsyncIterator[ChoiceDelta]:
     """One sequence: engine deltas → text deltas, cut at a stop string (the engine request is then aborted)."""
-    detokenizer = IncrementalDetokenizer(
-        tokenizer,
-        prompt_ids,
-        params.skip_special_tokens,
-        params.stop,
-        params.include_stop_str_in_output,
-        min_tokens=params.min_tokens,
-    )
-    want_logprobs = params.logprobs is not None
+    state = ChoiceState(tokenizer, prompt_ids, params, index)
     span = trace.get_current_span()  # the request span, when the route runs inside one
     stream = engine.generate(request_id, prompt_ids, params, trace_context=tracing.engine_carrier(span))
     tracing.record_queued(span, request_id)
     try:
         async for delta in stream:
-            usage.completion_tokens += len(delta.token_ids)
             usage.cached_tokens = max(usage.cached_tokens, delta.num_cached_tokens)
             tracing.record_delta(span, request_id, delta)
-            text = detokenizer.add(delta.token_ids)
-            logprobs = _logprob_entries(detokenizer, delta) if want_logprobs else []
-            if detokenizer.stopped:
+            choice = state.process(delta)
+            usage.completion_tokens += len(choice.token_ids)
+            if state.stopped:
                 await engine.abort(request_id)
-                _trace_finished(span, request_id, "stop", delta.num_output_tokens, usage)
-                yield ChoiceDelta(index, text, delta.token_ids, logprobs, "stop")
+            if state.finished:
+                _trace_finished(span, request_id, choice.finish_reason, state.num_output_tokens, usage)
+                yield choice
                 return
-            if delta.finished:
-                _trace_finished(span, request_id, delta.finish_reason, delta.num_output_tokens, usage)
-                yield ChoiceDelta(index, text + detokenizer.flush(), delta.token_ids, logprobs, delta.finish_reason)
-                return
-            if text or delta.token_ids:
-                yield ChoiceDelta(index, text, delta.token_ids, logprobs)
+            if choice.text or choice.token_ids:
+                yield choice
     finally:
         await stream.aclose()
 
@@ -87,14 +63,20 @@ def _trace_finished(span: trace.Span, request_id: str, reason: str | None, num_o
     tracing.record_usage(span, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
 
 
-def _logprob_entries(detokenizer: IncrementalDetokenizer, delta) -> list[tuple[str, float, list[tuple[str, float]]]]:
+def logprob_entries(tokenizer, delta: ChoiceDelta) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """Per token of `delta`: (its text, its logprob, [(text, logprob) of the most likely tokens, best first])."""
     entries = []
     for position, token in enumerate(delta.token_ids):
         logprob = delta.logprobs[position] if position < len(delta.logprobs) else 0.0
         top = delta.top_logprobs[position] if position < len(delta.top_logprobs) else {}
         ranked = sorted(top.items(), key=lambda item: -item[1])
-        entries.append((detokenizer.token_text(token), logprob, [(detokenizer.token_text(t), lp) for t, lp in ranked]))
+        entries.append((token_text(tokenizer, token), logprob, [(token_text(tokenizer, t), lp) for t, lp in ranked]))
     return entries
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """The text of one token on its own, as logprobs show it."""
+    return tokenizer.convert_tokens_to_string(tokenizer.convert_ids_to_tokens([token_id]))
 
 
 async def stream_choices(
@@ -110,8 +92,7 @@ async def stream_choices(
     done = object()
 
     async def pump(index: int) -> None:
-        # Distinct seeds keep seeded choices from being identical copies of each other.
-        child = params if params.seed is None else replace(params, seed=params.seed + index)
+        child = choice_params(params, index)
         try:
             async for delta in stream_choice(
                 engine, tokenizer, f"{request_id}-{index}", index, prompt_ids, child, usage

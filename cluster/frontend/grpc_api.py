@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -21,7 +21,6 @@ from cluster.core.engine_client import EngineClient, RequestDelta
 from cluster.core.sampling_params import SamplingParams
 from cluster.frontend import tracing
 from cluster.frontend.constraints import check_constraint_of
-from cluster.frontend.detokenizer import IncrementalDetokenizer
 from cluster.frontend.grpc_convert import (
     RpcError,
     constraint_field,
@@ -32,6 +31,7 @@ from cluster.frontend.grpc_convert import (
     usage,
 )
 from cluster.frontend.grpc_guards import ApiKeyInterceptor, EngineHealth
+from cluster.frontend.output_processor import ChoiceState
 from common.tls import ServerTls
 from proto import api_pb2, api_pb2_grpc
 
@@ -44,32 +44,6 @@ GENERATION_SERVICE = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 MAX_REQUEST_ID_LEN = 256
 
 
-class Detokenizer(Protocol):
-    """Turns a request's output tokens into text deltas and spots stop strings."""
-
-    @property
-    def stopped(self) -> bool: ...
-
-    def add(self, token_ids: list[int]) -> str: ...
-
-    def flush(self) -> str: ...
-
-
-DetokenizerFactory = Callable[[Any, list[int], SamplingParams], Detokenizer]
-
-
-def default_detokenizer_factory(tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> Detokenizer:
-    """The frontend's IncrementalDetokenizer, configured from the request's sampling params."""
-    return IncrementalDetokenizer(
-        tokenizer,
-        prompt_token_ids,
-        skip_special_tokens=params.skip_special_tokens,
-        stop=params.stop,
-        include_stop_str_in_output=params.include_stop_str_in_output,
-        min_tokens=params.min_tokens,
-    )
-
-
 @dataclass
 class _Stream:
     """One request streaming from this server: where its deltas arrive and how far it got."""
@@ -78,10 +52,9 @@ class _Stream:
     engine_id: str  # the engine's id, always made here: callers can never name another caller's request
     prompt_ids: list[int]  # grows with each chunk of a streaming-input session
     params: SamplingParams
-    detokenize: bool
     send_text: bool
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestDelta, or the exception that ended it
-    detokenizer: Detokenizer | None = None
+    choice: ChoiceState | None = None
     last: RequestDelta | None = None
     finished: bool = False  # the client got its last message
     engine_done: bool = False  # the engine finished or was told to abort: nothing left to free
@@ -91,12 +64,9 @@ class _Stream:
 class GenerationServicer(api_pb2_grpc.GenerationServicer):
     """pagerail.api.Generation over one engine replica; tokenization, detokenization and stop strings live here."""
 
-    def __init__(
-        self, engine: EngineClient, tokenizer: Any | None, detokenizer_factory: DetokenizerFactory | None = None
-    ) -> None:
+    def __init__(self, engine: EngineClient, tokenizer: Any | None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
-        self.detokenizer_factory = detokenizer_factory or default_detokenizer_factory
         # Keyed by (connection, the caller's request_id): a request_id is unique on its connection only.
         self._streams: dict[tuple[str, str], _Stream] = {}
         self._started = time.monotonic()
@@ -177,9 +147,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         prompt_ids = self._input_ids(message, first=True)
         if not prompt_ids:
             raise ValueError("input: the prompt must contain at least one token")
-        # Stop strings need the text even when the client does not want it.
-        detokenize = self.tokenizer is not None and (not message.skip_detokenize or bool(params.stop))
-        return _Stream(request_id, engine_id, prompt_ids, params, detokenize, send_text=not message.skip_detokenize)
+        return _Stream(request_id, engine_id, prompt_ids, params, send_text=not message.skip_detokenize)
 
     def _input_ids(self, message: api_pb2.GenerateRequest | api_pb2.SessionRequest, *, first: bool) -> list[int]:
         kind = message.WhichOneof("input")
@@ -267,28 +235,24 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             raise RpcError(code, f"the engine gave up on this request: {delta.error}")
         stream.last = delta
         tracing.record_delta(stream.span, stream.request_id, delta)
-        reason = (delta.finish_reason or "stop") if delta.finished else None
-        response = api_pb2.GenerateResponse(request_id=stream.request_id, token_ids=delta.token_ids)
-        if stream.detokenize:
-            if stream.detokenizer is None:  # created late: a session's prompt is complete only now
-                stream.detokenizer = self.detokenizer_factory(self.tokenizer, list(stream.prompt_ids), stream.params)
-            text = stream.detokenizer.add(list(delta.token_ids))
-            if stream.detokenizer.stopped:
-                reason = "stop"
-            elif delta.finished:
-                text += stream.detokenizer.flush()
-            if stream.send_text:
-                response.text = text
+        if stream.choice is None:  # created late: a session's prompt is complete only now
+            stream.choice = ChoiceState(self.tokenizer, stream.prompt_ids, stream.params, detokenize=stream.send_text)
+        choice = stream.choice.process(delta)
+        reason = choice.finish_reason
+        response = api_pb2.GenerateResponse(request_id=stream.request_id, token_ids=choice.token_ids)
+        if stream.send_text:
+            response.text = choice.text
         if stream.params.logprobs is not None:
-            response.logprobs.extend(token_logprobs(delta))
+            response.logprobs.extend(token_logprobs(choice))
         if delta.finished:
             stream.engine_done = True
         if reason is not None:
             stream.finished = True
             response.finish_reason = reason
-            response.usage.CopyFrom(usage(delta))
-            tracing.record_finished(stream.span, stream.request_id, reason, delta.num_output_tokens)
-            tracing.record_usage(stream.span, delta.num_prompt_tokens, delta.num_output_tokens, delta.num_cached_tokens)
+            num_outputs = stream.choice.num_output_tokens
+            response.usage.CopyFrom(usage(delta, num_outputs))
+            tracing.record_finished(stream.span, stream.request_id, reason, num_outputs)
+            tracing.record_usage(stream.span, delta.num_prompt_tokens, num_outputs, delta.num_cached_tokens)
         return response
 
 
@@ -309,7 +273,6 @@ def build_grpc_server(
     api_key: str | None = None,
     ready: Callable[[], Awaitable[bool]] | None = None,
     health: EngineHealth | None = None,
-    detokenizer_factory: DetokenizerFactory | None = None,
     tls: ServerTls | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """An unstarted grpc.aio server with Generation, Health and reflection, and the port it bound (port=0: any).
@@ -320,7 +283,7 @@ def build_grpc_server(
     """
     interceptors = [ApiKeyInterceptor(api_key)] if api_key is not None else []
     server = grpc.aio.server(interceptors=interceptors)
-    api_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, tokenizer, detokenizer_factory), server)
+    api_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, tokenizer), server)
     health = health or EngineHealth(ready or engine.is_ready, (GENERATION_SERVICE,))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)

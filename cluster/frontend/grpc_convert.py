@@ -13,6 +13,7 @@ import grpc
 from cluster.core.engine_client import QueueFullError, RequestDelta
 from cluster.core.sampling_params import SamplingParams
 from cluster.core.structured_outputs import StructuredOutputs
+from cluster.frontend.output_processor import ChoiceDelta
 from proto import api_pb2
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def structured_outputs_from_proto(message: api_pb2.SamplingParams) -> Structured
         raise ValueError(str(error).replace(f"structured_outputs.{kind}", field, 1)) from None
 
 
-def token_logprobs(delta: RequestDelta) -> list[api_pb2.TokenLogprob]:
+def token_logprobs(delta: ChoiceDelta) -> list[api_pb2.TokenLogprob]:
     """One TokenLogprob per new token of `delta`, its alternatives most likely first."""
     out = []
     for i, (token, logprob) in enumerate(zip(delta.token_ids, delta.logprobs, strict=False)):
@@ -75,10 +76,11 @@ def token_logprobs(delta: RequestDelta) -> list[api_pb2.TokenLogprob]:
     return out
 
 
-def usage(delta: RequestDelta) -> api_pb2.Usage:
+def usage(delta: RequestDelta, num_output_tokens: int) -> api_pb2.Usage:
+    """The request's usage: its prompt, the output tokens the caller received, the prefix-cache hit."""
     return api_pb2.Usage(
         prompt_tokens=delta.num_prompt_tokens,
-        completion_tokens=delta.num_output_tokens,
+        completion_tokens=num_output_tokens,
         cached_tokens=delta.num_cached_tokens,
     )
 

@@ -15,7 +15,7 @@ from cluster.frontend.chat import encode_prompt, render_chat
 from cluster.frontend.chat_output import ChoiceOutput
 from cluster.frontend.constraint_errors import check_output_constraint
 from cluster.frontend.errors import from_value_error, not_found_model
-from cluster.frontend.generation import ChoiceDelta, Usage, stream_choices
+from cluster.frontend.generation import ChoiceDelta, Usage, logprob_entries, stream_choices
 from cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.frontend.sse_events import ChunkEvents
 from cluster.frontend.tool_calls import choose_parser
@@ -63,10 +63,10 @@ async def _first_then_rest(stream: AsyncIterator[ChoiceDelta]) -> AsyncIterator[
 # -- completions -----------------------------------------------------------------------------------
 
 
-def _completion_logprobs(deltas: list[ChoiceDelta]) -> dict:
+def _completion_logprobs(tokenizer, deltas: list[ChoiceDelta]) -> dict:
     tokens, token_logprobs, top_logprobs = [], [], []
     for delta in deltas:
-        for text, logprob, top in delta.logprobs:
+        for text, logprob, top in logprob_entries(tokenizer, delta):
             tokens.append(text)
             token_logprobs.append(logprob)
             top_logprobs.append(dict(top))
@@ -107,7 +107,7 @@ async def completions(
         async def events() -> AsyncIterator[str]:
             for offset, stream in streams:
                 async for delta in stream:
-                    logprobs = _completion_logprobs([delta]) if wants_logprobs else None
+                    logprobs = _completion_logprobs(tokenizer, [delta]) if wants_logprobs else None
                     yield chunks.text_choice(offset + delta.index, delta.text, logprobs, delta.finish_reason)
             if body.include_usage():
                 yield chunks.event([], usage=_usage_json(usage))
@@ -134,7 +134,7 @@ async def completions(
             "finish_reason": deltas[-1].finish_reason,
         }
         if body.logprobs is not None:
-            choice["logprobs"] = _completion_logprobs(deltas)
+            choice["logprobs"] = _completion_logprobs(tokenizer, deltas)
         choices.append(choice)
     return JSONResponse(
         {
@@ -151,10 +151,10 @@ async def completions(
 # -- chat ------------------------------------------------------------------------------------------
 
 
-def _chat_logprobs(deltas: list[ChoiceDelta]) -> dict:
+def _chat_logprobs(tokenizer, deltas: list[ChoiceDelta]) -> dict:
     content = []
     for delta in deltas:
-        for text, logprob, top in delta.logprobs:
+        for text, logprob, top in logprob_entries(tokenizer, delta):
             content.append(
                 {
                     "token": text,
@@ -216,7 +216,7 @@ async def chat_completions(
                 # Content, or a tool call's start and its argument pieces, one chunk each; an empty delta when the
                 # text is held (a tag arriving in pieces) still carries its logprobs and finish_reason.
                 pieces = out.deltas(delta.text, final=delta.finish_reason is not None) or [{}]
-                logprobs = _chat_logprobs([delta]) if body.wants_logprobs() else None
+                logprobs = _chat_logprobs(tokenizer, [delta]) if body.wants_logprobs() else None
                 for number, piece in enumerate(pieces):
                     last = number == len(pieces) - 1
                     yield chunks.delta_choice(
@@ -242,7 +242,7 @@ async def chat_completions(
             {
                 "index": index,
                 "message": out.message("".join(d.text for d in deltas)),
-                "logprobs": _chat_logprobs(deltas) if body.wants_logprobs() else None,
+                "logprobs": _chat_logprobs(tokenizer, deltas) if body.wants_logprobs() else None,
                 "finish_reason": out.finish_reason(deltas[-1].finish_reason),
             }
         )
