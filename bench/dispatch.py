@@ -27,6 +27,7 @@ from pathlib import Path
 import ray
 
 from cluster import LLM, SamplingParams
+from cluster.core.engine_request import EngineRequest
 
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -60,7 +61,7 @@ def dispatch_figures(tp: int, sizes: list[int], max_tokens: int, async_schedulin
     rows = []
     try:
         for size in sizes:
-            streams = [head.stream.remote(f"n{size}-{i}", [7 + i % 50] * 8, params) for i in range(size)]
+            streams = [head.stream.remote(EngineRequest(f"n{size}-{i}", [7 + i % 50] * 8, params)) for i in range(size)]
             firsts = [next(stream) for stream in streams]
             ray.get(firsts)  # every request has its first token: from here on, steps are pure decodes
             ray.get(head.reset_dispatch_stats.remote())
@@ -104,9 +105,8 @@ def outside_forward_share(num_requests: int, decode_steps: int) -> dict:
     rng = random.Random(0)
     for i in range(num_requests):
         prompt = [rng.randrange(100, 40000) for _ in range(rng.randint(32, 256))]
-        engine.add_request(
-            f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=decode_steps + 8, ignore_eos=True)
-        )
+        params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 8, ignore_eos=True)
+        engine.add_request(EngineRequest(f"r{i}", prompt, params))
     while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()):
         engine.step()
     forward_times.clear()

@@ -68,6 +68,7 @@ def run_rounds(mode: str, endpoint: str, args: argparse.Namespace, conn) -> None
     from opentelemetry import trace
 
     from cluster import LLM, SamplingParams
+    from cluster.core.engine_request import EngineRequest
     from common import telemetry
 
     if mode == "on":
@@ -88,7 +89,7 @@ def run_rounds(mode: str, endpoint: str, args: argparse.Namespace, conn) -> None
             span = tracer.start_span("request")
             spans.append(span)
             carrier = telemetry.inject_carrier(trace.set_span_in_context(span))
-            engine.add_request(f"{tag}-{i}", prompt, params, trace_context=carrier)
+            engine.add_request(EngineRequest(f"{tag}-{i}", prompt, params, trace_context=carrier))
         while engine.has_unfinished():
             step_started = time.perf_counter()
             engine.step()

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from cluster.core.engine_client import QueueFullError, RequestDelta
-from cluster.core.sampling_params import SamplingParams
+from cluster.core.engine_request import EngineRequest
 
 
 class FakeEngineClient:
@@ -34,17 +34,10 @@ class FakeEngineClient:
         self._inputs: dict[str, list[int]] = {}
         self._more_input: dict[str, asyncio.Event] = {}
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        final: bool = True,
-        trace_context: dict[str, str] | None = None,
-    ) -> AsyncIterator[RequestDelta]:
-        if not prompt_token_ids:
-            raise ValueError("prompt must contain at least one token")
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+        request_id, prompt_token_ids, params, final = (
+            request.request_id, request.prompt_token_ids, request.params, request.final
+        )
         max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
         if len(prompt_token_ids) + max_tokens > self.max_model_len:
             raise ValueError(

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from cluster.core.autoscale import ScalingPolicy
+from cluster.core.engine_request import EngineRequest
 from cluster.core.replica_scaler import ReplicaScaler
 from cluster.core.routed_client import RoutedEngineClient
 from cluster.core.sampling_params import SamplingParams
@@ -150,7 +151,7 @@ def test_a_queue_above_target_adds_replicas_and_idleness_drains_them_back_withou
     async def request(engine: RoutedEngineClient, request_id: str, prompt: list[int]) -> list[int]:
         tokens = []
         params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-        async for delta in engine.generate(request_id, prompt, params):
+        async for delta in engine.generate(EngineRequest(request_id, prompt, params)):
             tokens.extend(delta.token_ids)
         assert delta.finish_reason == "length" and delta.error is None
         return tokens

@@ -16,6 +16,7 @@ import pytest
 from cluster.core.async_engine import AsyncEngine
 from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.core.engine import EngineCore
+from cluster.core.engine_request import EngineRequest
 from cluster.core.request import Request
 from cluster.core.sampling_params import SamplingParams
 from tests.fake_workers import FakeKVWorkers
@@ -138,7 +139,7 @@ def test_in_process_streams_get_every_token_once_with_one_handoff_per_step():
         async def abort(request_id: str) -> None:
             engine.abort(request_id)
 
-        await drive(plans, lambda p: engine.stream(p.request_id, p.prompt, params_of(p)),
+        await drive(plans, lambda p: engine.stream(EngineRequest(p.request_id, p.prompt, params_of(p))),
                     abort)
 
     try:
@@ -162,10 +163,10 @@ def test_a_refused_request_fails_only_its_own_stream():
     engine = AsyncEngine(core)
 
     async def scenario() -> list[int]:
-        good = engine.stream("good", [5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True))
+        good = engine.stream(EngineRequest("good", [5, 6, 7], SamplingParams(max_tokens=12, ignore_eos=True)))
         first = await anext(good)
         with pytest.raises(ValueError, match="prompt token ids"):
-            await anext(engine.stream("bad", [VOCAB + 5], SamplingParams(max_tokens=2)))
+            await anext(engine.stream(EngineRequest("bad", [VOCAB + 5], SamplingParams(max_tokens=2))))
         return first.token_ids + [t for delta in [d async for d in good] for t in delta.token_ids]
 
     try:
@@ -217,8 +218,10 @@ def test_head_streams_get_every_token_once_in_one_message_per_step(tmp_path):
 
         async def scenario() -> None:
             with pytest.raises(ValueError, match="prompt token ids"):  # refused at admission, as a ValueError
-                await anext(client.generate("refused", [VOCAB + 5], SamplingParams(max_tokens=2)))
-            await drive(plans, lambda p: client.generate(p.request_id, p.prompt, params_of(p)), client.abort)
+                await anext(client.generate(EngineRequest("refused", [VOCAB + 5], SamplingParams(max_tokens=2))))
+            await drive(
+                plans, lambda p: client.generate(EngineRequest(p.request_id, p.prompt, params_of(p))), client.abort
+            )
             await client.aclose()
 
         before = ray.get(head.stats.remote())
@@ -237,7 +240,7 @@ def test_head_streams_get_every_token_once_in_one_message_per_step(tmp_path):
         assert stats["num_unfinished"] == 0 and stats["num_free_blocks"] == stats["num_blocks"], stats
 
         async def head_dies_and_restarts() -> list[int]:
-            stream = client.generate("long", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+            stream = client.generate(EngineRequest("long", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True)))
             await anext(stream)
             ray.kill(head, no_restart=False)  # as if its process crashed; Ray restarts it
             with pytest.raises(ray.exceptions.RayActorError):  # the open stream fails with Ray's own error
@@ -248,7 +251,7 @@ def test_head_streams_get_every_token_once_in_one_message_per_step(tmp_path):
                 assert time.monotonic() < deadline, "the head did not come back"
                 await asyncio.sleep(0.2)
             # The same client serves again: it opens a new channel at the new head.
-            again = client.generate("again", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+            again = client.generate(EngineRequest("again", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True)))
             return [token async for delta in again for token in delta.token_ids]
 
         assert len(asyncio.run(asyncio.wait_for(head_dies_and_restarts(), 180))) == 4

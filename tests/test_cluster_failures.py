@@ -17,6 +17,7 @@ ray = require_module("ray", "needs Ray")
 from ray.util import placement_group_table  # noqa: E402
 
 from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from cluster.core.engine_request import EngineRequest  # noqa: E402
 from cluster.core.sampling_params import SamplingParams  # noqa: E402
 from cluster.distributed.head import ClusterOptions  # noqa: E402
 from cluster.distributed.launcher import start_head  # noqa: E402
@@ -119,7 +120,7 @@ def test_restarted_head_removes_the_placement_group_of_its_previous_life(one_gro
         assert [g["name"] for g in alive] == [f"{name}-workers"]
         assert not any(process_running(pid) for pid in old_ranks)
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        assert len(ray.get(head.generate.remote("after", [5, 6, 7], params)).token_ids) == 4
+        assert len(ray.get(head.generate.remote(EngineRequest("after", [5, 6, 7], params))).token_ids) == 4
     finally:
         stop(head)
     assert not [g for g in placement_group_table().values() if g["state"] == "CREATED"]
@@ -140,7 +141,7 @@ def _answers(head) -> bool:
 
 
 def _generate_all(head, prefix: str) -> list[list[int]]:
-    refs = [head.generate.remote(f"{prefix}-{i}", p, sp) for i, (p, sp) in enumerate(REQUESTS)]
+    refs = [head.generate.remote(EngineRequest(f"{prefix}-{i}", p, sp)) for i, (p, sp) in enumerate(REQUESTS)]
     return [list(result.token_ids) for result in ray.get(refs)]
 
 
@@ -161,7 +162,7 @@ def _stream_with_incident(head, name: str, prefix: str, incident) -> tuple[float
     """Start every request, pause, run `incident(rank_actors)`, which resumes the engine and returns when (by
     time.monotonic()) the fault took hold; (seconds from then until the head had killed the faulty group's ranks,
     which it does once it gave up on the step; the requests' tokens)."""
-    streams = [head.stream.remote(f"{prefix}-{i}", p, sp) for i, (p, sp) in enumerate(REQUESTS)]
+    streams = [head.stream.remote(EngineRequest(f"{prefix}-{i}", p, sp)) for i, (p, sp) in enumerate(REQUESTS)]
     firsts = [next(stream) for stream in streams]  # every request is generating
     ranks = [ray.get_actor(f"{name}-rank{rank}") for rank in range(2)]
     old_pids = ray.get(head.worker_pids.remote())

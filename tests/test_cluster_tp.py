@@ -14,6 +14,7 @@ from tests.requirements import require_module
 ray = require_module("ray", "needs Ray")
 
 from cluster import LLM, SamplingParams  # noqa: E402
+from cluster.core.engine_request import EngineRequest  # noqa: E402
 from tests.parity import compare, engine_greedy, reference_greedy  # noqa: E402
 from tests.ray_start import start_ray  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
@@ -65,7 +66,7 @@ def test_killed_worker_is_replaced_without_changing_tokens(local_ray, tmp_path):
     head = llm._remote.head
     try:
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        streams = [head.stream.remote(f"kill-{i}", p, params) for i, p in enumerate(prompts)]
+        streams = [head.stream.remote(EngineRequest(f"kill-{i}", p, params)) for i, p in enumerate(prompts)]
         # Wait until every request has produced tokens, then freeze the loop so the kill lands mid-generation.
         firsts = [next(stream) for stream in streams]
         ray.get(head.pause.remote("all"))

@@ -17,6 +17,7 @@ ray = require_module("ray", "needs Ray")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from cluster.core.engine_request import EngineRequest  # noqa: E402
 from cluster.core.sampling_params import SamplingParams  # noqa: E402
 from cluster.distributed.head import ClusterOptions  # noqa: E402
 from cluster.distributed.launcher import HeadLauncher, start_head, start_heads, stop_head  # noqa: E402
@@ -72,7 +73,7 @@ async def collect(stream) -> list[int]:
 
 
 async def clean_run(pool: ReplicaPool, prefix: str) -> list[list[int]]:
-    streams = [pool.engine.generate(f"{prefix}-{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    streams = [pool.engine.generate(EngineRequest(f"{prefix}-{i}", p, GREEDY)) for i, p in enumerate(PROMPTS)]
     return list(await asyncio.gather(*(collect(s) for s in streams)))
 
 
@@ -91,7 +92,7 @@ async def run_with_incident(pool: ReplicaPool, prefix: str, incident) -> list[li
     """Start every request, hold the replicas once each has its first tokens, and run `incident()`, which lets
     them go on."""
     engine = pool.engine
-    streams = [engine.generate(f"{prefix}-{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    streams = [engine.generate(EngineRequest(f"{prefix}-{i}", p, GREEDY)) for i, p in enumerate(PROMPTS)]
     firsts = await asyncio.gather(*(anext(s) for s in streams))
     await engine.pause("all")
     await incident()
@@ -114,7 +115,7 @@ def test_unique_prompts_spread_evenly_over_the_replicas(heads, policy):
             prompts = [[(p * 31 + i * 11) % 240 + 3 for i in range(9)] for p in range(40)]
             for wave in range(4):  # some at once, as a loaded server gets them, in waves
                 batch = prompts[wave * 10 : (wave + 1) * 10]
-                streams = [pool.engine.generate(f"u{wave}-{i}", p, params) for i, p in enumerate(batch)]
+                streams = [pool.engine.generate(EngineRequest(f"u{wave}-{i}", p, params)) for i, p in enumerate(batch)]
                 await asyncio.gather(*(collect(s) for s in streams))
             return routed_counts(await pool.engine.metrics())
         finally:
@@ -158,7 +159,7 @@ def test_a_queue_above_target_starts_a_replica_and_idleness_stops_it(heads, mode
         async def load():
             wave = 0
             while not loaded.is_set():
-                streams = [pool.engine.generate(f"s{wave}-{i}", PROMPTS[i], params) for i in range(6)]
+                streams = [pool.engine.generate(EngineRequest(f"s{wave}-{i}", PROMPTS[i], params)) for i in range(6)]
                 done.extend(await asyncio.gather(*(collect(s) for s in streams)))
                 wave += 1
 
@@ -253,7 +254,9 @@ def test_a_killed_head_fails_over_and_its_restarted_replica_rejoins(heads):
             before = routed_counts(await pool.engine.metrics()).get(victim, 0)
             # Requests reach it again through the same client, on a new output channel.
             fresh = [[(p * 7 + i * 3) % 240 + 3 for i in range(9)] for p in range(100, 106)]
-            after = [await collect(pool.engine.generate(f"after-{i}", p, GREEDY)) for i, p in enumerate(fresh)]
+            after = [
+                await collect(pool.engine.generate(EngineRequest(f"after-{i}", p, GREEDY))) for i, p in enumerate(fresh)
+            ]
             routed_after = routed_counts(await pool.engine.metrics()).get(victim, 0) - before
             return expected, outputs, metrics, rejoined, after, routed_after
         finally:

@@ -11,6 +11,7 @@ from cluster.core.async_engine import AsyncEngine
 from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.core.engine import EngineCore
 from cluster.core.engine_client import RequestDelta, merge_deltas, read_deltas
+from cluster.core.engine_request import EngineRequest
 from cluster.core.sampling_params import SamplingParams
 from tests.fake_workers import FakeKVWorkers
 
@@ -111,7 +112,7 @@ def test_a_slow_stream_gets_fewer_deltas_and_the_same_tokens_as_a_fast_one():
     async def consume(request_id: str, pause_s: float) -> tuple[list[int], int]:
         tokens: list[int] = []
         count = 0
-        async for item in engine.stream(request_id, prompt, params):
+        async for item in engine.stream(EngineRequest(request_id, prompt, params)):
             count += 1
             tokens.extend(item.token_ids)
             assert item.num_output_tokens == len(tokens)

@@ -7,6 +7,7 @@ import pytest
 
 from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.core.engine import EngineCore
+from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
 from cluster.core.request import RequestStatus
 from cluster.core.sampling_params import SamplingParams
@@ -57,7 +58,7 @@ def expected_outputs(prompt: list[int], num: int) -> list[int]:
 def test_session_closed_without_a_final_chunk_still_generates():
     engine, workers = make_engine()
     prompt = list(range(1, 10))
-    session = engine.add_request("s", prompt, params(3), final=False)
+    session = engine.add_request(EngineRequest("s", prompt, params(3), final=False))
     run_until(engine, lambda: session.status is RequestStatus.AWAITING_INPUT)
     engine.append_input("s", [], final=True)  # the client half-closed: no more input, and no new tokens
     run_until(engine, lambda: session.finished)
@@ -69,7 +70,7 @@ def test_session_closed_without_a_final_chunk_still_generates():
 
 def test_session_without_max_tokens_grows_up_to_the_context_and_refuses_overflow_unchanged():
     engine, _ = make_engine(max_model_len=40)
-    session = engine.add_request("s", list(range(1, 13)), params(None), final=False)
+    session = engine.add_request(EngineRequest("s", list(range(1, 13)), params(None), final=False))
     run_until(engine, lambda: session.status is RequestStatus.AWAITING_INPUT)
     engine.append_input("s", list(range(20, 32)), final=False)  # 24 tokens now: still fits
     run_until(engine, lambda: session.status is RequestStatus.AWAITING_INPUT)
@@ -85,11 +86,11 @@ def test_session_without_max_tokens_grows_up_to_the_context_and_refuses_overflow
 def test_idle_sessions_give_their_blocks_to_waiting_requests_and_resume_exactly():
     # 12 blocks of 4: three idle sessions of 12 tokens hold 9 blocks; a 16-token request needs 5 blocks.
     engine, workers = make_engine(num_blocks=12, max_model_len=48)
-    sessions = [engine.add_request(f"s{i}", [i + 1] * 6 + [7, 8, 9, 10, 11, 12], params(2), final=False)
+    sessions = [engine.add_request(EngineRequest(f"s{i}", [i + 1] * 6 + [7, 8, 9, 10, 11, 12], params(2), final=False))
                 for i in range(3)]
     run_until(engine, lambda: all(s.status is RequestStatus.AWAITING_INPUT for s in sessions))
     assert engine.block_table.num_free_blocks == 3
-    other = engine.add_request("other", list(range(30, 46)), params(4))
+    other = engine.add_request(EngineRequest("other", list(range(30, 46)), params(4)))
     run_until(engine, lambda: other.finished)
     assert other.output_token_ids == expected_outputs(list(range(30, 46)), 4)
     assert engine.scheduler.stats.num_idle_sessions_released >= 1
@@ -104,27 +105,27 @@ def test_idle_sessions_give_their_blocks_to_waiting_requests_and_resume_exactly(
 
 def test_idle_sessions_count_against_max_num_seqs():
     engine, _ = make_engine(max_num_seqs=2)
-    sessions = [engine.add_request(f"s{i}", [i + 1] * 5, params(2), final=False) for i in range(2)]
+    sessions = [engine.add_request(EngineRequest(f"s{i}", [i + 1] * 5, params(2), final=False)) for i in range(2)]
     run_until(engine, lambda: all(s.status is RequestStatus.AWAITING_INPUT for s in sessions))
-    other = engine.add_request("other", [3] * 5, params(2))
+    other = engine.add_request(EngineRequest("other", [3] * 5, params(2)))
     run_until(engine, lambda: other.finished)  # would wait forever if idle sessions kept their slots
     assert engine.scheduler.stats.num_idle_sessions_released == 1
 
 
 def test_open_sessions_are_limited():
     engine, _ = make_engine(max_sessions=2)
-    engine.add_request("a", [1, 2], params(), final=False)
-    engine.add_request("b", [1, 2], params(), final=False)
+    engine.add_request(EngineRequest("a", [1, 2], params(), final=False))
+    engine.add_request(EngineRequest("b", [1, 2], params(), final=False))
     with pytest.raises(QueueFullError, match="max_sessions"):
-        engine.add_request("c", [1, 2], params(), final=False)
-    engine.add_request("d", [1, 2], params())  # ordinary requests are not sessions
+        engine.add_request(EngineRequest("c", [1, 2], params(), final=False))
+    engine.add_request(EngineRequest("d", [1, 2], params()))  # ordinary requests are not sessions
 
 
 def test_idle_session_times_out_with_a_clear_error():
     now = [0.0]
     engine, _ = make_engine(session_idle_timeout_s=30)
     engine.scheduler.clock = lambda: now[0]
-    session = engine.add_request("s", [1, 2, 3], params(), final=False)
+    session = engine.add_request(EngineRequest("s", [1, 2, 3], params(), final=False))
     run_until(engine, lambda: session.status is RequestStatus.AWAITING_INPUT)
     now[0] = 29.0
     assert engine.step() == [] and not session.finished
@@ -137,9 +138,9 @@ def test_idle_session_times_out_with_a_clear_error():
 
 def test_new_requests_never_join_an_open_session():
     engine, _ = make_engine()
-    engine.add_request("s", [1, 2, 3], params(), final=False)
+    engine.add_request(EngineRequest("s", [1, 2, 3], params(), final=False))
     with pytest.raises(ValueError, match="already exists"):
-        engine.add_request("s", [9, 9], params())
+        engine.add_request(EngineRequest("s", [9, 9], params()))
     assert engine.scheduler.requests["s"].prompt_token_ids == [1, 2, 3]
 
 
@@ -149,7 +150,8 @@ def test_new_requests_never_join_an_open_session():
 def test_max_model_len_is_capped_to_what_one_sequence_can_hold():
     engine, _ = make_engine(num_blocks=8, block_size=4, max_model_len=512)
     assert engine.max_model_len == 32
-    request = engine.add_request("r", [1, 2, 3], params(None))  # no max_tokens: up to the (capped) context
+    # No max_tokens: up to the (capped) context.
+    request = engine.add_request(EngineRequest("r", [1, 2, 3], params(None)))
     run_until(engine, lambda: request.finished)
     assert request.status is RequestStatus.FINISHED_LENGTH and request.num_tokens == 32
 
@@ -166,7 +168,7 @@ def test_a_cache_below_the_smallest_useful_context_refuses_to_start():
 def test_blocks_of_a_failed_step_are_never_served_from_the_prefix_cache(failure):
     engine, workers = make_engine()
     prompt = list(range(1, 30))
-    engine.add_request("a", prompt, params(2))
+    engine.add_request(EngineRequest("a", prompt, params(2)))
     workers.fail_next = failure
     if failure == "crash":
         with pytest.raises(RuntimeError):
@@ -174,7 +176,7 @@ def test_blocks_of_a_failed_step_are_never_served_from_the_prefix_cache(failure)
         engine.abort("a")  # what the serving loop does with every request of a step that crashed
     else:
         engine.step()  # the group restarts; "a" is recomputed
-    b = engine.add_request("b", prompt, params(2))
+    b = engine.add_request(EngineRequest("b", prompt, params(2)))
     run_until(engine, lambda: b.finished)
     assert not workers.corrupt_reads
     assert b.output_token_ids == expected_outputs(prompt, 2)

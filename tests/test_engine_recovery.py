@@ -8,6 +8,7 @@ import pytest
 import cluster.core.engine as engine_module
 from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.core.engine import EngineCore
+from cluster.core.engine_request import EngineRequest
 from cluster.core.executor import PendingStep, WorkerGroupError, run_now
 from cluster.core.sampling_params import SamplingParams
 from proto import step_pb2
@@ -91,17 +92,18 @@ def run(
     """Run r0..r{n-1}; with `poison_at`, a poisoned request is added before r{poison_at} (or, with
     `poison_after_steps`, once that many steps ran: into a batch already generating)."""
     requests = []
+    poison_params = SamplingParams(max_tokens=20)
     for i in range(num_requests):
         if i == poison_at and not poison_after_steps:
-            requests.append(engine.add_request("poison", [POISON, 7, 8, 9, 10], SamplingParams(max_tokens=20)))
+            requests.append(engine.add_request(EngineRequest("poison", [POISON, 7, 8, 9, 10], poison_params)))
         prompt = [(i * 13 + j) % 400 + 1 for j in range(5 + 3 * i)]
-        requests.append(engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=20)))
+        requests.append(engine.add_request(EngineRequest(f"r{i}", prompt, SamplingParams(max_tokens=20))))
     steps = 0
     while engine.has_unfinished():
         engine.step()
         steps += 1
         if poison_at is not None and steps == poison_after_steps:
-            requests.append(engine.add_request("poison", [POISON, 7, 8, 9, 10], SamplingParams(max_tokens=20)))
+            requests.append(engine.add_request(EngineRequest("poison", [POISON, 7, 8, 9, 10], poison_params)))
     return {r.request_id: (list(r.output_token_ids), r.status.value, r.error) for r in requests}
 
 
@@ -160,8 +162,8 @@ def test_a_request_that_crashes_the_workers_is_failed_alone(no_sleep, poison_at,
 def test_quarantine_tells_the_client_why(no_sleep):
     group = FakeGroup(256, failures=[])
     engine = make_engine(group)
-    innocent = engine.add_request("innocent", [5, 6, 7], SamplingParams(max_tokens=4))
-    poison = engine.add_request("poison", [POISON, 6, 7], SamplingParams(max_tokens=4))
+    innocent = engine.add_request(EngineRequest("innocent", [5, 6, 7], SamplingParams(max_tokens=4)))
+    poison = engine.add_request(EngineRequest("poison", [POISON, 6, 7], SamplingParams(max_tokens=4)))
     changed: list = []
     while engine.has_unfinished():
         changed += engine.step()
@@ -173,7 +175,7 @@ def test_a_lone_request_on_broken_workers_gets_a_retriable_error(no_sleep):
     """Without a step that succeeds, nothing singles the request out: the workers, not it, may be at fault."""
     group = FakeGroup(256, failures=[])
     engine = make_engine(group)
-    poison = engine.add_request("poison", [POISON, 6, 7], SamplingParams(max_tokens=4))
+    poison = engine.add_request(EngineRequest("poison", [POISON, 6, 7], SamplingParams(max_tokens=4)))
     while engine.has_unfinished():
         engine.step()
     assert poison.error_code == "worker_failure" and "retry" in poison.error

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cluster import LLM, SamplingParams
+from cluster.core.engine_request import EngineRequest
 from tests.parity import compare, engine_greedy, reference_greedy
 
 pytestmark = pytest.mark.slow
@@ -87,7 +88,7 @@ def test_streaming_input_session_reuses_earlier_chunks(llm):
 
     engine = llm.engine
     before = llm.stats.num_computed_tokens
-    request = engine.add_request("session", chunks[0], params, final=False)
+    request = engine.add_request(EngineRequest("session", chunks[0], params, final=False))
     for index, chunk in enumerate(chunks[1:], start=1):
         while request.num_computed_tokens < request.num_tokens:
             engine.step()

@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from cluster.core.block_table import ROOT_PARENT_HASH, BlockTable
 from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.core.engine import EngineCore
+from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
 from cluster.core.request import RequestStatus
 from cluster.core.sampling_params import SamplingParams
@@ -80,7 +81,8 @@ class EngineMachine(RuleBasedStateMachine):
         self.next_id += 1
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=self.next_id % 3 != 0)
         try:
-            request = self.engine.add_request(request_id, self._prompt(base, length, tail), params, final=not session)
+            prompt = self._prompt(base, length, tail)
+            request = self.engine.add_request(EngineRequest(request_id, prompt, params, final=not session))
         except (ValueError, QueueFullError):
             return
         self.all_requests.append(request)

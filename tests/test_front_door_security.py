@@ -139,14 +139,14 @@ class AbandonCountingEngine(FakeEngineClient):
         self.abandoned: dict[str, int] = {}
         self.finished: dict[str, int] = {}
 
-    async def generate(self, request_id, prompt_token_ids, params, **kwargs):
+    async def generate(self, request):
         produced, done = 0, False
         try:
-            async for delta in super().generate(request_id, prompt_token_ids, params, **kwargs):
+            async for delta in super().generate(request):
                 produced, done = delta.num_output_tokens, delta.finished
                 yield delta
         finally:
-            (self.finished if done else self.abandoned)[request_id] = produced
+            (self.finished if done else self.abandoned)[request.request_id] = produced
 
 
 @pytest.mark.parametrize(
@@ -206,9 +206,9 @@ _TRACE_SCRIPT = textwrap.dedent(
     carriers = []
 
     class Recording(FakeEngineClient):
-        def generate(self, *args, trace_context=None, **kwargs):
-            carriers.append(trace_context)
-            return super().generate(*args, **kwargs)
+        def generate(self, request):
+            carriers.append(request.trace_context)
+            return super().generate(request)
 
     async def main():
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)

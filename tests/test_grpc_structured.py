@@ -44,9 +44,9 @@ class RecordingEngine(FakeEngineClient):
         super().__init__()
         self.queued: list = []
 
-    async def generate(self, request_id, prompt_token_ids, params, **kwargs):
-        self.queued.append(params)
-        async for delta in super().generate(request_id, prompt_token_ids, params, **kwargs):
+    async def generate(self, request):
+        self.queued.append(request.params)
+        async for delta in super().generate(request):
             yield delta
 
 

@@ -8,6 +8,7 @@ import pytest
 from cluster import LLM, SamplingParams
 from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.core.engine import EngineCore
+from cluster.core.engine_request import EngineRequest
 from cluster.core.request import RequestStatus
 from tests.fake_workers import FakeKVWorkers
 from tests.tiny_models import make_tiny_model
@@ -69,9 +70,10 @@ def scenario(async_scheduling: bool, fail_at_token: int | None) -> dict[str, tup
     """Requests, a session fed chunk by chunk, an abort after a few tokens, optionally a worker failure."""
     engine, workers = fake_engine(async_scheduling)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    requests = [engine.add_request(f"r{i}", [i + 1] * (5 + 7 * i), params) for i in range(5)]
-    doomed = engine.add_request("doomed", [9] * 30, SamplingParams(max_tokens=40, ignore_eos=True))
-    session = engine.add_request("session", [2, 4, 6], SamplingParams(max_tokens=6, ignore_eos=True), final=False)
+    requests = [engine.add_request(EngineRequest(f"r{i}", [i + 1] * (5 + 7 * i), params)) for i in range(5)]
+    doomed = engine.add_request(EngineRequest("doomed", [9] * 30, SamplingParams(max_tokens=40, ignore_eos=True)))
+    session_params = SamplingParams(max_tokens=6, ignore_eos=True)
+    session = engine.add_request(EngineRequest("session", [2, 4, 6], session_params, final=False))
     chunks = [[8, 10, 12, 14], [16] * 9, []]
     failed = False
     for _ in range(500):
@@ -113,7 +115,7 @@ def test_sessions_aborts_and_failures_give_identical_outputs_with_overlap_on_and
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_request_is_never_scheduled_past_its_last_token_by_length(async_scheduling):
     engine, workers = fake_engine(async_scheduling)
-    request = engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    request = engine.add_request(EngineRequest("r", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)))
     while engine.has_unfinished():
         engine.step()
     assert request.num_output_tokens == 4
@@ -122,7 +124,7 @@ def test_a_request_is_never_scheduled_past_its_last_token_by_length(async_schedu
 
 def test_a_stop_token_costs_at_most_one_step_in_flight_and_its_token_is_dropped():
     engine, _ = fake_engine(async_scheduling=False)
-    probe = engine.add_request("probe", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    probe = engine.add_request(EngineRequest("probe", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True)))
     while engine.has_unfinished():
         engine.step()
     stop = probe.output_token_ids[2]
@@ -130,7 +132,7 @@ def test_a_stop_token_costs_at_most_one_step_in_flight_and_its_token_is_dropped(
     for async_scheduling in (False, True):
         engine, workers = fake_engine(async_scheduling)
         params = SamplingParams(max_tokens=8, stop_token_ids=[stop])
-        request = engine.add_request("r", [1, 2, 3], params)
+        request = engine.add_request(EngineRequest("r", [1, 2, 3], params))
         while engine.has_unfinished():
             engine.step()
         assert request.output_token_ids == probe.output_token_ids[:3]
@@ -146,7 +148,8 @@ def test_a_session_closed_while_its_last_chunk_is_in_flight_still_generates(asyn
     """The chunk was computed without logits because input was open when it was scheduled; the close arrives
     while it runs (only possible with overlap): its last position is recomputed to sample the first token."""
     engine, workers = fake_engine(async_scheduling)
-    session = engine.add_request("s", [1, 0, 0, 0, 0], SamplingParams(max_tokens=3, ignore_eos=True), final=False)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    session = engine.add_request(EngineRequest("s", [1, 0, 0, 0, 0], params, final=False))
     engine.step()  # the chunk is submitted (and, without overlap, done)
     engine.append_input("s", [], final=True)
     for _ in range(50):
@@ -155,7 +158,7 @@ def test_a_session_closed_while_its_last_chunk_is_in_flight_still_generates(asyn
         engine.step()
     assert session.status is RequestStatus.FINISHED_LENGTH and session.num_output_tokens == 3
     serial, _ = fake_engine(False)
-    expected = serial.add_request("e", [1, 0, 0, 0, 0], SamplingParams(max_tokens=3, ignore_eos=True))
+    expected = serial.add_request(EngineRequest("e", [1, 0, 0, 0, 0], SamplingParams(max_tokens=3, ignore_eos=True)))
     while serial.has_unfinished():
         serial.step()
     assert session.output_token_ids == expected.output_token_ids

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 from cluster.core.async_engine import AsyncEngine
 from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.core.engine import EngineCore
+from cluster.core.engine_request import EngineRequest
 from cluster.core.local_client import LocalEngineClient
 from cluster.core.sampling_params import SamplingParams
 from cluster.frontend.http_app import ServerState, create_app
@@ -67,10 +68,10 @@ def test_a_refused_duplicate_engine_id_does_not_abort_the_request_holding_it(tok
 
     async def scenario() -> tuple[str | None, str]:
         params = SamplingParams(max_tokens=40, ignore_eos=True)
-        first = engine.stream("r", [1, 2, 3], params)
+        first = engine.stream(EngineRequest("r", [1, 2, 3], params))
         await anext(first)
         with pytest.raises(ValueError, match="already in use"):
-            async for _ in engine.stream("r", [4, 5], SamplingParams(max_tokens=2)):
+            async for _ in engine.stream(EngineRequest("r", [4, 5], SamplingParams(max_tokens=2))):
                 pass
         rest = [delta async for delta in first]
         return rest[-1].finish_reason, rest[-1].num_output_tokens

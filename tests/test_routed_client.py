@@ -13,6 +13,7 @@ from cluster.core.async_engine import AsyncEngine
 from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.core.engine import EngineCore
 from cluster.core.engine_client import RequestDelta
+from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
 from cluster.core.failover import ReplicaFailed
 from cluster.core.local_client import LocalEngineClient
@@ -42,14 +43,14 @@ class Recorder:
         if self.dead:
             raise RuntimeError("the replica's actor died")
 
-    async def generate(self, request_id, prompt_token_ids, params, *, final=True, trace_context=None):
-        self.calls.append(("generate", request_id))
+    async def generate(self, request: EngineRequest):
+        self.calls.append(("generate", request.request_id))
         self._check()
         if self.refuse_after_s is not None:
             await asyncio.sleep(self.refuse_after_s)
             raise QueueFullError("full", retry_after_s=2.0)
         count = 0
-        async for delta in self.inner.generate(request_id, prompt_token_ids, params, final=final):
+        async for delta in self.inner.generate(request):
             self._check()
             yield delta
             count += 1
@@ -146,7 +147,10 @@ def test_a_replica_dying_mid_stream_loses_and_repeats_no_token(replicas):
 
     async def scenario():
         results = await asyncio.gather(
-            *(collect(routed.generate(rid, prompt, greedy(24)), len(prompt)) for rid, prompt in prompts.items())
+            *(
+                collect(routed.generate(EngineRequest(rid, prompt, greedy(24))), len(prompt))
+                for rid, prompt in prompts.items()
+            )
         )
         return dict(zip(prompts, results, strict=True)), await routed.stats(), await routed.metrics()
 
@@ -174,7 +178,7 @@ def test_an_engine_whose_workers_give_up_hands_its_request_to_another_replica(re
 
     async def scenario():
         tokens: list[int] = []
-        async for delta in routed.generate("w", prompt, greedy(30)):
+        async for delta in routed.generate(EngineRequest("w", prompt, greedy(30))):
             tokens.extend(delta.token_ids)
             assert delta.num_output_tokens == len(tokens) and not delta.error
             if len(tokens) >= 5 and not engine.engine.num_restarts:
@@ -196,19 +200,20 @@ def test_a_full_replica_spills_to_another_and_all_full_is_queue_full(replicas):
 
     async def hold(name: str, request_id: str):
         """Fill a paused replica's one waiting place, bypassing the router."""
-        return asyncio.ensure_future(collect(clients[name].inner.generate(request_id, [1, 2, 3], greedy(2)), 3))
+        stream = clients[name].inner.generate(EngineRequest(request_id, [1, 2, 3], greedy(2)))
+        return asyncio.ensure_future(collect(stream, 3))
 
     async def scenario():
         await clients["r0"].pause("new")
         fillers = [await hold("r0", "fill-r0")]
         await asyncio.sleep(0.05)
-        tokens, _ = await collect(routed.generate("spilled", [5] * 20, greedy(8)), 20)
+        tokens, _ = await collect(routed.generate(EngineRequest("spilled", [5] * 20, greedy(8))), 20)
         for name in ("r1", "r2"):
             await clients[name].pause("new")
             fillers.append(await hold(name, f"fill-{name}"))
         await asyncio.sleep(0.05)
         with pytest.raises(QueueFullError, match="all 3 replicas"):
-            await anext(routed.generate("refused", [6] * 20, greedy(8)))
+            await anext(routed.generate(EngineRequest("refused", [6] * 20, greedy(8))))
         await routed.resume()
         await asyncio.gather(*fillers)
         return tokens, await routed.metrics()
@@ -226,7 +231,7 @@ def test_abort_reaches_the_replica_holding_the_request_and_frees_its_blocks(repl
     routed = RoutedEngineClient(clients)
 
     async def scenario():
-        stream = routed.generate("long", list(range(1, 40)), greedy(500))
+        stream = routed.generate(EngineRequest("long", list(range(1, 40)), greedy(500)))
         tokens, last = [], None
         async for delta in stream:
             tokens.extend(delta.token_ids)
@@ -250,7 +255,8 @@ def test_sessions_stay_on_their_replica_and_fail_with_it(replicas):
     routed = RoutedEngineClient(clients, policy="round-robin")
 
     async def session(request_id: str, chunks: list[list[int]]):
-        task = asyncio.ensure_future(collect(routed.generate(request_id, [7] * 10, greedy(6), final=False), None))
+        stream = routed.generate(EngineRequest(request_id, [7] * 10, greedy(6), final=False))
+        task = asyncio.ensure_future(collect(stream, None))
         await asyncio.sleep(0)
         for chunk in chunks:
             await routed.append_input(request_id, chunk, False)
@@ -283,8 +289,8 @@ def test_sibling_choices_share_a_replica_while_any_is_open(replicas):
     prompt = [4, 5, 6]  # shorter than a block: only the pin can keep them together
 
     async def scenario():
-        streams = [collect(routed.generate(f"cmpl-abc-{i}", prompt, greedy(10)), 3) for i in range(4)]
-        other = collect(routed.generate("cmpl-xyz-0", prompt, greedy(10)), 3)
+        streams = [collect(routed.generate(EngineRequest(f"cmpl-abc-{i}", prompt, greedy(10))), 3) for i in range(4)]
+        other = collect(routed.generate(EngineRequest("cmpl-xyz-0", prompt, greedy(10))), 3)
         return await asyncio.gather(*streams, other), await routed.metrics()
 
     results, metrics = run(scenario())
@@ -300,18 +306,18 @@ def test_bad_input_passes_through_and_leaves_the_replica_in_rotation(replicas):
 
     async def scenario():
         with pytest.raises(ValueError, match="prompt token ids"):
-            await anext(routed.generate("bad", [1, VOCAB + 5], greedy(2)))
-        with pytest.raises(ValueError, match="ints"):
-            await anext(routed.generate("bad", ["x"] * 20, greedy(2)))
-        first = routed.generate("dup", [1, 2], greedy(50))
+            await anext(routed.generate(EngineRequest("bad", [1, VOCAB + 5], greedy(2))))
+        with pytest.raises(ValueError, match="prompt_token_ids must be ints"):
+            EngineRequest("bad", ["x"] * 20, greedy(2))
+        first = routed.generate(EngineRequest("dup", [1, 2], greedy(50)))
         await anext(first)
         with pytest.raises(ValueError, match="already in use"):
-            await anext(routed.generate("dup", [1, 2], greedy(2)))
+            await anext(routed.generate(EngineRequest("dup", [1, 2], greedy(2))))
         await first.aclose()
         for name in NAMES:
             routed.set_in_rotation(name, False)
         with pytest.raises(NoReplicaError, match="no replica is in rotation"):
-            await anext(routed.generate("none", [1, 2], greedy(2)))
+            await anext(routed.generate(EngineRequest("none", [1, 2], greedy(2))))
         return await routed.is_ready()
 
     assert run(scenario()) is False
@@ -323,7 +329,9 @@ def test_metrics_label_every_engine_sample_with_its_replica_and_parse(replicas):
     routed = RoutedEngineClient(replicas(), policy="round-robin")
 
     async def scenario():
-        await asyncio.gather(*(collect(routed.generate(f"m{i}", [i + 1] * 40, greedy(4)), 40) for i in range(3)))
+        await asyncio.gather(
+            *(collect(routed.generate(EngineRequest(f"m{i}", [i + 1] * 40, greedy(4))), 40) for i in range(3))
+        )
         await routed.refresh_loads()
         return await routed.metrics(), await routed.stats()
 
@@ -354,7 +362,7 @@ def test_a_caller_that_leaves_early_aborts_the_request_at_its_replica(replicas):
     routed = RoutedEngineClient(clients, policy="round-robin")
 
     async def scenario():
-        stream = routed.generate("gone", list(range(1, 40)), greedy(500))
+        stream = routed.generate(EngineRequest("gone", list(range(1, 40)), greedy(500)))
         await anext(stream)
         await stream.aclose()
         core = clients["r0"].inner._engine.engine
@@ -378,7 +386,7 @@ def test_requests_sharing_a_prefix_find_it_cached_where_the_router_sent_them(rep
 
     async def scenario():
         for user in range(6):  # one after another: each finds what the previous ones left
-            await collect(routed.generate(f"u{user}", system + [user + 1] * 9, greedy(3)), 105)
+            await collect(routed.generate(EngineRequest(f"u{user}", system + [user + 1] * 9, greedy(3))), 105)
         return await routed.metrics()
 
     families = {f.name: f for f in text_string_to_metric_families(run(scenario()))}
@@ -426,7 +434,7 @@ def test_refresh_feeds_reported_load_and_takes_out_a_replica_that_hangs(replicas
         await asyncio.sleep(30)
 
     async def scenario():
-        busy = asyncio.ensure_future(collect(clients["r0"].generate("busy", [1, 2, 3], greedy(400)), 3))
+        busy = asyncio.ensure_future(collect(clients["r0"].generate(EngineRequest("busy", [1, 2, 3], greedy(400))), 3))
         await asyncio.sleep(0.05)
         clients["r2"].stats = hang
         await routed.refresh_loads(timeout_s=0.2)
@@ -457,7 +465,7 @@ def test_the_routing_decision_is_an_event_on_the_request_span(replicas):
 
     async def main():
         with tracer.start_as_current_span("request"):
-            await collect(routed.generate("traced", prompt, greedy(3)), len(prompt))
+            await collect(routed.generate(EngineRequest("traced", prompt, greedy(3))), len(prompt))
 
     run(main())
     (span,) = exporter.get_finished_spans()

@@ -48,7 +48,8 @@ class ScriptedEngine(FakeEngineClient):
         self.script = "Hello."
         self.requests: list[tuple[list[int], object]] = []
 
-    async def generate(self, request_id, prompt_token_ids, params, *, final=True, trace_context=None):
+    async def generate(self, request):
+        request_id, prompt_token_ids, params = request.request_id, request.prompt_token_ids, request.params
         self.requests.append((list(prompt_token_ids), params))
         tokens = self.tokenizer.encode(self.script, add_special_tokens=False)
         count = min(len(tokens), params.max_tokens or len(tokens))

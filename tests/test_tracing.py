@@ -126,9 +126,9 @@ class CarrierRecordingEngine(FakeEngineClient):
         super().__init__()
         self.trace_contexts: list[dict | None] = []
 
-    def generate(self, *args, trace_context=None, **kwargs):
-        self.trace_contexts.append(trace_context)
-        return super().generate(*args, **kwargs)
+    def generate(self, request):
+        self.trace_contexts.append(request.trace_context)
+        return super().generate(request)
 
 
 def test_grpc_generate_span_continues_the_callers_trace(receiver):

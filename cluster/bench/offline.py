@@ -111,6 +111,7 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
         produced = sum(len(o.outputs[0].token_ids) for o in outputs)
         return {**throughput(requests, seconds, produced, "pagerail"), "steps": None}
 
+    from cluster.core.engine_request import EngineRequest
     from cluster.core.scheduler_output import SchedulerStats
     from worker.layers.kernel_variants import compiled_variants
 
@@ -131,7 +132,7 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
     engine.executor.submit = timed_submit
     try:
         for i, request in enumerate(requests):
-            engine.add_request(f"bench-{i}", request.prompt_token_ids, params(request))
+            engine.add_request(EngineRequest(f"bench-{i}", request.prompt_token_ids, params(request)))
         produced = 0
         started = time.perf_counter()
         while engine.has_unfinished():

@@ -14,6 +14,7 @@ from typing import Any
 
 from cluster.bench.stats import format_table
 from cluster.bench.workload import BenchRequest
+from cluster.core.engine_request import EngineRequest
 from cluster.core.structured_outputs import StructuredOutputs
 
 # Cold compiles timed per schema; the median is reported, so one slow first run (lazy initialisation) does not skew it.
@@ -142,7 +143,7 @@ def run_constrained(llm, requests: list[BenchRequest], schemas: list[Schema]) ->
         # The engine loop itself, as the unconstrained run drives it, so both pay the same per-step costs.
         engine = llm.engine
         for i, request in enumerate(requests):
-            engine.add_request(f"bench-json-{i}", request.prompt_token_ids, params(i, request))
+            engine.add_request(EngineRequest(f"bench-json-{i}", request.prompt_token_ids, params(i, request)))
         with _RankSeconds(engine) as rank:
             started = time.perf_counter()
             while engine.has_unfinished():

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 from cluster.core.engine import EngineCore
 from cluster.core.engine_client import RequestDelta, merge_deltas, read_deltas
+from cluster.core.engine_commands import Abort, Add, Append, Command, DropSink, Pause
+from cluster.core.engine_request import EngineRequest
 from cluster.core.output_sink import LoopSink, OutputBatch, OutputSink
 from cluster.core.request import Request
-from cluster.core.sampling_params import SamplingParams
 from cluster.core.scheduler_output import PauseMode
 
 __all__ = ["AsyncEngine", "LoopSink", "OutputBatch", "OutputSink", "delta_of"]
@@ -43,7 +44,7 @@ def delta_of(request: Request, start: int = 0) -> RequestDelta:
     )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Owner:
     """Who receives one request's deltas: a sink, and the key its items carry there."""
 
@@ -80,39 +81,29 @@ class AsyncEngine:
 
     # -- any thread -----------------------------------------------------------------------------
 
-    def submit(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        params: SamplingParams,
-        sink: OutputSink,
-        key: Hashable,
-        *,
-        final: bool = True,
-        trace_context: dict[str, str] | None = None,
-    ) -> None:
+    def submit(self, request: EngineRequest, sink: OutputSink, key: Hashable) -> None:
         """Queue a request whose admission (or ValueError/QueueFullError), deltas and errors go to `sink`,
         tagged with `key`."""
-        self._submit(("add", request_id, list(token_ids), params, final, trace_context, _Owner(sink, key)))
+        self._submit(Add(request, sink, key))
 
     def append_input(self, request_id: str, token_ids: Sequence[int], final: bool) -> None:
-        self._submit(("append", request_id, list(token_ids), final))
+        self._submit(Append(request_id, list(token_ids), final))
 
     def abort(self, request_id: str, sink: OutputSink | None = None, key: Hashable = None) -> None:
         """Abort a request; with `sink`, only when that sink still owns it under `key` (a refused duplicate id
         must not abort the request holding it)."""
-        self._submit(("abort", request_id, sink, key))
+        self._submit(Abort(request_id, sink, key))
 
     def drop_sink(self, sink: OutputSink) -> None:
         """The consumer behind `sink` is gone: abort every request it owns."""
-        self._submit(("drop_sink", sink))
+        self._submit(DropSink(sink))
 
     def pause(self, mode: str = "all") -> None:
         """Hold new requests ("new") or every request ("all") until resume()."""
-        self._submit(("pause", PauseMode(mode)))
+        self._submit(Pause(PauseMode(mode)))
 
     def resume(self) -> None:
-        self._submit(("pause", PauseMode.NONE))
+        self._submit(Pause(PauseMode.NONE))
 
     def stats(self) -> dict:
         engine, scheduler = self.engine, self.engine.scheduler
@@ -143,24 +134,17 @@ class AsyncEngine:
         self._wakeup.set()
         self._thread.join(timeout=30)
 
-    def _submit(self, command: tuple) -> None:
+    def _submit(self, command: Command) -> None:
         self._commands.put(command)
         self._wakeup.set()
 
     # -- asyncio callers in this process ----------------------------------------------------------
 
-    async def stream(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        params: SamplingParams,
-        final: bool = True,
-        trace_context: dict[str, str] | None = None,
-    ) -> AsyncIterator[RequestDelta]:
+    async def stream(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
         """Yield new tokens as they come, the last delta with finished=True; ValueError/QueueFullError first."""
         sink = self._sink_of(asyncio.get_running_loop())
         deltas: asyncio.Queue = asyncio.Queue()  # this call's own key: nothing else can reach it
-        self.submit(request_id, token_ids, params, sink, deltas, final=final, trace_context=trace_context)
+        self.submit(request, sink, deltas)
         finished = False
         try:
             async for delta in read_deltas(deltas):
@@ -169,13 +153,11 @@ class AsyncEngine:
         finally:
             if not finished:
                 # The caller went away (disconnect, cancel): free the request's blocks, if it is still its own.
-                self.abort(request_id, sink, deltas)
+                self.abort(request.request_id, sink, deltas)
 
-    async def generate(
-        self, request_id: str, token_ids: Sequence[int], params: SamplingParams, final: bool = True
-    ) -> RequestDelta:
+    async def generate(self, request: EngineRequest) -> RequestDelta:
         """Run one request to completion; the result holds every output token."""
-        deltas = [delta async for delta in self.stream(request_id, token_ids, params, final)]
+        deltas = [delta async for delta in self.stream(request)]
         return merge_deltas(deltas)
 
     def _sink_of(self, loop: asyncio.AbstractEventLoop) -> LoopSink:
@@ -217,51 +199,46 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            kind = command[0]
-            if kind == "add":
-                self._add(*command[1:])
-            elif kind == "append":
-                _, request_id, token_ids, final = command
-                try:
-                    self.engine.append_input(request_id, token_ids, final)
-                except ValueError as error:
-                    owner = self._owners.pop(request_id, None)
-                    if owner is not None:
-                        self.engine.abort(request_id)
-                        self._batch_for(owner.sink).errors.append((owner.key, error))
-            elif kind == "pause":
-                self.engine.pause(command[1])
-            elif kind == "abort":
-                _, request_id, sink, key = command
-                owner = self._owners.get(request_id)
-                if sink is not None and (owner is None or owner.sink is not sink or owner.key != key):
-                    continue  # that caller's request already ended, or was never admitted
-                self._abort(request_id)
-            elif kind == "drop_sink":
-                for request_id in [rid for rid, owner in self._owners.items() if owner.sink is command[1]]:
-                    self._abort(request_id)
-                    self._owners.pop(request_id, None)
+            match command:
+                case Add():
+                    self._add(command)
+                case Append():
+                    self._append(command)
+                case Pause():
+                    self.engine.pause(command.mode)
+                case Abort():
+                    owner = self._owners.get(command.request_id)
+                    sink = command.sink
+                    if sink is not None and (owner is None or owner.sink is not sink or owner.key != command.key):
+                        continue  # that caller's request already ended, or was never admitted
+                    self._abort(command.request_id)
+                case DropSink():
+                    for request_id in [rid for rid, owner in self._owners.items() if owner.sink is command.sink]:
+                        self._abort(request_id)
+                        self._owners.pop(request_id, None)
 
-    def _add(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        params: SamplingParams,
-        final: bool,
-        trace_context: dict[str, str] | None,
-        owner: _Owner,
-    ) -> None:
-        batch = self._batch_for(owner.sink)
+    def _add(self, command: Add) -> None:
+        request_id = command.request.request_id
+        batch = self._batch_for(command.sink)
         if request_id in self._owners:
-            batch.errors.append((owner.key, ValueError(f"request_id {request_id!r} is already in use")))
+            batch.errors.append((command.key, ValueError(f"request_id {request_id!r} is already in use")))
             return
         try:
-            self.engine.add_request(request_id, token_ids, params, final=final, trace_context=trace_context)
+            self.engine.add_request(command.request)
         except (ValueError, RuntimeError) as error:  # bad input, or the waiting queue is full
-            batch.errors.append((owner.key, error))
+            batch.errors.append((command.key, error))
             return
-        self._owners[request_id] = owner
-        batch.admitted.append(owner.key)
+        self._owners[request_id] = _Owner(command.sink, command.key)
+        batch.admitted.append(command.key)
+
+    def _append(self, command: Append) -> None:
+        try:
+            self.engine.append_input(command.request_id, command.token_ids, command.final)
+        except ValueError as error:
+            owner = self._owners.pop(command.request_id, None)
+            if owner is not None:
+                self.engine.abort(command.request_id)
+                self._batch_for(owner.sink).errors.append((owner.key, error))
 
     def _abort(self, request_id: str) -> None:
         request = self.engine.abort(request_id)

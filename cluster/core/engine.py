@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from cluster.core.block_table import BlockTable
 from cluster.core.config import EngineConfig
 from cluster.core.engine_metrics import EngineMetrics
+from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
 from cluster.core.executor import Executor, PendingStep, WorkerGroupError
 from cluster.core.quarantine import Quarantine
 from cluster.core.request import Request, RequestStatus
-from cluster.core.sampling_params import SamplingParams
 from cluster.core.scheduler import Scheduler
 from cluster.core.scheduler_output import PauseMode, SchedulerOutput
 from cluster.core.step_builder import StepMessageBuilder
@@ -99,41 +99,35 @@ class EngineCore:
         self._inflight: deque[_InflightStep] = deque()
         self.num_overlapped_steps = 0
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        final: bool = True,
-        trace_context: dict[str, str] | None = None,
-    ) -> Request:
+    def add_request(self, request: EngineRequest) -> Request:
         """Queue a new request (final=False: the first chunk of a streaming-input session).
 
-        `request_id` must be new: ids are made by the server, and a duplicate is refused, never merged.
+        Its `request_id` must be new: ids are made by the server, and a duplicate is refused, never merged. Its
         `trace_context` is the W3C carrier of the caller's request span, which this request's steps link to.
         """
-        self._check_tokens(prompt_token_ids)
-        if not prompt_token_ids:
-            raise ValueError("prompt must contain at least one token")
+        prompt = request.prompt_token_ids
+        # The envelope holds ints >= 0 already: only the vocabulary bound is left to check.
+        if max(prompt) >= self.vocab_size:
+            self._check_tokens(prompt)
         limit = self.config.scheduler.max_waiting_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
             raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests); retry shortly")
+        params = request.params
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop |= self.eos_token_ids
-        request = Request(
-            request_id=request_id,
+        queued = Request(
+            request_id=request.request_id,
             handle=next(self._handles),
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=list(prompt),
             sampling_params=params,
             max_tokens=params.max_tokens,
             stop_token_ids=frozenset(stop),
-            input_open=not final,
-            trace_context=trace_context,
+            input_open=not request.final,
+            trace_context=request.trace_context,
         )
-        self.scheduler.add_request(request)
-        return request
+        self.scheduler.add_request(queued)
+        return queued
 
     def append_input(self, request_id: str, token_ids: Sequence[int], final: bool) -> Request:
         """The next chunk of an open streaming-input session; a chunk that would not fit leaves it unchanged."""

@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
-from cluster.core.sampling_params import SamplingParams
 
-__all__ = ["EngineClient", "QueueFullError", "RequestDelta", "merge_deltas", "read_deltas"]
+__all__ = ["EngineClient", "EngineRequest", "QueueFullError", "RequestDelta", "merge_deltas", "read_deltas"]
 
 
 @dataclass
@@ -91,22 +91,14 @@ async def read_deltas(deltas: asyncio.Queue) -> AsyncIterator[RequestDelta]:
 
 class EngineClient(Protocol):
     """One model replica as the frontend sees it. `generate` raises ValueError for bad input, QueueFullError
-    when the waiting queue is full; both before yielding anything. Its `trace_context` is the W3C carrier
-    (traceparent, tracestate) of the request span the engine's step spans link to."""
+    when the waiting queue is full; both before yielding anything. The request's `trace_context` is the W3C
+    carrier (traceparent, tracestate) of the request span the engine's step spans link to."""
 
     model_name: str
     max_model_len: int
     vocab_size: int
 
-    def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        final: bool = True,
-        trace_context: dict[str, str] | None = None,
-    ) -> AsyncIterator[RequestDelta]: ...
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]: ...
 
     async def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None: ...
 

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 from cluster.core.async_engine import AsyncEngine
 from cluster.core.engine_client import RequestDelta
-from cluster.core.sampling_params import SamplingParams
+from cluster.core.engine_request import EngineRequest
 
 
 class LocalEngineClient:
@@ -18,16 +18,8 @@ class LocalEngineClient:
         self.max_model_len = engine.engine.max_model_len
         self.vocab_size = engine.engine.vocab_size
 
-    def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        final: bool = True,
-        trace_context: dict[str, str] | None = None,
-    ) -> AsyncIterator[RequestDelta]:
-        return self._engine.stream(request_id, prompt_token_ids, params, final, trace_context)
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+        return self._engine.stream(request)
 
     async def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None:
         self._engine.append_input(request_id, token_ids, final)

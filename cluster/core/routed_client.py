@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, replace
 
 from cluster.core.engine_client import EngineClient, RequestDelta
+from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
 from cluster.core.failover import ReplicaFailed, continued, ended, remaining_params
 from cluster.core.replica_fanout import call_all, load_of, merged_metrics, merged_stats, on_every_replica, probe
 from cluster.core.router import NoReplicaError, Route, Router, check_replica_name
 from cluster.core.router_metrics import RouterMetrics
-from cluster.core.sampling_params import SamplingParams
 from cluster.core.session_log import SessionLog
 from common.telemetry import trace
 
@@ -108,21 +108,15 @@ class RoutedEngineClient:
 
     # -- requests -------------------------------------------------------------------------------
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        final: bool = True,
-        trace_context: dict[str, str] | None = None,
-    ) -> AsyncIterator[RequestDelta]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
         # One id names one request across every replica: abort and append_input must find a single holder.
+        request_id = request.request_id
         if request_id in self._open:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        final = request.final
         entry = self._open[request_id] = _Open(request_id, session=None if final else SessionLog(self.max_model_len))
-        pin = self._pin_key(request_id, prompt_token_ids) if final else None
-        serve = self._serve(entry, list(prompt_token_ids), params, final, trace_context, pin)
+        pin = self._pin_key(request_id, list(request.prompt_token_ids)) if final else None
+        serve = self._serve(entry, request, pin)
         try:
             async for delta in serve:
                 yield delta
@@ -135,16 +129,11 @@ class RoutedEngineClient:
                     del self._pins[pin]
 
     async def _serve(
-        self,
-        entry: _Open,
-        prompt: list[int],
-        params: SamplingParams,
-        final: bool,
-        trace_context: dict[str, str] | None,
-        pin: tuple[str, int] | None,
+        self, entry: _Open, request: EngineRequest, pin: tuple[str, int] | None
     ) -> AsyncIterator[RequestDelta]:
         """Run the request on a replica; when that replica fails, resume it on another from what was streamed."""
-        request_id = entry.request_id
+        request_id, params, final = entry.request_id, request.params, request.final
+        prompt = list(request.prompt_token_ids)
         streamed: list[int] = []  # output tokens the caller has received
         failed: set[str] = set()
         yielded = False
@@ -156,9 +145,10 @@ class RoutedEngineClient:
                 yield ended(request_id, len(prompt), base, cached, "length")
                 return
             try:
-                replica, stream, outcome = await self._admit(
-                    entry, prompt + streamed, attempt_params, final, trace_context, failed, pin
+                attempt = request if not base else replace(
+                    request, prompt_token_ids=prompt + streamed, params=attempt_params
                 )
+                replica, stream, outcome = await self._admit(entry, attempt, failed, pin)
             except _Aborted:
                 yield ended(request_id, len(prompt), base, cached, "abort")
                 return
@@ -215,19 +205,13 @@ class RoutedEngineClient:
             self.metrics_registry.failovers.labels(self.model_name, replica).inc()
 
     async def _admit(
-        self,
-        entry: _Open,
-        prompt: list[int],
-        params: SamplingParams,
-        final: bool,
-        trace_context: dict[str, str] | None,
-        failed: set[str],
-        pin: tuple[str, int] | None,
+        self, entry: _Open, request: EngineRequest, failed: set[str], pin: tuple[str, int] | None
     ) -> tuple[str, AsyncIterator[RequestDelta], RequestDelta | Exception]:
         """Open the request on the best replica that takes it, the next ones in turn while they are full, and
         return its first delta there, or the error of a replica that failed instead. Raises ValueError (bad input)
         and QueueFullError (every replica full, or none in rotation)."""
         started = time.perf_counter()
+        prompt = list(request.prompt_token_ids)
         hashes = self.router.index.block_hashes(prompt)
         routes = self._routes(prompt, hashes, failed, pin)
         self.metrics_registry.observe_routing(time.perf_counter() - started)
@@ -251,7 +235,7 @@ class RoutedEngineClient:
             self._pin(entry, pin, route.replica)
             stream = None
             try:
-                stream = client.generate(entry.request_id, prompt, params, final=final, trace_context=trace_context)
+                stream = client.generate(request)
                 first = await self._first_delta(entry, route.replica, client, stream) if replay else await anext(stream)
             except QueueFullError as error:
                 await self._release(route.replica, stream)

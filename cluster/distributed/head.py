@@ -13,8 +13,8 @@ from cluster.core.async_engine import AsyncEngine
 from cluster.core.config import EngineConfig
 from cluster.core.engine import EngineCore
 from cluster.core.engine_client import RequestDelta
+from cluster.core.engine_request import EngineRequest
 from cluster.core.model_info import read_model_info
-from cluster.core.sampling_params import SamplingParams
 from cluster.distributed.local_executor import locate_model, worker_config
 from cluster.distributed.output_channel import OutputChannel, OutputMessage
 from cluster.distributed.worker_group import WorkerGroup
@@ -84,20 +84,12 @@ class HeadActor:
             "eos_token_ids": sorted(self.engine.eos_token_ids),
         }
 
-    async def submit(
-        self,
-        channel_id: str,
-        request_id: str,
-        token_ids: Sequence[int],
-        params: SamplingParams,
-        final: bool = True,
-        trace_context: dict[str, str] | None = None,
-    ) -> None:
+    async def submit(self, channel_id: str, request: EngineRequest) -> None:
         """Admit a request whose outputs go to channel `channel_id`; raises ValueError/QueueFullError when refused.
 
-        `trace_context`: the W3C carrier of the caller's request span, which the step spans link to.
+        The request's `trace_context`: the W3C carrier of the caller's request span, which the step spans link to.
         """
-        await self._channel(channel_id).submit(request_id, token_ids, params, final, trace_context)
+        await self._channel(channel_id).submit(request)
 
     async def outputs(self, channel_id: str) -> AsyncIterator[OutputMessage]:
         """The channel's stream: one message per engine step, every delta of the channel's requests in it.
@@ -134,22 +126,13 @@ class HeadActor:
             channel = self._channels[channel_id] = OutputChannel(self.async_engine, asyncio.get_running_loop())
         return channel
 
-    async def generate(
-        self, request_id: str, token_ids: Sequence[int], params: SamplingParams, final: bool = True
-    ) -> RequestDelta:
+    async def generate(self, request: EngineRequest) -> RequestDelta:
         """Run one request to completion and return its output (warm-up and tests; serving uses channels)."""
-        return await self.async_engine.generate(request_id, token_ids, params, final)
+        return await self.async_engine.generate(request)
 
-    async def stream(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        params: SamplingParams,
-        final: bool = True,
-        trace_context: dict[str, str] | None = None,
-    ) -> AsyncIterator[RequestDelta]:
+    async def stream(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
         """One request's deltas as their own Ray stream (tests); serving uses a channel, one message per step."""
-        async for delta in self.async_engine.stream(request_id, token_ids, params, final, trace_context):
+        async for delta in self.async_engine.stream(request):
             yield delta
 
     def append_input(self, request_id: str, token_ids: Sequence[int], final: bool) -> None:

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 import ray
 
 from cluster.core.engine_client import RequestDelta, read_deltas
+from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
-from cluster.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -68,24 +68,15 @@ class HeadEngineClient:
         self.vocab_size = vocab_size
         self._reader: _OutputReader | None = None
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        final: bool = True,
-        trace_context: dict[str, str] | None = None,
-    ) -> AsyncIterator[RequestDelta]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
         reader = self._current_reader()
         # Open before submitting: the first delta may arrive before the submit call returns.
+        request_id = request.request_id
         deltas = reader.open(request_id)
         finished = refused = False
         try:
             try:
-                await self._head.submit.remote(
-                    reader.channel_id, request_id, prompt_token_ids, params, final, trace_context
-                )
+                await self._head.submit.remote(reader.channel_id, request)
             except ray.exceptions.RayTaskError as error:
                 # Hand the caller the head's own exception (bad input, queue full), not Ray's wrapper.
                 cause = getattr(error, "cause", None)

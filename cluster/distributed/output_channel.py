@@ -8,11 +8,10 @@ changed since the previous message. The head's event loop only resolves admissio
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 
 from cluster.core.async_engine import AsyncEngine, LoopSink, OutputBatch
 from cluster.core.engine_client import RequestDelta
-from cluster.core.sampling_params import SamplingParams
+from cluster.core.engine_request import EngineRequest
 
 OutputMessage = list[tuple[str, RequestDelta | BaseException]]
 
@@ -30,25 +29,17 @@ class OutputChannel:
         self.closed = False
         self.num_messages = 0
 
-    async def submit(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        params: SamplingParams,
-        final: bool,
-        trace_context: dict[str, str] | None,
-    ) -> None:
+    async def submit(self, request: EngineRequest) -> None:
         """Return once the engine admitted the request; raise its ValueError/QueueFullError when it refused."""
         if self.closed:
             raise RuntimeError("this output channel is closed; open a new one")
+        request_id = request.request_id
         if request_id in self._admissions:
             raise ValueError(f"request_id {request_id!r} is already in use")
         future = self._loop.create_future()
         self._admissions[request_id] = future
         try:
-            self._engine.submit(
-                request_id, token_ids, params, self.sink, request_id, final=final, trace_context=trace_context
-            )
+            self._engine.submit(request, self.sink, request_id)
             await future
         finally:
             del self._admissions[request_id]

@@ -223,6 +223,7 @@ def _say(message: str) -> None:
 def serve(args: argparse.Namespace) -> int:
     import ray
 
+    from cluster.core.engine_request import EngineRequest
     from cluster.core.sampling_params import SamplingParams
     from cluster.distributed.head import ClusterOptions
     from cluster.distributed.launcher import HeadLauncher, connect, start_heads, stop_head
@@ -296,7 +297,7 @@ def serve(args: argparse.Namespace) -> int:
     heads = start_heads(config, options, head_names)
     _say("warming up")
     warmup = SamplingParams(max_tokens=2, ignore_eos=True)
-    ray.get([head.generate.remote("warmup", [1] * 8, warmup) for head in heads])
+    ray.get([head.generate.remote(EngineRequest("warmup", [1] * 8, warmup)) for head in heads])
     replicas = None
     if routed:
         replicas = ReplicaSettings(

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from cluster.core.engine_client import EngineClient
+from cluster.core.engine_request import EngineRequest, SiblingGroup
 from cluster.core.sampling_params import SamplingParams
 from cluster.frontend import tracing
 from cluster.frontend.output_processor import ChoiceDelta, ChoiceState, choice_params
@@ -33,11 +34,13 @@ async def stream_choice(
     prompt_ids: list[int],
     params: SamplingParams,
     usage: Usage,
+    group: SiblingGroup | None = None,
 ) -> AsyncIterator[ChoiceDelta]:
     """One sequence: engine deltas → text deltas, cut at a stop string (the engine request is then aborted)."""
     state = ChoiceState(tokenizer, prompt_ids, params, index)
     span = trace.get_current_span()  # the request span, when the route runs inside one
-    stream = engine.generate(request_id, prompt_ids, params, trace_context=tracing.engine_carrier(span))
+    carrier = tracing.engine_carrier(span)
+    stream = engine.generate(EngineRequest(request_id, prompt_ids, params, trace_context=carrier, group=group))
     tracing.record_queued(span, request_id)
     try:
         async for delta in stream:
@@ -95,7 +98,8 @@ async def stream_choices(
         child = choice_params(params, index)
         try:
             async for delta in stream_choice(
-                engine, tokenizer, f"{request_id}-{index}", index, prompt_ids, child, usage
+                engine, tokenizer, f"{request_id}-{index}", index, prompt_ids, child, usage,
+                SiblingGroup(request_id, index, params.n),
             ):
                 await queue.put(delta)
         except BaseException as error:  # surfaced to the consumer below

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
 from cluster.core.engine_client import EngineClient, RequestDelta
+from cluster.core.engine_request import EngineRequest
 from cluster.core.sampling_params import SamplingParams
 from cluster.frontend import tracing
 from cluster.frontend.constraints import check_constraint_of
@@ -200,12 +201,9 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
     async def _pump(self, stream: _Stream, *, final: bool) -> None:
         """Move the engine's deltas into the stream's queue, so that a cancelled client can abort it first."""
         try:
+            carrier = tracing.engine_carrier(stream.span)
             generator = self.engine.generate(
-                stream.engine_id,
-                list(stream.prompt_ids),
-                stream.params,
-                final=final,
-                trace_context=tracing.engine_carrier(stream.span),
+                EngineRequest(stream.engine_id, stream.prompt_ids, stream.params, final=final, trace_context=carrier)
             )
             tracing.record_queued(stream.span, stream.engine_id)
             async for delta in generator:
