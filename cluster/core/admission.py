@@ -10,16 +10,22 @@ from cluster.core.request import Request
 def check_fits(
     request: Request, num_tokens: int, max_model_len: int, config: SchedulerConfig, block_table: BlockTable
 ) -> None:
-    """Refuse a request (or a session's next chunk) of `num_tokens` tokens that could never be served."""
+    """Refuse a request (or a session's next chunk) of `num_tokens` tokens that could never be served.
+
+    `num_tokens` holds the outputs a resumed request already has; max_tokens counts them too.
+    """
     limit = max_model_len
+    num_outputs = request.num_output_tokens
     if request.max_tokens is None:
-        # Up to the context: the prompt must leave room for at least one output token.
+        # Up to the context: the prompt (and resumed outputs) must leave room for at least one output token.
         if num_tokens >= limit:
+            resumed = f" with {num_outputs} resumed outputs" if num_outputs else ""
             raise ValueError(
-                f"the prompt ({num_tokens} tokens) leaves no room for output within max_model_len={limit}"
+                f"the prompt ({num_tokens} tokens{resumed}) leaves no room for output within max_model_len={limit}"
             )
         total = num_tokens + 1
     else:
+        num_tokens -= num_outputs  # the prompt
         total = num_tokens + request.max_tokens
         if total > limit:
             raise ValueError(

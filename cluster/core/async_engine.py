@@ -228,7 +228,8 @@ class AsyncEngine:
         except (ValueError, RuntimeError) as error:  # bad input, or the waiting queue is full
             batch.errors.append((command.key, error))
             return
-        self._owners[request_id] = _Owner(command.sink, command.key)
+        # A resumed request's earlier outputs reached its caller already: its deltas start after them.
+        self._owners[request_id] = _Owner(command.sink, command.key, command.request.num_resumed_tokens)
         batch.admitted.append(command.key)
 
     def _append(self, command: Append) -> None:

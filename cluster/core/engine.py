@@ -104,15 +104,27 @@ class EngineCore:
 
         Its `request_id` must be new: ids are made by the server, and a duplicate is refused, never merged. Its
         `trace_context` is the W3C carrier of the caller's request span, which this request's steps link to.
+
+        A request with `resumed_output_token_ids` starts as a preempted one would: those outputs are already
+        its own (they count toward max_tokens and min_tokens, and the ranks seed and penalise by them), they are
+        recomputed with the prompt, and sampling continues after them.
         """
-        prompt = request.prompt_token_ids
+        prompt, resumed = request.prompt_token_ids, request.resumed_output_token_ids
         # The envelope holds ints >= 0 already: only the vocabulary bound is left to check.
         if max(prompt) >= self.vocab_size:
             self._check_tokens(prompt)
+        params = request.params
+        if resumed:
+            if max(resumed) >= self.vocab_size:
+                self._check_tokens(resumed, "resumed_output_token_ids")
+            if params.max_tokens is not None and len(resumed) >= params.max_tokens:
+                raise ValueError(
+                    f"resumed_output_token_ids already hold {len(resumed)} tokens, max_tokens={params.max_tokens}: "
+                    "nothing is left to generate"
+                )
         limit = self.config.scheduler.max_waiting_requests
         if limit is not None and len(self.scheduler.waiting) >= limit:
             raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests); retry shortly")
-        params = request.params
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop |= self.eos_token_ids
@@ -124,8 +136,14 @@ class EngineCore:
             max_tokens=params.max_tokens,
             stop_token_ids=frozenset(stop),
             input_open=not request.final,
+            output_token_ids=list(resumed),
             trace_context=request.trace_context,
+            num_reported_tokens=len(resumed),  # produced elsewhere: not this engine's generated tokens
         )
+        if resumed and params.logprobs is not None:
+            # Logprobs stay aligned with the outputs; the resumed ones are never sent again, so these are never read.
+            queued.logprobs.extend([0.0] * len(resumed))
+            queued.top_logprobs.extend({} for _ in resumed)
         self.scheduler.add_request(queued)
         return queued
 
@@ -134,10 +152,10 @@ class EngineCore:
         self._check_tokens(token_ids)
         return self.scheduler.append_input(request_id, list(token_ids), final)
 
-    def _check_tokens(self, token_ids: Sequence[int]) -> None:
+    def _check_tokens(self, token_ids: Sequence[int], what: str = "prompt token ids") -> None:
         for token in token_ids:
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
-                raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size}), got {token!r}")
+                raise ValueError(f"{what} must be ints in [0, {self.vocab_size}), got {token!r}")
 
     def abort(self, request_id: str) -> Request | None:
         request = self.scheduler.abort(request_id)

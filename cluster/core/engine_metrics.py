@@ -159,7 +159,8 @@ class EngineMetrics:
                 last = request.last_token_time
                 if request.first_token_time is None:
                     request.first_token_time = now
-                    self._ttft.observe(now - request.arrival_time)
+                    if new_tokens == num_outputs:  # a resumed request's first token reached its client elsewhere
+                        self._ttft.observe(now - request.arrival_time)
                     if request.first_scheduled_time is not None:
                         self._prefill_time.observe(now - request.first_scheduled_time)
                 elif last is not None:
