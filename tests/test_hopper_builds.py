@@ -5,7 +5,7 @@ The kernel wrappers run on CPU tensors of each shape below with the launches rec
 this environment and by the GPU image's (3.6, installed beside the venv by the Makefile). The test asserts that
 every kernel compiles, fits the 227 KiB of shared memory a block may use on sm_90, and does not spill
 registers at bf16 (ptxas -v from the Triton wheel). `python -m tests.test_hopper_builds [image] [--summary]`
-prints every variant, or the per-kernel table the README carries.
+prints every variant, or the per-kernel table docs/gpu.md carries.
 """
 
 from __future__ import annotations
