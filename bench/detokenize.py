@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 from transformers import AutoTokenizer
 
-from cluster.entrypoints.stop_strings import StopStringMatcher
 from cluster.frontend.detokenizer import IncrementalDetokenizer
 from worker.model_loader import resolve_model_dir
 
@@ -36,7 +35,7 @@ def stream_seconds(tokenizer, ids: list[int], through_tokenizer: bool) -> tuple[
 
 def match_seconds(tokenizer, ids: list[int], through_tokenizer: bool) -> float:
     """Seconds per token to watch `ids` for a stop string that never comes."""
-    matcher = StopStringMatcher(_as_given(tokenizer, through_tokenizer), ["\x00never\x00"])
+    matcher = IncrementalDetokenizer(_as_given(tokenizer, through_tokenizer), ids[:5], stop=["\x00never\x00"])
     started = time.perf_counter()
     for token in ids:
         matcher.add([token])

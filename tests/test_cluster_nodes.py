@@ -50,7 +50,7 @@ def test_one_rank_per_node_gives_the_same_tokens(two_nodes, tmp_path):
         placement_strategy="STRICT_SPREAD",
     )
     try:
-        nodes = ray.get(llm._remote.head.worker_nodes.remote())
+        nodes = ray.get(llm._cluster.heads[0].worker_nodes.remote())
         assert len(set(nodes)) == 2, "each rank must run on its own node"
         ours = engine_greedy(llm, prompts, 16)
     finally:

@@ -63,7 +63,7 @@ def test_killed_worker_is_replaced_without_changing_tokens(local_ray, tmp_path):
     prompts = [[(p * 13 + i * 7) % 240 + 3 for i in range(6 + p)] for p in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
     llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=512, tensor_parallel_size=2)
-    head = llm._remote.head
+    head = llm._cluster.heads[0]
     try:
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         streams = [head.stream.remote(EngineRequest(f"kill-{i}", p, params)) for i, p in enumerate(prompts)]
@@ -94,11 +94,11 @@ def test_killed_worker_is_replaced_without_changing_tokens(local_ray, tmp_path):
 
 
 def test_dead_head_gives_a_clear_error_then_restarts(local_ray, tmp_path):
-    from cluster.distributed.remote_engine import HeadUnavailableError
+    from cluster.entrypoints.cluster_client import HeadUnavailableError
 
     model_dir = make_tiny_model("llama", tmp_path / "llama")
     llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=512, tensor_parallel_size=2)
-    head = llm._remote.head
+    head = llm._cluster.heads[0]
     params = SamplingParams(temperature=0.0, max_tokens=4)
     try:
         pid = ray.get(head.pid.remote())
@@ -114,7 +114,7 @@ def test_dead_head_gives_a_clear_error_then_restarts(local_ray, tmp_path):
         assert not caller.is_alive(), "the caller hung after the head died"
         assert len(errors) == 1 and isinstance(errors[0], HeadUnavailableError)
         # Ray restarts the head with a fresh worker group; new requests are served again.
-        llm._remote.wait_until_ready(timeout_s=120)
+        llm._cluster.wait_until_ready(timeout_s=120)
         assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
         assert ray.get(head.pid.remote()) != pid
     finally:
@@ -133,7 +133,7 @@ def test_dispatch_metrics_grow_with_the_batch(local_ray, tmp_path):
 
     model_dir = make_tiny_model("llama", tmp_path / "llama")
     llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=512, tensor_parallel_size=2)
-    head = llm._remote.head
+    head = llm._cluster.heads[0]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
     def per_step(prompts) -> float:

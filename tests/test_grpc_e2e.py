@@ -8,8 +8,6 @@ import grpc
 import pytest
 
 from cluster import LLM
-from cluster.core.async_engine import AsyncEngine
-from cluster.core.local_client import LocalEngineClient
 from cluster.frontend.grpc_api import build_grpc_server
 from proto import api_pb2, api_pb2_grpc
 
@@ -23,9 +21,10 @@ CHUNKS = [
 
 
 def test_session_chunks_reuse_cached_blocks_and_match_one_generate(smollm2_dir):
-    llm = LLM(str(smollm2_dir), enable_prefix_caching=False)  # only the session itself can avoid recomputing
+    # Without prefix caching only the session itself can avoid recomputing.
+    llm = LLM(str(smollm2_dir), served_model_name="smollm2", enable_prefix_caching=False)
     tokenizer = llm.tokenizer
-    engine = LocalEngineClient(AsyncEngine(llm.engine), "smollm2")
+    engine = llm.engine_client
     chunk_ids = [tokenizer.encode(CHUNKS[0])] + [tokenizer.encode(c, add_special_tokens=False) for c in CHUNKS[1:]]
     whole_ids = sum(chunk_ids, [])
     sampling = api_pb2.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -185,14 +185,12 @@ def test_a_session_with_a_constraint_is_refused_before_it_opens(tokenizer):
 def constrained_engine(tmp_path_factory, tokenizer):
     """A real in-process engine on the tiny Llama sized to the embedded tokenizer (saved beside it for the ranks)."""
     from cluster import LLM
-    from cluster.core.async_engine import AsyncEngine
-    from cluster.core.local_client import LocalEngineClient
     from tests.tiny_models import make_tiny_model
 
     path = make_tiny_model("llama", tmp_path_factory.mktemp("structured") / "llama", vocab_size=len(tokenizer))
     tokenizer.save_pretrained(str(path))
-    llm = LLM(str(path), block_size=4, num_gpu_blocks=128, max_model_len=128)
-    return llm, LocalEngineClient(AsyncEngine(llm.engine), "tiny")
+    llm = LLM(str(path), served_model_name="tiny", block_size=4, num_gpu_blocks=128, max_model_len=128)
+    return llm, llm.engine_client
 
 
 def test_constrained_generations_over_grpc_follow_the_schema_and_the_choices(constrained_engine, tokenizer):

@@ -10,8 +10,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import LLM, SamplingParams
-from cluster.core.async_engine import AsyncEngine
-from cluster.core.local_client import LocalEngineClient
 from cluster.frontend.http_app import ServerState, create_app
 from tests.http_server import BackgroundServer
 from tests.requirements import require_executable
@@ -37,7 +35,7 @@ def value(text: str, name: str, **labels) -> float:
 @pytest.fixture(scope="module")
 def served(smollm2_dir):
     llm = LLM(str(smollm2_dir), served_model_name="smollm2")
-    engine = LocalEngineClient(AsyncEngine(llm.engine), "smollm2")
+    engine = llm.engine_client
     with BackgroundServer(create_app(ServerState(engine, llm.tokenizer, "smollm2"))) as base_url:
         yield base_url
 

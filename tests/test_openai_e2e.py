@@ -13,8 +13,6 @@ import pytest
 
 from cluster import LLM, SamplingParams
 from cluster.bench.workload import random_workload
-from cluster.core.async_engine import AsyncEngine
-from cluster.core.local_client import LocalEngineClient
 from cluster.frontend.http_app import ServerState, create_app
 from tests.http_server import BackgroundServer
 
@@ -23,13 +21,13 @@ MODEL = "smollm2"
 
 
 def serve_llm(llm: LLM, **state):
-    engine = LocalEngineClient(AsyncEngine(llm.engine), MODEL)
+    engine = llm.engine_client
     return engine, BackgroundServer(create_app(ServerState(engine, llm.tokenizer, MODEL, **state)))
 
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir):
-    return LLM(str(smollm2_dir))
+    return LLM(str(smollm2_dir), served_model_name=MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +175,7 @@ def test_dropped_streams_are_aborted_and_free_their_blocks(client):
 
 
 def test_overload_gets_429_with_retry_after_while_admitted_requests_finish(smollm2_dir):
-    llm = LLM(str(smollm2_dir), max_num_seqs=2, max_waiting_requests=2)
+    llm = LLM(str(smollm2_dir), served_model_name=MODEL, max_num_seqs=2, max_waiting_requests=2)
     _, server = serve_llm(llm)
     body = {"model": MODEL, "prompt": "Count to twenty:", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     results: list[httpx.Response] = []

@@ -1,5 +1,5 @@
-"""Stop strings in the offline LLM: matched incrementally, with the same outcome as decoding the whole output after
-every step, in-process and tensor parallel (where the head aborts the request as soon as the string appears)."""
+"""Stop strings in the offline LLM: matched incrementally by the output processor, with the same outcome as decoding
+the whole output after every token, in-process and tensor parallel (the head aborts the request once it appears)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from cluster import LLM, SamplingParams
-from cluster.entrypoints.stop_strings import StopStringMatcher
+from cluster.core.engine_client import RequestDelta
+from cluster.frontend.output_processor import ChoiceState
 from tests.ray_start import start_ray
 from tests.tiny_models import make_tiny_model
 
@@ -30,7 +31,7 @@ def first_stop(tokenizer, token_ids: list[int], stops: list[str]) -> int | None:
     return None
 
 
-def test_the_matcher_agrees_with_decoding_everything(tokenizer):
+def test_a_choice_stops_where_decoding_everything_first_holds_the_stop_string(tokenizer):
     rng = random.Random(0)
     texts = ["Hello, world! 1, 2, 3.", "don’t — café naïve 日本語 🎉 end.", "def add(a, b):\n    return a + b\n"]
     pieces = [t for text in texts for t in tokenizer.encode(text)]
@@ -40,21 +41,25 @@ def test_the_matcher_agrees_with_decoding_everything(tokenizer):
         text = tokenizer.decode(ids, skip_special_tokens=True)
         starts = [rng.randrange(len(text) - 3) for _ in range(2)]
         stops = [s for s in (text[a : a + rng.randint(1, 4)] for a in starts) if "\ufffd" not in s] or ["zz"]
-        matcher = StopStringMatcher(tokenizer, stops)
-        # Fed a step at a time, as the LLM does: one or a few tokens.
-        found, count = None, 0
-        while count < len(ids) and found is None:
+        state = ChoiceState(tokenizer, [], SamplingParams(stop=stops, max_tokens=len(ids)))
+        # Fed a step at a time, as deltas arrive: one or a few tokens.
+        kept, count = [], 0
+        while count < len(ids) and not state.finished:
             step = ids[count : count + rng.choice((1, 1, 1, 2))]
             count += len(step)
-            if matcher.add(step):
-                found = count
+            kept += state.process(RequestDelta("r", step, 0, count, finished=count == len(ids))).token_ids
         expected = first_stop(tokenizer, ids, stops)
         if expected is not None:
             hits += 1
-            # Fed several tokens at once, the matcher can only answer at the end of that step.
-            assert expected <= found <= expected + 1, (stops, ids)
+            # Cut at the token that completed the stop string, wherever it fell in its delta; a few tokens later
+            # only while the text there ends inside a character, which streaming holds back until it is whole.
+            assert state.finish_reason == "stop" and kept == ids[: len(kept)]
+            if "\ufffd" in tokenizer.decode(ids[: len(kept)], skip_special_tokens=True):
+                assert expected <= len(kept) <= expected + 6, (stops, ids)
+            else:
+                assert len(kept) == expected, (stops, ids)
         else:
-            assert found is None
+            assert kept == ids and state.finish_reason == "stop" and not state.stopped
     assert hits > 100
 
 

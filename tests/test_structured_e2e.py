@@ -12,8 +12,6 @@ import openai
 import pytest
 
 from cluster import LLM
-from cluster.core.async_engine import AsyncEngine
-from cluster.core.local_client import LocalEngineClient
 from cluster.frontend.http_app import ServerState, create_app
 from tests.http_server import BackgroundServer
 
@@ -95,8 +93,8 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris for the
 
 @pytest.fixture(scope="module")
 def base_url(smollm2_dir):
-    llm = LLM(str(smollm2_dir))
-    engine = LocalEngineClient(AsyncEngine(llm.engine), MODEL)
+    llm = LLM(str(smollm2_dir), served_model_name=MODEL)
+    engine = llm.engine_client
     with BackgroundServer(create_app(ServerState(engine, llm.tokenizer, MODEL))) as url:
         yield url + "/v1"
 

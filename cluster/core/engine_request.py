@@ -47,6 +47,8 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.time)  # wall clock: comparable across processes
     resumed_output_token_ids: tuple[int, ...] = ()
     group: SiblingGroup | None = None
+    # False: the caller wants the output once, when the request ends (no delta per step to make and hand over).
+    stream: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -59,6 +61,8 @@ class EngineRequest:
             raise ValueError(f"params must be a SamplingParams, got {type(self.params).__name__}")
         if not isinstance(self.final, bool):
             raise ValueError(f"final must be a bool, got {self.final!r}")
+        if not isinstance(self.stream, bool):
+            raise ValueError(f"stream must be a bool, got {self.stream!r}")
         if self.trace_context is not None:
             if not isinstance(self.trace_context, Mapping) or not all(
                 isinstance(key, str) and isinstance(value, str) for key, value in self.trace_context.items()

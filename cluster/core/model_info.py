@@ -13,6 +13,10 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
 
+    def context_limit(self, max_model_len: int | None) -> int:
+        """The context the model is served with: what was asked for (None: all it has), never beyond its own."""
+        return min(max_model_len or self.max_position_embeddings, self.max_position_embeddings)
+
 
 def _as_ids(value: object) -> tuple[int, ...]:
     if value is None:

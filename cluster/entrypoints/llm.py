@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import itertools
+import queue
 import uuid
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from cluster.core.async_engine import AsyncEngine, OutputBatch
 from cluster.core.config import CacheConfig, EngineConfig, ObservabilityConfig, SchedulerConfig
 from cluster.core.engine import EngineCore
+from cluster.core.engine_request import EngineRequest, SiblingGroup
+from cluster.core.local_client import LocalEngineClient
 from cluster.core.model_info import read_model_info
 from cluster.core.outputs import CompletionOutput, RequestOutput
-from cluster.core.request import Request, RequestStatus
 from cluster.core.sampling_params import SamplingParams
 from cluster.distributed.local_executor import InProcessExecutor, locate_model, worker_config
-from cluster.entrypoints.stop_strings import StopStringMatcher
+from cluster.frontend.output_processor import ChoiceState, append_choice, choice_params, choice_request_id
 from common import telemetry
 from common.grammar import TOKENIZERS, GrammarError, check_constraint
 
@@ -26,7 +28,12 @@ Prompt = str | Sequence[int]
 
 class LLM:
     """A model replica in this process (tensor-parallel size 1), or replicas on Ray (tensor or data parallel),
-    behind a batch-generation API."""
+    behind a batch-generation API.
+
+    A thin synchronous client: requests go to the same engine clients `pagerail serve` uses (the in-process
+    engine loop, a head actor, routed replicas), and every choice's output through the front doors' ChoiceState,
+    so a request gives the same tokens and text here as over HTTP or gRPC.
+    """
 
     def __init__(
         self,
@@ -95,37 +102,39 @@ class LLM:
         info = read_model_info(self.model_dir)
         self._vocab_size = info.vocab_size
         self.tokenizer = _load_tokenizer(tokenizer or self.model_dir)
-        limit = min(max_model_len or info.max_position_embeddings, info.max_position_embeddings)
-        eos = info.eos_token_ids
-        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos = (self.tokenizer.eos_token_id,)
         self._ids = itertools.count()
-        self._remote = None
-        self.engine = None
+        self._cluster = None
+        self.engine: EngineCore | None = None
         self._shut_down = False
         if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
-        if data_parallel_size > 1:
-            # Data parallel: a head actor per replica on Ray, each batch split between them by prefix-aware routing.
-            from cluster.distributed.data_parallel_engine import DataParallelEngine
+        if data_parallel_size > 1 or tensor_parallel_size > 1 or ray_address is not None:
+            # Head actors on Ray drive worker actors over gRPC; several are routed between as `serve` does.
             from cluster.distributed.head import ClusterOptions
+            from cluster.entrypoints.cluster_client import ClusterClient
 
             options = ClusterOptions(placement_strategy=placement_strategy)
             name = head_name or f"pagerail-head-{uuid.uuid4().hex[:8]}"
-            self._remote = DataParallelEngine(self.config, options, ray_address, name, data_parallel_size, device)
-        elif tensor_parallel_size > 1 or ray_address is not None:
-            # Tensor parallel (or an existing cluster): a head actor on Ray drives worker actors over gRPC.
-            from cluster.distributed.head import ClusterOptions
-            from cluster.distributed.remote_engine import RemoteEngine
-
-            options = ClusterOptions(placement_strategy=placement_strategy)
-            name = head_name or f"pagerail-head-{uuid.uuid4().hex[:8]}"
-            self._remote = RemoteEngine(self.config, options, ray_address, name, device)
+            self._cluster = ClusterClient(self.config, options, ray_address, name, data_parallel_size, device)
         else:
             # This process is the head (and its only rank): its steps' spans go to the collector from here.
             telemetry.configure_tracing("head", endpoint=otlp_traces_endpoint, sampling_ratio=trace_sampling_ratio)
             executor = InProcessExecutor(worker_config(self.config, self.model_dir))
-            self.engine = EngineCore(self.config, executor, limit, info.vocab_size, eos)
+            limit = info.context_limit(max_model_len)
+            self.engine = EngineCore(self.config, executor, limit, info.vocab_size, info.eos_token_ids)
+            # generate() drives the loop from its own thread until something else needs it running alone.
+            self._engine_loop = AsyncEngine(self.engine, start=False)
+
+    @property
+    def engine_client(self):
+        """The engine client behind this LLM (the one `pagerail serve`'s frontend would use), for serving the same
+        engine over HTTP or gRPC in this process; in-process, its loop thread starts on first use."""
+        if self._cluster is not None:
+            return self._cluster.client
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down; create a new one")
+        self._engine_loop.start()
+        return LocalEngineClient(self._engine_loop, self.config.model_name)
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -139,31 +148,15 @@ class LLM:
         params_list = _as_params_list(params, len(prompts))
         self._check_constraints(params_list)
         outputs: list[RequestOutput] = []
-        children: dict[str, tuple[RequestOutput, int, SamplingParams]] = {}
-        pending: list[tuple[str, list[int], SamplingParams]] = []
-        try:
-            for prompt, sp in zip(prompts, params_list, strict=True):
-                token_ids = self._encode(prompt)
-                output = RequestOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, token_ids)
-                outputs.append(output)
-                for index in range(sp.n):
-                    # Each of the n sequences is its own request; they share the prompt's cached blocks.
-                    child_params = sp if sp.seed is None or index == 0 else replace(sp, seed=sp.seed + index)
-                    child_id = f"{output.request_id}-{index}" if sp.n > 1 else output.request_id
-                    children[child_id] = (output, index, sp)
-                    pending.append((child_id, token_ids, child_params))
-                    output.outputs.append(CompletionOutput(index, "", [], None))
-            if self._remote is not None:
-                self._run_remote(children, pending)
-            else:
-                for child_id, token_ids, child_params in pending:
-                    self.engine.add_request(child_id, token_ids, child_params)
-                self._run(children)
-        except BaseException:
-            if self.engine is not None:
-                for child_id in children:
-                    self.engine.abort(child_id)
-            raise
+        for prompt, sp in zip(prompts, params_list, strict=True):
+            token_ids = self._encode(prompt)
+            output = RequestOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, token_ids)
+            output.outputs = [CompletionOutput(index, "", [], None) for index in range(sp.n)]
+            outputs.append(output)
+        if self._cluster is not None:
+            self._cluster.run(outputs, params_list, self.tokenizer)
+        else:
+            self._run_in_process(outputs, params_list)
         return outputs
 
     def chat(
@@ -185,22 +178,24 @@ class LLM:
 
     @property
     def stats(self):
-        """Scheduler counters (in-process), or the head actor's stats dict (tensor parallel; per replica with data
-        parallel)."""
-        if self._remote is not None:
-            return self._remote.stats()
+        """Scheduler counters (in-process), or the engine client's stats dict (on Ray; per replica, with the
+        router's, under data parallel)."""
+        if self._cluster is not None:
+            return self._cluster.stats()
         return self.engine.scheduler.stats
 
     def shutdown(self) -> None:
-        """Stop the head actor and its workers (tensor parallel), or release the in-process engine: its model, KV
-        cache and captured graphs are freed (and CUDA's cached memory returned), so another engine in this process
-        measures its memory from a clean device. Calling it again does nothing."""
+        """Stop the head actors and their workers (on Ray), or release the in-process engine: its loop stops and
+        its model, KV cache and captured graphs are freed (and CUDA's cached memory returned), so another engine in
+        this process measures its memory from a clean device. Calling it again does nothing."""
         self._shut_down = True
-        if self._remote is not None:
-            self._remote.shutdown()
-            self._remote = None
+        if self._cluster is not None:
+            cluster, self._cluster = self._cluster, None
+            cluster.shutdown()
         if self.engine is not None:
             engine, self.engine = self.engine, None
+            self._engine_loop.shutdown()
+            self._engine_loop = None
             engine.executor.shutdown()
 
     def __enter__(self) -> LLM:
@@ -228,80 +223,62 @@ class LLM:
             raise ValueError(f"the model at {self.model_dir} has no tokenizer; pass prompts as token id lists")
         return self.tokenizer
 
-    def _run(self, children: dict[str, tuple[RequestOutput, int, SamplingParams]]) -> None:
-        remaining = set(children)
-        matchers = self._stop_matchers(children)
-        stats = self.engine.scheduler.stats
-        while remaining:
-            num_finished = stats.num_finished
-            changed = self.engine.step()
-            if matchers:
-                self._stop_at_strings(changed, matchers)
-            if stats.num_finished == num_finished:
-                continue  # most steps end no request: nothing to collect, no need to look at each one
-            for request in changed:
-                entry = children.get(request.request_id)
-                if entry is None or not request.finished:
-                    continue
-                output, index, sp = entry
-                self._fill(output.outputs[index], request, sp)
-                output.num_cached_tokens = max(output.num_cached_tokens, request.num_cached_tokens)
-                remaining.discard(request.request_id)
-        # A request stopped here was already in the next step, which is still in flight: let it land, so the
-        # engine is idle again when generate() returns.
-        self.engine.drain()
+    def _run_in_process(self, outputs: list[RequestOutput], params_list: list[SamplingParams]) -> None:
+        """Submit every choice to the engine loop and fold its deltas in as each step hands them over."""
+        sink = _QueueSink()
+        choices: dict[int, tuple[str, RequestOutput, ChoiceState]] = {}
+        for output, sp in zip(outputs, params_list, strict=True):
+            for index in range(sp.n):
+                request_id = choice_request_id(output.request_id, index, sp.n)
+                state = ChoiceState(self.tokenizer, output.prompt_token_ids, sp, index, incremental=False)
+                key = len(choices)
+                choices[key] = (request_id, output, state)
+                group = SiblingGroup(output.request_id, index, sp.n) if sp.n > 1 else None
+                # Only stop strings need the output as it grows; otherwise it is read once, at the end.
+                request = EngineRequest(
+                    request_id, output.prompt_token_ids, choice_params(sp, index), group=group, stream=bool(sp.stop)
+                )
+                self._engine_loop.submit(request, sink, key)
+        # Until the engine sent every request's last delta: a request ended here on a stop string is aborted
+        # there, and its blocks are free once that answer comes.
+        open_requests = set(choices)
+        engine_loop = self._engine_loop
+        try:
+            while open_requests:
+                if engine_loop.started:
+                    batch = sink.batches.get()
+                else:
+                    engine_loop.run_once()
+                    if sink.batches.empty():
+                        continue
+                    batch = sink.batches.get_nowait()
+                for key, error in batch.errors:
+                    open_requests.discard(key)
+                    raise error
+                for key, delta in batch.deltas:
+                    if delta.finished:
+                        open_requests.discard(key)
+                    request_id, output, state = choices[key]
+                    if state.finished:
+                        continue
+                    append_choice(output, state.process(delta))
+                    if state.stopped:
+                        self._engine_loop.abort(request_id, sink, key)
+        except BaseException:
+            for key in open_requests:
+                engine_loop.abort(choices[key][0], sink, key)
+            if not engine_loop.started:
+                engine_loop.run_once()  # the aborts take effect now: their blocks are free when this returns
+            raise
 
-    def _stop_at_strings(self, changed: list[Request], matchers: dict[str, StopStringMatcher]) -> None:
-        """Finish the requests whose text now holds a stop string; checked once per step, on the text so far:
-        the step's tokens are kept, later ones never come."""
-        for request in changed:
-            matcher = matchers.get(request.request_id)
-            if matcher is not None and not request.finished:
-                if matcher.add(request.output_token_ids[matcher.num_tokens :]):
-                    self.engine.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+class _QueueSink:
+    """Where the engine loop hands this caller's outputs: one batch per loop iteration, read by generate()."""
 
-    def _run_remote(self, children: dict[str, tuple[RequestOutput, int, SamplingParams]], pending: list) -> None:
-        # The head works on token ids only: stop strings are matched here as the tokens stream in, and a request
-        # that hits one is aborted at the head, its tokens cut where the in-process path would have stopped it.
-        matchers = self._stop_matchers(children)
+    def __init__(self) -> None:
+        self.batches: queue.SimpleQueue[OutputBatch] = queue.SimpleQueue()
 
-        def stops(request_id: str, token_ids: list[int]) -> bool:
-            matcher = matchers.get(request_id)
-            return matcher is not None and matcher.add(token_ids)
-
-        for request_id, request in self._remote.run(pending, stops if matchers else None).items():
-            output, index, sp = children[request_id]
-            self._fill(output.outputs[index], request, sp)
-            output.num_cached_tokens = max(output.num_cached_tokens, request.num_cached_tokens)
-
-    def _stop_matchers(self, children: dict[str, tuple[RequestOutput, int, SamplingParams]]) -> dict:
-        """A stop-string matcher per request that has stop strings."""
-        matchers: dict[str, StopStringMatcher] = {}
-        for request_id, (_, _, sp) in children.items():
-            if sp.stop:
-                matchers[request_id] = StopStringMatcher(self._require_tokenizer(), sp.stop, sp.skip_special_tokens)
-        return matchers
-
-    def _fill(self, completion: CompletionOutput, request: Request, sp: SamplingParams) -> None:
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=sp.skip_special_tokens)
-        finish_reason = request.status.value
-        for stop in sp.stop:
-            cut = text.find(stop)
-            if cut >= 0:
-                text = text[: cut + (len(stop) if sp.include_stop_str_in_output else 0)]
-                finish_reason = "stop"
-        completion.text = text
-        completion.token_ids = list(request.output_token_ids)
-        completion.finish_reason = finish_reason
-        completion.error = request.error
-        if sp.logprobs is not None:
-            completion.logprobs = [
-                {token: lp, **top}
-                for token, lp, top in zip(request.output_token_ids, request.logprobs, request.top_logprobs, strict=True)
-            ]
-            completion.cumulative_logprob = sum(request.logprobs)
+    def deliver(self, batch: OutputBatch) -> None:
+        self.batches.put(batch)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cluster.core.engine_client import RequestDelta
+from cluster.core.outputs import RequestOutput
 from cluster.core.sampling_params import SamplingParams
 from cluster.frontend.detokenizer import IncrementalDetokenizer
 
@@ -61,6 +62,7 @@ class ChoiceState:
         index: int = 0,
         *,
         detokenize: bool = True,
+        incremental: bool = True,
     ) -> None:
         if params.stop and tokenizer is None:
             raise ValueError("stop: stop strings are matched on text, and this model has no tokenizer")
@@ -77,6 +79,10 @@ class ChoiceState:
                 params.include_stop_str_in_output,
                 min_tokens=params.min_tokens,
             )
+        # A caller that wants only the whole text (not streamed) and has no stop strings to look for gets it decoded
+        # once at the end: two decodes per choice instead of two per token.
+        whole = self.detokenizer is not None and not incremental and not params.stop
+        self._held: list[int] | None = [] if whole else None
         self.num_output_tokens = 0  # kept so far: never past a stop string
         self.finish_reason: str | None = None
         self.stopped = False
@@ -91,7 +97,11 @@ class ChoiceState:
         text = ""
         reason = delta.finish_reason or "stop" if delta.finished else None
         detokenizer = self.detokenizer
-        if detokenizer is not None:
+        if self._held is not None:
+            self._held.extend(token_ids)
+            if reason is not None:
+                text = detokenizer.add(self._held) + detokenizer.flush()
+        elif detokenizer is not None:
             text = detokenizer.add(token_ids)
             if detokenizer.stopped:
                 self.stopped = not delta.finished
@@ -108,3 +118,21 @@ class ChoiceState:
         if reason is not None and delta.error and not self.stopped:
             out.error, out.error_code = delta.error, delta.error_code
         return out
+
+
+def append_choice(output: RequestOutput, delta: ChoiceDelta) -> None:
+    """Fold one choice's delta into the `LLM` API's result for its prompt."""
+    completion = output.outputs[delta.index]
+    completion.text += delta.text
+    completion.token_ids.extend(delta.token_ids)
+    if delta.logprobs:
+        # Per token: {token id: logprob}, the sampled token first, then the most likely ones.
+        entries = completion.logprobs if completion.logprobs is not None else []
+        for token, logprob, top in zip(delta.token_ids, delta.logprobs, delta.top_logprobs, strict=True):
+            entries.append({token: logprob, **top})
+        completion.logprobs = entries
+        completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + sum(delta.logprobs)
+    output.num_cached_tokens = max(output.num_cached_tokens, delta.num_cached_tokens)
+    if delta.finish_reason is not None:
+        completion.finish_reason = delta.finish_reason
+        completion.error = delta.error
