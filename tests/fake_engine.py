@@ -29,12 +29,14 @@ class FakeEngineClient:
         self.step_delay_s = step_delay_s
         self.active: set[str] = set()
         self.aborted: list[str] = []
+        self.requests: list[EngineRequest] = []  # every envelope received, in order
         self.ready = True
         self.paused = False
         self._inputs: dict[str, list[int]] = {}
         self._more_input: dict[str, asyncio.Event] = {}
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+        self.requests.append(request)
         request_id, prompt_token_ids, params, final = (
             request.request_id, request.prompt_token_ids, request.params, request.final
         )

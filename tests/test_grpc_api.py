@@ -94,6 +94,38 @@ async def test_generate_by_token_ids_streams_tokens_usage_and_logprobs():
 
 
 @async_test
+async def test_n_choices_interleave_on_one_stream_each_named_by_index():
+    engine = FakeEngineClient()
+    async with serve(engine) as channel:
+        call = api_pb2_grpc.GenerationStub(channel).Generate(token_request([1, 2], max_tokens=4, n=3, seed=9))
+        responses = [response async for response in call]
+    choices: dict[int, list] = {}
+    for response in responses:
+        choices.setdefault(response.index, []).append(response)
+    assert sorted(choices) == [0, 1, 2]
+    for messages in choices.values():
+        assert [t for r in messages for t in r.token_ids] == fake_tokens([1, 2], 4)
+        assert [r.finish_reason for r in messages][-1] == "length" and messages[-1].usage.completion_tokens == 4
+    # One engine request per choice, siblings of one group, seeded apart.
+    requests = engine.requests
+    assert len({r.request_id for r in requests}) == 3
+    assert sorted((r.group.index, r.params.seed) for r in requests) == [(0, 9), (1, 10), (2, 11)]
+
+
+@async_test
+async def test_a_session_refuses_n_choices():
+    async def one_message():
+        yield api_pb2.SessionRequest(
+            token_ids=api_pb2.TokenIds(ids=[1]), sampling_params=api_pb2.SamplingParams(n=2), final=True
+        )
+
+    async with serve(FakeEngineClient()) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            [response async for response in api_pb2_grpc.GenerationStub(channel).Session(one_message())]
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling_params.n" in error.value.details()
+
+
+@async_test
 async def test_generate_by_text_detokenizes(tokenizer):
     async with serve(FakeEngineClient(), tokenizer) as channel:
         request = api_pb2.GenerateRequest(

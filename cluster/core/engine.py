@@ -15,6 +15,7 @@ from cluster.core.engine_metrics import EngineMetrics
 from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
 from cluster.core.executor import Executor, PendingStep, WorkerGroupError
+from cluster.core.model_info import ModelInfo
 from cluster.core.quarantine import Quarantine
 from cluster.core.request import Request, RequestStatus
 from cluster.core.scheduler import Scheduler
@@ -98,6 +99,13 @@ class EngineCore:
         self.max_inflight_steps = 2 if overlap else 1
         self._inflight: deque[_InflightStep] = deque()
         self.num_overlapped_steps = 0
+
+    @classmethod
+    def for_model(cls, config: EngineConfig, executor: Executor, info: ModelInfo) -> EngineCore:
+        """The engine of one replica of the model `info` describes: what every entry point (`LLM`, the head actor)
+        builds, so a model stops at the same tokens (its EOS ids) within the same context whichever serves it."""
+        limit = info.context_limit(config.scheduler.max_model_len)
+        return cls(config, executor, limit, info.vocab_size, info.eos_token_ids)
 
     def add_request(self, request: EngineRequest) -> Request:
         """Queue a new request (final=False: the first chunk of a streaming-input session).

@@ -60,10 +60,7 @@ class HeadActor:
             name=ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None,
         )
         self.group.start()
-        limit = config.scheduler.max_model_len or info.max_position_embeddings
-        self.engine = EngineCore(
-            config, self.group, min(limit, info.max_position_embeddings), info.vocab_size, info.eos_token_ids
-        )
+        self.engine = EngineCore.for_model(config, self.group, info)
         self.engine.max_restarts = options.max_restarts
         self.async_engine = AsyncEngine(self.engine)
         # Consumers' output channels by id; created by whichever of submit() and outputs() comes first.

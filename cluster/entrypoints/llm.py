@@ -120,8 +120,7 @@ class LLM:
             # This process is the head (and its only rank): its steps' spans go to the collector from here.
             telemetry.configure_tracing("head", endpoint=otlp_traces_endpoint, sampling_ratio=trace_sampling_ratio)
             executor = InProcessExecutor(worker_config(self.config, self.model_dir))
-            limit = info.context_limit(max_model_len)
-            self.engine = EngineCore(self.config, executor, limit, info.vocab_size, info.eos_token_ids)
+            self.engine = EngineCore.for_model(self.config, executor, info)
             # generate() drives the loop from its own thread until something else needs it running alone.
             self._engine_loop = AsyncEngine(self.engine, start=False)
 

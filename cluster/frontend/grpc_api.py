@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
 from cluster.core.engine_client import EngineClient, RequestDelta
-from cluster.core.engine_request import EngineRequest
+from cluster.core.engine_request import EngineRequest, SiblingGroup
 from cluster.core.sampling_params import SamplingParams
 from cluster.frontend import tracing
 from cluster.frontend.constraints import check_constraint_of
@@ -32,7 +32,7 @@ from cluster.frontend.grpc_convert import (
     usage,
 )
 from cluster.frontend.grpc_guards import ApiKeyInterceptor, EngineHealth
-from cluster.frontend.output_processor import ChoiceState
+from cluster.frontend.output_processor import ChoiceState, choice_params, choice_request_id
 from common.tls import ServerTls
 from proto import api_pb2, api_pb2_grpc
 
@@ -46,20 +46,42 @@ MAX_REQUEST_ID_LEN = 256
 
 
 @dataclass
+class _Choice:
+    """One of a stream's n choices: its engine request and how far it got."""
+
+    index: int
+    engine_id: str  # the engine's id, always made here: callers can never name another caller's request
+    params: SamplingParams  # the request's, with this choice's seed
+    state: ChoiceState | None = None  # created with the first delta: a session's prompt is complete only then
+    last: RequestDelta | None = None
+    finished: bool = False  # the client got this choice's last message
+    engine_done: bool = False  # the engine finished it or was told to abort it: nothing left to free
+
+
+@dataclass
 class _Stream:
-    """One request streaming from this server: where its deltas arrive and how far it got."""
+    """One call streaming from this server: its choices, and where their deltas arrive."""
 
     request_id: str  # the caller's label (its own request_id, or one made here), echoed in every response
-    engine_id: str  # the engine's id, always made here: callers can never name another caller's request
+    engine_id: str  # names the call's engine requests (one per choice)
     prompt_ids: list[int]  # grows with each chunk of a streaming-input session
     params: SamplingParams
     send_text: bool
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestDelta, or the exception that ended it
-    choice: ChoiceState | None = None
-    last: RequestDelta | None = None
-    finished: bool = False  # the client got its last message
-    engine_done: bool = False  # the engine finished or was told to abort: nothing left to free
+    choices: list[_Choice] = field(default_factory=list)
+    # (choice, RequestDelta), or the exception that ended the call.
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
     span: trace.Span = trace.INVALID_SPAN  # the call's request span (Generate only)
+
+    def __post_init__(self) -> None:
+        n = self.params.n
+        self.choices = [
+            _Choice(index, choice_request_id(self.engine_id, index, n), choice_params(self.params, index))
+            for index in range(n)
+        ]
+
+    @property
+    def finished(self) -> bool:
+        return all(choice.finished for choice in self.choices)
 
 
 class GenerationServicer(api_pb2_grpc.GenerationServicer):
@@ -98,6 +120,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             if first is None:
                 raise ValueError("the session ended before its first message")
             stream = self._new_stream(first)
+            if stream.params.n > 1:
+                raise ValueError("sampling_params.n: a Session generates one sequence; use Generate for n > 1")
             if stream.params.structured_outputs is not None:
                 # The grammar would have to follow input that is still arriving; a constraint covers a whole
                 # generation from a complete prompt.
@@ -114,14 +138,16 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         stream = self._streams.get((context.peer(), request.request_id))
         if stream is None:
             return api_pb2.AbortResponse(found=False)
-        if not stream.engine_done:
-            stream.engine_done = True
-            # Ends the stream now, even when the engine has nothing to send (a session still waiting for input).
-            last = stream.last or RequestDelta(stream.request_id, [], len(stream.prompt_ids), 0)
-            ended = RequestDelta(stream.request_id, [], last.num_prompt_tokens, last.num_output_tokens, True, "abort")
+        for choice in stream.choices:
+            if choice.engine_done:
+                continue
+            choice.engine_done = True
+            # Ends the choice now, even when the engine has nothing to send (a session still waiting for input).
+            last = choice.last or RequestDelta(choice.engine_id, [], len(stream.prompt_ids), 0)
+            ended = RequestDelta(choice.engine_id, [], last.num_prompt_tokens, last.num_output_tokens, True, "abort")
             ended.num_cached_tokens = last.num_cached_tokens
-            stream.events.put_nowait(ended)
-            await self.engine.abort(stream.engine_id)
+            stream.events.put_nowait((choice, ended))
+            await self.engine.abort(choice.engine_id)
         return api_pb2.AbortResponse(found=True)
 
     async def GetModelInfo(self, request: api_pb2.ModelInfoRequest, context) -> api_pb2.ModelInfo:  # noqa: N802
@@ -179,7 +205,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already streaming on this connection"
             )
         self._streams[key] = stream
-        tasks = [asyncio.create_task(self._pump(stream, final=feed is None))]
+        tasks = [asyncio.create_task(self._pump(stream, choice, final=feed is None)) for choice in stream.choices]
         try:
             await context.send_initial_metadata((("request-id", request_id),))
             if feed is not None:
@@ -189,26 +215,38 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 event = await stream.events.get()
                 if isinstance(event, BaseException):
                     raise event
-                yield self._response(stream, event)
+                choice, delta = event
+                if not choice.finished:  # an abort's own ending may race the engine's last delta
+                    yield self._response(stream, choice, delta)
         finally:
             self._streams.pop(key, None)
-            if not stream.engine_done:
-                await self.engine.abort(stream.engine_id)  # a cancelled client or a stop string: free the KV blocks
+            for choice in stream.choices:
+                if not choice.engine_done:  # a cancelled client or a stop string: free the KV blocks
+                    await self.engine.abort(choice.engine_id)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _pump(self, stream: _Stream, *, final: bool) -> None:
-        """Move the engine's deltas into the stream's queue, so that a cancelled client can abort it first."""
+    async def _pump(self, stream: _Stream, choice: _Choice, *, final: bool) -> None:
+        """Move one choice's engine deltas into the call's queue, so that a cancelled client can abort it first."""
         try:
-            carrier = tracing.engine_carrier(stream.span)
-            generator = self.engine.generate(
-                EngineRequest(stream.engine_id, stream.prompt_ids, stream.params, final=final, trace_context=carrier)
+            n = stream.params.n
+            request = EngineRequest(
+                choice.engine_id,
+                stream.prompt_ids,
+                choice.params,
+                final=final,
+                trace_context=tracing.engine_carrier(stream.span),
+                group=SiblingGroup(stream.engine_id, choice.index, n) if n > 1 else None,
             )
-            tracing.record_queued(stream.span, stream.engine_id)
+            generator = self.engine.generate(request)
+            tracing.record_queued(stream.span, choice.engine_id)
+            finished = False
             async for delta in generator:
-                stream.events.put_nowait(delta)
-            stream.events.put_nowait(RpcError(grpc.StatusCode.INTERNAL, "the engine ended the stream unfinished"))
+                finished = delta.finished
+                stream.events.put_nowait((choice, delta))
+            if not finished:
+                stream.events.put_nowait(RpcError(grpc.StatusCode.INTERNAL, "the engine ended the stream unfinished"))
         except Exception as exc:
             stream.events.put_nowait(exc)
 
@@ -220,36 +258,37 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                     raise ValueError("request_id, sampling_params and skip_detokenize go in the first message only")
                 ids = self._input_ids(message, first=False)
                 stream.prompt_ids.extend(ids)
-                await self.engine.append_input(stream.engine_id, ids, message.final)
+                await self.engine.append_input(stream.choices[0].engine_id, ids, message.final)
                 if message.final:
                     return
-            await self.engine.append_input(stream.engine_id, [], True)
+            await self.engine.append_input(stream.choices[0].engine_id, [], True)
         except Exception as exc:
             stream.events.put_nowait(exc)
 
-    def _response(self, stream: _Stream, delta: RequestDelta) -> api_pb2.GenerateResponse:
+    def _response(self, stream: _Stream, choice: _Choice, delta: RequestDelta) -> api_pb2.GenerateResponse:
         if delta.error:
             code = _ERROR_CODES.get(delta.error_code, grpc.StatusCode.UNAVAILABLE)
             raise RpcError(code, f"the engine gave up on this request: {delta.error}")
-        stream.last = delta
-        tracing.record_delta(stream.span, stream.request_id, delta)
-        if stream.choice is None:  # created late: a session's prompt is complete only now
-            stream.choice = ChoiceState(self.tokenizer, stream.prompt_ids, stream.params, detokenize=stream.send_text)
-        choice = stream.choice.process(delta)
-        reason = choice.finish_reason
-        response = api_pb2.GenerateResponse(request_id=stream.request_id, token_ids=choice.token_ids)
+        choice.last = delta
+        tracing.record_delta(stream.span, choice.engine_id, delta)
+        if choice.state is None:
+            choice.state = ChoiceState(
+                self.tokenizer, stream.prompt_ids, choice.params, choice.index, detokenize=stream.send_text
+            )
+        out = choice.state.process(delta)
+        response = api_pb2.GenerateResponse(request_id=stream.request_id, token_ids=out.token_ids, index=choice.index)
         if stream.send_text:
-            response.text = choice.text
+            response.text = out.text
         if stream.params.logprobs is not None:
-            response.logprobs.extend(token_logprobs(choice))
+            response.logprobs.extend(token_logprobs(out))
         if delta.finished:
-            stream.engine_done = True
-        if reason is not None:
-            stream.finished = True
-            response.finish_reason = reason
-            num_outputs = stream.choice.num_output_tokens
+            choice.engine_done = True
+        if out.finish_reason is not None:
+            choice.finished = True
+            response.finish_reason = out.finish_reason
+            num_outputs = choice.state.num_output_tokens
             response.usage.CopyFrom(usage(delta, num_outputs))
-            tracing.record_finished(stream.span, stream.request_id, reason, num_outputs)
+            tracing.record_finished(stream.span, choice.engine_id, out.finish_reason, num_outputs)
             tracing.record_usage(stream.span, delta.num_prompt_tokens, num_outputs, delta.num_cached_tokens)
         return response
 
