@@ -17,6 +17,7 @@ from pathlib import Path
 from cluster.bench.forward_ceiling import _Replay, kv_blocks_needed
 from cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
 from cluster.bench.workload import random_workload
+from common.engine_args import engine_config
 from worker.config import WorkerConfig
 from worker.layers import cpu_fused
 from worker.worker import Worker
@@ -41,10 +42,11 @@ def main() -> None:
     requests = random_workload(args.num_requests, *lengths, vocab_size=shape.vocab_size, seed=0)
     with tempfile.TemporaryDirectory() as scratch:
         model = write_tiny_llama(Path(scratch) / "model", shape)
-        config = WorkerConfig(
-            model_dir=str(model), dtype="float32", device="cpu", block_size=16,
-            num_blocks=kv_blocks_needed(requests, 16), max_num_batched_tokens=2048,
+        engine = engine_config(
+            dtype="float32", device="cpu", block_size=16, num_gpu_blocks=kv_blocks_needed(requests, 16),
+            max_num_batched_tokens=2048,
         )  # fmt: skip
+        config = WorkerConfig(str(model), engine)
         worker = Worker(config)
         _Replay(worker, requests[:16], 2048).run()  # kernel builds and weight packing outside the measurement
         results: dict[str, list[tuple[float, float]]] = {"torch": [], "native": []}

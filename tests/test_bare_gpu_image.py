@@ -49,7 +49,7 @@ CHILD = textwrap.dedent(
                 num_key_value_heads=2, max_position_embeddings=256).save_pretrained({config_dir!r})
     argv = ["bench", "throughput", "--model", {config_dir!r}, "--load-format", "dummy", "--vocab-size", "512"]
     argv += ["--num-requests", "3", "--prompt-len", "4", "8", "--output-len", "2", "3", "--max-model-len", "64"]
-    argv += ["--num-kv-blocks", "16", "--baseline", "roofline", "--json"]
+    argv += ["--num-gpu-blocks", "16", "--baseline", "roofline", "--json"]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         code = main(argv)

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import pytest
 
 from cluster.core.async_engine import AsyncEngine
-from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.core.engine import EngineCore
 from cluster.core.engine_request import EngineRequest
 from cluster.core.request import Request
 from cluster.core.sampling_params import SamplingParams
+from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from tests.fake_workers import FakeKVWorkers
 from tests.ray_start import start_ray
 

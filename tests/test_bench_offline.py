@@ -83,7 +83,7 @@ def test_targets_compare_in_the_right_direction():
 
 def test_throughput_with_every_baseline_prints_consistent_json(tiny_dir, capsys):
     argv = ["bench", "throughput", "--model", str(tiny_dir), "--vocab-size", "250", "--num-requests", "6"]
-    argv += ["--prompt-len", "4", "30", "--output-len", "2", "12", "--max-model-len", "128", "--num-kv-blocks", "64"]
+    argv += ["--prompt-len", "4", "30", "--output-len", "2", "12", "--max-model-len", "128", "--num-gpu-blocks", "64"]
     argv += ["--baseline", "--static-batch-sizes", "2", "4", "--memory-bandwidth-gbs", "20", "--json"]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
@@ -165,7 +165,7 @@ def test_json_schema_runs_constrained_next_to_unconstrained_and_times_the_compil
     schema = tmp_path / "small.json"
     schema.write_text(json.dumps(TINY_SCHEMA))
     argv = ["bench", "throughput", "--model", str(tiny_with_tokenizer), "--num-requests", "3", "--prompt-len", "4"]
-    argv += ["8", "--output-len", "24", "28", "--max-model-len", "64", "--num-kv-blocks", "32"]
+    argv += ["8", "--output-len", "24", "28", "--max-model-len", "64", "--num-gpu-blocks", "32"]
     assert main([*argv, "--json-schema", str(schema), str(schema), "--json"]) == 0  # the same schema counts once
     report = json.loads(capsys.readouterr().out)
     structured = report["structured"]

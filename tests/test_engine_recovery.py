@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 import cluster.core.engine as engine_module
-from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.core.engine import EngineCore
 from cluster.core.engine_request import EngineRequest
 from cluster.core.executor import PendingStep, WorkerGroupError, run_now
 from cluster.core.sampling_params import SamplingParams
+from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from proto import step_pb2
 
 VOCAB = 500

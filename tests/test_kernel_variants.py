@@ -46,7 +46,7 @@ def test_throughput_report_carries_variant_and_graph_counts(tmp_path, enforce_ea
         "--vocab-size",
         "250",
     ]
-    args = parser.parse_args(argv + (["--enforce-eager"] if enforce_eager else []) + ["--num-kv-blocks", "64"])
+    args = parser.parse_args(argv + (["--enforce-eager"] if enforce_eager else []) + ["--num-gpu-blocks", "64"])
     llm = build_llm(args)
     try:
         ours = run_pagerail(llm, build_workload(args, tokenizer=llm.tokenizer))

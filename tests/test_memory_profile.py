@@ -10,6 +10,7 @@ import torch
 
 import worker.memory_profile as memory_profile
 import worker.worker as worker_module
+from common.engine_args import engine_config
 from tests.tiny_models import make_tiny_model
 from worker.config import WorkerConfig
 from worker.kv_cache import DEFAULT_CPU_KV_BYTES, bytes_per_block
@@ -254,9 +255,9 @@ def make_worker(model_dir, monkeypatch):
         if probe is not None:  # None: the real probe lookup and loader
             monkeypatch.setattr(worker_module, "load_model", load)
             monkeypatch.setattr(worker_module, "memory_probe", lambda device: probe)
-        settings = dict(block_size=BLOCK_SIZE, max_num_batched_tokens=64, max_num_seqs=4, num_threads=1)
-        settings.update(overrides)
-        return Worker(WorkerConfig(model_dir=str(model_dir), device="cpu", load_format="dummy", **settings))
+        settings = dict(block_size=BLOCK_SIZE, max_num_batched_tokens=64, max_num_seqs=4, **overrides)
+        engine = engine_config(device="cpu", load_format="dummy", **settings)
+        return Worker(WorkerConfig(str(model_dir), engine, num_threads=1))
 
     make.made = made
     yield make
@@ -292,7 +293,7 @@ def test_worker_with_enforce_eager_profiles_only_the_prefill(make_worker):
 
 def test_explicit_budgets_skip_profiling(make_worker):
     probe = small_probe()
-    worker = make_worker(probe, num_blocks=7)
+    worker = make_worker(probe, num_gpu_blocks=7)
     assert worker.num_blocks == 7 and worker.kv_profile is None
     assert make_worker.made["recorder"].forwards == []
     worker = make_worker(probe, kv_cache_memory_bytes=10 * per_block(worker.model) + 5)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from cluster import LLM, SamplingParams
-from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.core.engine import EngineCore
 from cluster.core.engine_request import EngineRequest
 from cluster.core.request import RequestStatus
+from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from tests.fake_workers import FakeKVWorkers
 from tests.tiny_models import make_tiny_model
 

@@ -11,12 +11,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from cluster.core.async_engine import AsyncEngine
-from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.core.engine import EngineCore
 from cluster.core.engine_request import EngineRequest
 from cluster.core.local_client import LocalEngineClient
 from cluster.core.sampling_params import SamplingParams
 from cluster.frontend.http_app import ServerState, create_app
+from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from tests.fake_workers import FakeKVWorkers
 from tests.http_server import BackgroundServer
 

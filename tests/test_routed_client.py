@@ -10,7 +10,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.core.async_engine import AsyncEngine
-from cluster.core.config import CacheConfig, EngineConfig, SchedulerConfig
 from cluster.core.engine import EngineCore
 from cluster.core.engine_client import RequestDelta
 from cluster.core.engine_request import EngineRequest
@@ -21,6 +20,7 @@ from cluster.core.routed_client import RoutedEngineClient
 from cluster.core.router import NoReplicaError
 from cluster.core.router_metrics import with_label
 from cluster.core.sampling_params import SamplingParams
+from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from tests.fake_workers import FakeKVWorkers, next_token
 
 VOCAB = 250

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from cluster.core.block_table import BlockTable
-from cluster.core.config import SchedulerConfig
 from cluster.core.request import Request, RequestStatus
 from cluster.core.sampling_params import SamplingParams
 from cluster.core.scheduler import Scheduler
 from cluster.core.scheduler_output import PauseMode
+from common.engine_config import SchedulerConfig
 
 VOCAB = 1000
 EOS = 999

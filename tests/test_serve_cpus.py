@@ -9,6 +9,7 @@ from unittest import mock
 import pytest
 
 from cluster.entrypoints.serve import add_serve_arguments, cpus_per_worker
+from common.engine_args import engine_config
 from worker.actor import WorkerActor
 from worker.config import WorkerConfig
 
@@ -52,7 +53,7 @@ def test_the_flag_defaults_to_auto_and_refuses_non_positive_values_by_name(capsy
 
 def test_a_cpu_rank_starts_as_many_threads_as_the_cpus_ray_granted_it():
     actor = WorkerActor.__new__(WorkerActor)
-    actor.config = WorkerConfig(model_dir="unused", device="cpu")
+    actor.config = WorkerConfig("unused", engine_config(device="cpu"))
     for granted, threads in ((2.0, 2), (1.0, 1), (0.5, 1)):
         with mock.patch.object(WorkerActor, "_assigned_cpus", return_value=granted):
             assert actor._resolved_config().num_threads == threads

@@ -16,8 +16,8 @@ from opentelemetry import trace
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from cluster.core.config import ObservabilityConfig
 from common import telemetry
+from common.engine_config import ObservabilityConfig
 from proto import api_pb2, api_pb2_grpc
 from tests.fake_engine import FakeEngineClient
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
@@ -194,11 +194,11 @@ def test_one_trace_from_http_through_head_to_both_ranks(receiver, tmp_path):
     ray = require_module("ray", "needs Ray")
     from transformers import AutoTokenizer
 
-    from cluster.core.config import CacheConfig, EngineConfig
     from cluster.distributed.head import ClusterOptions
     from cluster.distributed.head_client import HeadEngineClient
     from cluster.distributed.launcher import start_head
     from cluster.frontend.http_app import ServerState, create_app
+    from common.engine_config import CacheConfig, EngineConfig
     from tests.http_server import BackgroundServer
     from tests.tiny_models import make_tiny_model
     from worker.model_loader import resolve_model_dir

@@ -9,6 +9,7 @@ import torch
 
 from cluster.distributed.remote_executor import RemoteExecutor
 from common.auth import auth_metadata
+from common.engine_args import engine_config
 from proto import step_pb2, worker_pb2, worker_pb2_grpc
 from tests.ray_start import start_ray
 from tests.requirements import require_module
@@ -52,7 +53,7 @@ def decode_batch(handle: int = 1, step_id: int = 2) -> step_pb2.StepBatch:
 
 def test_two_ranks_match_single_rank(local_ray, tmp_path):
     model_dir = make_tiny_model("llama", tmp_path / "llama")  # 4 heads, 2 KV heads: one KV head per rank
-    config = WorkerConfig(model_dir=str(model_dir), num_blocks=16, block_size=4)
+    config = WorkerConfig(str(model_dir), engine_config(num_gpu_blocks=16, block_size=4))
     remote_actor = ray.remote(num_cpus=1)(WorkerActor)
     ranks = [remote_actor.remote(config, rank, 2, TOKEN) for rank in range(2)]
     threads = torch.get_num_threads()
@@ -71,7 +72,7 @@ def test_two_ranks_match_single_rank(local_ray, tmp_path):
         infos = [stub.Describe(worker_pb2.DescribeRequest(), metadata=metadata, timeout=TIMEOUT_S) for stub in stubs]
         assert [(info.rank, info.world_size) for info in infos] == [(0, 2), (1, 2)]
 
-        reference = Worker(WorkerConfig(model_dir=str(model_dir), num_blocks=16, block_size=4, num_threads=1))
+        reference = Worker(WorkerConfig(str(model_dir), engine_config(num_gpu_blocks=16, block_size=4), num_threads=1))
         batch = prefill_batch()
         for _ in range(2):
             expected = reference.execute_step(batch)

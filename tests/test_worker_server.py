@@ -12,6 +12,7 @@ import torch
 
 from cluster.distributed.remote_executor import RemoteExecutor
 from common.auth import auth_metadata, check_token
+from common.engine_args import engine_config
 from common.tls import TlsConfig
 from proto import step_pb2, worker_pb2, worker_pb2_grpc
 from tests.tiny_models import make_tiny_model
@@ -44,7 +45,7 @@ def prefill_batch(handle: int, step_id: int = 1) -> step_pb2.StepBatch:
 def worker(tmp_path_factory):
     model_dir = make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
     threads = torch.get_num_threads()  # the Worker pins this process to one thread; give the rest back after
-    yield Worker(WorkerConfig(model_dir=str(model_dir), num_blocks=64, block_size=BLOCK_SIZE, num_threads=1))
+    yield Worker(WorkerConfig(str(model_dir), engine_config(num_gpu_blocks=64, block_size=BLOCK_SIZE), num_threads=1))
     torch.set_num_threads(threads)
 
 

@@ -185,7 +185,7 @@ class WorkerActor:
         config = self.config
         if config.device in ("auto", "cuda") and torch.cuda.is_available():
             # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, which is therefore always device 0.
-            return dataclasses.replace(config, device="cuda:0")
+            return dataclasses.replace(config, pinned_device="cuda:0")
         if config.num_threads is None:
             cpus = self._assigned_cpus()
             if cpus is not None:

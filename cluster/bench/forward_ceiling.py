@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench.workload import BenchRequest, throughput
+from common.engine_args import engine_config
 from proto import step_pb2
 from worker.config import WorkerConfig
 from worker.worker import Worker
@@ -129,15 +130,16 @@ def measure_forward_ceiling(
     The time counted is the forward pass with the LM head as the rank measures it (the same figure the engine's
     `forward` phase reports); the rank's input building and sampling around it are reported apart.
     """
-    config = WorkerConfig(
-        model_dir=str(model_dir),
+    num_blocks = max(kv_blocks_needed(requests, block_size), kv_blocks_needed(warmup or [], block_size))
+    engine = engine_config(
         dtype=dtype,
         device=device,
         seed=seed,
         block_size=block_size,
-        num_blocks=max(kv_blocks_needed(requests, block_size), kv_blocks_needed(warmup or [], block_size)),
+        num_gpu_blocks=num_blocks,
         max_num_batched_tokens=max_num_batched_tokens,
     )
+    config = WorkerConfig(str(model_dir), engine)
     worker = Worker(config)
     try:
         # A short pass first, so one-time costs (kernel builds, weight packing) fall outside the measurement.

@@ -12,6 +12,7 @@ import torch
 from cluster.bench.stats import format_table
 from cluster.bench.structured import add_structured_arguments
 from cluster.bench.workload import BenchRequest, add_request_arguments, describe, throughput
+from common.engine_args import add_engine_arguments, engine_arg_values
 
 BASELINES = ("static", "continuous", "roofline")
 
@@ -26,30 +27,11 @@ TARGETS = {
 }
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Engine options of the offline run; names and defaults follow `pagerail serve`."""
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--model", default=None, help="local dir, .gguf file or hub id (default: embedded SmolLM2)")
-    engine.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    engine.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
-    engine.add_argument(
-        "--load-format", default="auto", choices=("auto", "dummy"), help="dummy: random weights of the model's shape"
-    )
-    engine.add_argument("--tensor-parallel-size", type=int, default=1)
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    engine.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV cache size in blocks")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    engine.add_argument("--max-num-seqs", type=int, default=256)
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
-
-
 def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     add_request_arguments(parser)
-    add_engine_arguments(parser)
+    # --seed and --tokenizer are the workload's here (its prompts and their lengths).
+    group = parser.add_argument_group("engine", "the same settings as `pagerail serve` and LLM(...)")
+    add_engine_arguments(group, exclude=("seed", "tokenizer"))
     parser.add_argument(
         "--baseline",
         nargs="*",
@@ -77,22 +59,7 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
 def build_llm(args: argparse.Namespace):
     from cluster import LLM
 
-    return LLM(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        load_format=args.load_format,
-        tensor_parallel_size=args.tensor_parallel_size,
-        block_size=args.block_size,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        num_gpu_blocks=args.num_kv_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager,
-    )
+    return LLM(**engine_arg_values(args))
 
 
 def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from cluster.core.block_table import BlockTable
-from cluster.core.config import SchedulerConfig
 from cluster.core.request import Request
+from common.engine_config import SchedulerConfig
 
 
 def check_fits(

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cluster.core.block_table import BlockTable
-from cluster.core.config import EngineConfig
 from cluster.core.engine_metrics import EngineMetrics
 from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
@@ -22,6 +21,7 @@ from cluster.core.scheduler import Scheduler
 from cluster.core.scheduler_output import PauseMode, SchedulerOutput
 from cluster.core.step_builder import StepMessageBuilder
 from cluster.core.step_tracing import dispatch_span, end_step_span, start_step_span
+from common.engine_config import EngineConfig
 from proto import step_pb2
 
 logger = logging.getLogger(__name__)

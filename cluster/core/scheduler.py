@@ -9,12 +9,12 @@ from collections.abc import Callable
 
 from cluster.core.admission import check_fits
 from cluster.core.block_table import BlockTable
-from cluster.core.config import SchedulerConfig
 from cluster.core.errors import QueueFullError
 from cluster.core.request import Request, RequestStatus
 from cluster.core.scheduler_output import PauseMode, ScheduledRequest, SchedulerOutput, SchedulerStats
 from cluster.core.step_update import apply_step_output
 from cluster.core.stop_conditions import ends_in_flight
+from common.engine_config import SchedulerConfig
 
 logger = logging.getLogger(__name__)
 

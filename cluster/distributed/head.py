@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import ray
 
 from cluster.core.async_engine import AsyncEngine
-from cluster.core.config import EngineConfig
 from cluster.core.engine import EngineCore
 from cluster.core.engine_client import RequestDelta
 from cluster.core.engine_request import EngineRequest
@@ -19,6 +18,7 @@ from cluster.distributed.local_executor import locate_model, worker_config
 from cluster.distributed.output_channel import OutputChannel, OutputMessage
 from cluster.distributed.worker_group import WorkerGroup
 from common import telemetry
+from common.engine_config import EngineConfig
 from common.heap import freeze_startup_heap
 from common.logs import configure_logging
 from common.tls import TlsConfig

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import ray
 
-from cluster.core.config import EngineConfig
 from cluster.distributed.head import ClusterOptions, HeadActor
+from common.engine_config import EngineConfig
 
 NAMESPACE = "pagerail"
 DEFAULT_HEAD_NAME = "pagerail-head"
@@ -22,6 +22,11 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
         ray.init(namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     else:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+
+
+def uses_gpu(device: str) -> bool:
+    """Whether the ranks compute on GPUs: asked for, or `auto` on a cluster that has any (call after connect())."""
+    return device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
 
 
 def launch_head(config: EngineConfig, options: ClusterOptions, name: str = DEFAULT_HEAD_NAME):

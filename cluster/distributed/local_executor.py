@@ -7,8 +7,8 @@ import contextvars
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from cluster.core.config import EngineConfig
 from cluster.core.executor import CompletedStep, PendingStep, WorkerGroupError
+from common.engine_config import EngineConfig
 from proto import step_pb2
 from worker.config import WorkerConfig
 from worker.model_loader import resolve_model_dir
@@ -21,25 +21,8 @@ def locate_model(config: EngineConfig) -> Path:
 
 
 def worker_config(config: EngineConfig, model_dir: Path) -> WorkerConfig:
-    cache = config.cache
-    return WorkerConfig(
-        model_dir=str(model_dir),
-        model_spec=config.model,
-        dtype=config.dtype,
-        device=config.device,
-        load_format=config.load_format,
-        seed=config.seed,
-        block_size=cache.block_size,
-        kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
-        gpu_memory_utilization=cache.gpu_memory_utilization,
-        num_blocks=cache.num_gpu_blocks,
-        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-        max_num_seqs=config.scheduler.max_num_seqs,
-        max_model_len=config.scheduler.max_model_len,
-        enforce_eager=config.enforce_eager,
-        otlp_traces_endpoint=config.observability.otlp_traces_endpoint,
-        trace_sampling_ratio=config.observability.trace_sampling_ratio,
-    )
+    """What every rank of the replica receives: the engine configuration itself, and where the model lies."""
+    return WorkerConfig(str(model_dir), config)
 
 
 class _ThreadStep:

@@ -12,15 +12,15 @@ from typing import Any
 
 import ray
 
-from cluster.core.config import EngineConfig
 from cluster.core.outputs import RequestOutput
 from cluster.core.sampling_params import SamplingParams
 from cluster.distributed.head import ClusterOptions
 from cluster.distributed.head_client import HeadEngineClient
-from cluster.distributed.launcher import connect, start_heads, stop_head
+from cluster.distributed.launcher import connect, start_heads, stop_head, uses_gpu
 from cluster.frontend.generation import Usage, stream_choices
 from cluster.frontend.output_processor import append_choice
 from cluster.frontend.replica_pool import ReplicaPool, ReplicaSettings
+from common.engine_config import EngineConfig
 
 
 class HeadUnavailableError(RuntimeError):
@@ -56,11 +56,9 @@ class ClusterClient:
         ray_address: str | None,
         head_name: str,
         data_parallel_size: int,
-        device: str,
     ) -> None:
         connect(ray_address)
-        if device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0):
-            options = replace(options, use_gpu=True)
+        options = replace(options, use_gpu=uses_gpu(config.device))
         names = [head_name] if data_parallel_size == 1 else [f"{head_name}-{i}" for i in range(data_parallel_size)]
         self.heads = start_heads(config, options, names)
         info = ray.get(self.heads[0].model_info.remote())

@@ -7,11 +7,11 @@ import queue
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoTokenizer
 
 from cluster.core.async_engine import AsyncEngine, OutputBatch
-from cluster.core.config import CacheConfig, EngineConfig, ObservabilityConfig, SchedulerConfig
 from cluster.core.engine import EngineCore
 from cluster.core.engine_request import EngineRequest, SiblingGroup
 from cluster.core.local_client import LocalEngineClient
@@ -21,6 +21,7 @@ from cluster.core.sampling_params import SamplingParams
 from cluster.distributed.local_executor import InProcessExecutor, locate_model, worker_config
 from cluster.frontend.output_processor import ChoiceState, append_choice, choice_params, choice_request_id
 from common import telemetry
+from common.engine_args import engine_config
 from common.grammar import TOKENIZERS, GrammarError, check_constraint
 
 Prompt = str | Sequence[int]
@@ -39,86 +40,40 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        tokenizer: str | None = None,
-        served_model_name: str | None = None,
-        dtype: str = "auto",
-        device: str = "auto",
-        load_format: str = "auto",
-        seed: int = 0,
-        block_size: int = 16,
-        kv_cache_memory_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        num_gpu_blocks: int | None = None,
-        enable_prefix_caching: bool = True,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        enable_chunked_prefill: bool = True,
-        max_waiting_requests: int | None = None,
-        session_idle_timeout_s: float = 300.0,
-        max_sessions: int | None = None,
-        async_scheduling: bool | None = None,
-        tensor_parallel_size: int = 1,
-        enforce_eager: bool = False,
         data_parallel_size: int = 1,
         ray_address: str | None = None,
         placement_strategy: str = "PACK",
         head_name: str | None = None,
-        otlp_traces_endpoint: str | None = None,
-        trace_sampling_ratio: float = 1.0,
+        **engine_args: Any,
     ) -> None:
-        self.config = EngineConfig(
-            model=model,
-            served_model_name=served_model_name,
-            tokenizer=tokenizer,
-            dtype=dtype,
-            device=device,
-            load_format=load_format,
-            seed=seed,
-            tensor_parallel_size=tensor_parallel_size,
-            enforce_eager=enforce_eager,
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                gpu_memory_utilization=gpu_memory_utilization,
-                num_gpu_blocks=num_gpu_blocks,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                enable_chunked_prefill=enable_chunked_prefill,
-                max_waiting_requests=max_waiting_requests,
-                session_idle_timeout_s=session_idle_timeout_s,
-                max_sessions=max_sessions,
-                async_scheduling=async_scheduling,
-            ),
-            observability=ObservabilityConfig(
-                otlp_traces_endpoint=otlp_traces_endpoint, trace_sampling_ratio=trace_sampling_ratio
-            ),
-        )
+        """`engine_args` are the engine's arguments (common/engine_args.py), the same settings and defaults as
+        `pagerail serve`'s flags: `block_size=4` here is `--block-size 4` there. Where the ranks run: in this
+        process, or on Ray (`tensor_parallel_size` > 1, `data_parallel_size` > 1 or a `ray_address`)."""
+        self.config = engine_config(engine_args, model=model)
         self.model_dir = locate_model(self.config)
         info = read_model_info(self.model_dir)
         self._vocab_size = info.vocab_size
-        self.tokenizer = _load_tokenizer(tokenizer or self.model_dir)
+        self.tokenizer = _load_tokenizer(self.config.tokenizer or self.model_dir)
         self._ids = itertools.count()
         self._cluster = None
         self.engine: EngineCore | None = None
         self._shut_down = False
         if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
-        if data_parallel_size > 1 or tensor_parallel_size > 1 or ray_address is not None:
+        if data_parallel_size > 1 or self.config.tensor_parallel_size > 1 or ray_address is not None:
             # Head actors on Ray drive worker actors over gRPC; several are routed between as `serve` does.
             from cluster.distributed.head import ClusterOptions
             from cluster.entrypoints.cluster_client import ClusterClient
 
             options = ClusterOptions(placement_strategy=placement_strategy)
             name = head_name or f"pagerail-head-{uuid.uuid4().hex[:8]}"
-            self._cluster = ClusterClient(self.config, options, ray_address, name, data_parallel_size, device)
+            self._cluster = ClusterClient(self.config, options, ray_address, name, data_parallel_size)
         else:
             # This process is the head (and its only rank): its steps' spans go to the collector from here.
-            telemetry.configure_tracing("head", endpoint=otlp_traces_endpoint, sampling_ratio=trace_sampling_ratio)
+            observability = self.config.observability
+            telemetry.configure_tracing(
+                "head", endpoint=observability.otlp_traces_endpoint, sampling_ratio=observability.trace_sampling_ratio
+            )
             executor = InProcessExecutor(worker_config(self.config, self.model_dir))
             self.engine = EngineCore.for_model(self.config, executor, info)
             # generate() drives the loop from its own thread until something else needs it running alone.

@@ -10,9 +10,9 @@ import threading
 import time
 
 from cluster.core.autoscale import ScalingPolicy
-from cluster.core.config import CacheConfig, EngineConfig, ObservabilityConfig, SchedulerConfig
 from cluster.core.router import POLICIES
 from cluster.frontend.tool_calls import TOOL_CALL_PARSERS
+from common.engine_args import add_engine_arguments, engine_config_from_args
 from common.logs import LOG_FORMAT_ENV, configure_logging
 
 
@@ -45,9 +45,7 @@ def cpus_per_worker(
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local dir, .gguf file or hub id (default: embedded SmolLM2)")
-    parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: derived)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    add_engine_arguments(parser.add_argument_group("engine", "the model replica (the same settings as LLM(...))"))
     parser.add_argument(
         "--data-parallel-size", default="1",
         help='model replicas behind the one frontend, each with --tensor-parallel-size ranks of its own ("auto": '
@@ -69,8 +67,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--target-waiting-per-replica", type=float, default=8.0,
         help="a replica is added while more requests than this wait per replica",
     )
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
     parser.add_argument(
         "--cpus-per-worker", type=_positive_float, default=None,
         help="CPUs Ray reserves for each rank, and on CPUs its torch thread count (default: 1 with GPUs; on CPUs "
@@ -95,52 +91,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grpc-tls-client-ca", default=None, help="PEM CA: gRPC clients must present a certificate it signed"
     )
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-waiting-requests", type=int, default=None)
-    parser.add_argument(
-        "--session-idle-timeout", type=float, default=300.0,
-        help="seconds a streaming-input session may wait for its next chunk before it is closed",
-    )
-    parser.add_argument(
-        "--max-sessions", type=int, default=None, help="open streaming-input sessions at once (default: max-num-seqs)"
-    )
-    parser.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="split long prompts across steps so running decodes keep their pace",
-    )
-    parser.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse KV blocks of prompts that share a prefix",
-    )
-    parser.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule and send step N+1 while step N runs on the ranks (--no-async-scheduling: strictly serial "
-        "steps); default: on, since the ranks run in worker processes of their own, on GPUs and CPUs alike",
-    )
-    parser.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="run every step eagerly: no CUDA graphs for decode steps on GPU ranks",
-    )
     parser.add_argument("--log-format", default="text", choices=("text", "json"), help="json: one object per line")
-    parser.add_argument(
-        "--otlp-traces-endpoint",
-        default=None,
-        help="OTLP collector for traces, e.g. http://localhost:4317 (gRPC; HTTP/protobuf when "
-        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); default: tracing off",
-    )
-    parser.add_argument("--trace-sampling-ratio", type=float, default=1.0, help="share of traces kept, in [0, 1]")
     parser.add_argument(
         "--trace-respect-client-sampling",
         action="store_true",
@@ -226,7 +177,7 @@ def serve(args: argparse.Namespace) -> int:
     from cluster.core.engine_request import EngineRequest
     from cluster.core.sampling_params import SamplingParams
     from cluster.distributed.head import ClusterOptions
-    from cluster.distributed.launcher import HeadLauncher, connect, start_heads, stop_head
+    from cluster.distributed.launcher import HeadLauncher, connect, start_heads, stop_head, uses_gpu
     from cluster.distributed.local_executor import locate_model
     from cluster.frontend.actor import FrontendActor
     from cluster.frontend.replica_pool import ReplicaSettings
@@ -234,33 +185,7 @@ def serve(args: argparse.Namespace) -> int:
 
     check_replica_flags(args)
 
-    config = EngineConfig(
-        model=args.model,
-        served_model_name=args.served_model_name,
-        dtype=args.dtype,
-        device=args.device,
-        tensor_parallel_size=args.tensor_parallel_size,
-        enforce_eager=args.enforce_eager,
-        cache=CacheConfig(
-            block_size=args.block_size,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enable_prefix_caching=args.enable_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            max_waiting_requests=args.max_waiting_requests,
-            session_idle_timeout_s=args.session_idle_timeout,
-            max_sessions=args.max_sessions,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            async_scheduling=args.async_scheduling,
-        ),
-        observability=ObservabilityConfig(
-            otlp_traces_endpoint=args.otlp_traces_endpoint, trace_sampling_ratio=args.trace_sampling_ratio
-        ),
-    )
+    config = engine_config_from_args(args)
     grpc_tls = grpc_tls_from_args(args)  # read here: the frontend may run on a node without these files
     # Actors started by this process inherit the environment, so every process logs the same way.
     os.environ[LOG_FORMAT_ENV] = args.log_format
@@ -275,7 +200,7 @@ def serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    use_gpu = args.device == "cuda" or (args.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+    use_gpu = uses_gpu(config.device)
     size = data_parallel_size(
         args.data_parallel_size, args.tensor_parallel_size, ray.cluster_resources().get("GPU", 0), use_gpu
     )

@@ -9,6 +9,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
+from common.engine_args import engine_config  # noqa: E402
 from proto import step_pb2  # noqa: E402
 from worker.config import WorkerConfig  # noqa: E402
 from worker.worker import Worker  # noqa: E402
@@ -87,8 +88,7 @@ def worst_steps() -> list[step_pb2.StepBatch]:
 def test_profiled_cache_leaves_room_for_the_worst_steps(model_dir, enforce_eager):
     gc.collect()
     torch.cuda.empty_cache()
-    config = WorkerConfig(
-        model_dir=str(model_dir),
+    engine = engine_config(
         device="cuda",
         dtype="bfloat16",
         load_format="dummy",
@@ -99,6 +99,7 @@ def test_profiled_cache_leaves_room_for_the_worst_steps(model_dir, enforce_eager
         max_model_len=TOKENS,
         enforce_eager=enforce_eager,
     )
+    config = WorkerConfig(str(model_dir), engine)
     worker = Worker(config)
     try:
         profile = worker.kv_profile

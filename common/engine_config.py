@@ -1,12 +1,13 @@
-"""The engine's frozen configuration tree, validated when built; derived values are properties."""
+"""The engine's frozen configuration tree, validated when built; derived values are properties. Both sides import it:
+the head builds it, and each rank receives it whole inside its WorkerConfig."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-_DTYPES = ("auto", "float32", "float16", "bfloat16")
-_DEVICES = ("auto", "cpu", "cuda")
-_LOAD_FORMATS = ("auto", "dummy")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -140,9 +141,9 @@ class EngineConfig:
         return (self.model or "SmolLM2-135M-Instruct").rstrip("/").split("/")[-1]
 
     def __post_init__(self) -> None:
-        _require(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        _require(self.device in _DEVICES, f"device must be one of {_DEVICES}, got {self.device!r}")
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         _require(
-            self.load_format in _LOAD_FORMATS, f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}"
+            self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
         )
         _require(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
