@@ -23,6 +23,7 @@ from cluster.distributed.launcher import start_head  # noqa: E402
 from cluster.distributed.local_executor import worker_config  # noqa: E402
 from cluster.distributed.worker_group import WorkerGroup, process_running  # noqa: E402
 from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from tests.actor_probes import actor_pid, inject_step_fault, step_faults_hit, worker_pids  # noqa: E402
 from tests.ray_start import start_ray  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 from worker import actor as actor_module  # noqa: E402
@@ -94,9 +95,9 @@ def wait_for(condition, timeout_s: float, what: str) -> float:
 
 def _hang_in_next_step(head, rank, seconds: float) -> None:
     """Make `rank` hang for `seconds` in the next step, let the engine run, and return once the step is stuck."""
-    ray.get(rank.inject_step_fault.remote("hang", seconds))
+    inject_step_fault(rank, "hang", seconds)
     ray.get(head.resume.remote())
-    wait_for(lambda: ray.get(rank.step_faults_hit.remote()) == 1, 30, "the step reached the hanging rank")
+    wait_for(lambda: step_faults_hit(rank) == 1, 30, "the step reached the hanging rank")
 
 
 def restarts(head) -> int:
@@ -107,8 +108,8 @@ def test_restarted_head_removes_the_placement_group_of_its_previous_life(one_gro
     name = "pg-head"
     head = start(model_dir, name)
     try:
-        old_pid = ray.get(head.pid.remote())
-        old_ranks = ray.get(head.worker_pids.remote())
+        old_pid = actor_pid(head)
+        old_ranks = worker_pids(head)
         (old_group,) = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
         ray.kill(head, no_restart=False)  # Ray restarts it, as after a crash of its process
         # The old group holds both CPUs: the new head could not place its ranks while that group lives.
@@ -128,7 +129,7 @@ def test_restarted_head_removes_the_placement_group_of_its_previous_life(one_gro
 
 def _pid(head) -> int | None:
     try:
-        return ray.get(head.pid.remote(), timeout=1)
+        return actor_pid(head, timeout_s=1)
     except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
         return None
 
@@ -165,7 +166,7 @@ def _stream_with_incident(head, name: str, prefix: str, incident) -> tuple[float
     streams = [head.stream.remote(EngineRequest(f"{prefix}-{i}", p, sp)) for i, (p, sp) in enumerate(REQUESTS)]
     firsts = [next(stream) for stream in streams]  # every request is generating
     ranks = [ray.get_actor(f"{name}-rank{rank}") for rank in range(2)]
-    old_pids = ray.get(head.worker_pids.remote())
+    old_pids = worker_pids(head)
     before = restarts(head)
     ray.get(head.pause.remote("all"))
     try:
@@ -187,7 +188,7 @@ def test_a_rank_that_fails_or_dies_during_a_step_is_noticed_at_once(one_group_ra
 
         def rank1_fails(ranks):
             # Rank 1 fails its step while rank 0 waits for it in the first all-reduce.
-            ray.get(ranks[1].inject_step_fault.remote("fail"))
+            inject_step_fault(ranks[1], "fail")
             ray.get(head.resume.remote())
             return time.monotonic()
 
@@ -197,7 +198,7 @@ def test_a_rank_that_fails_or_dies_during_a_step_is_noticed_at_once(one_group_ra
 
         def rank1_killed_mid_step(ranks):
             # Rank 0 sits in the step (it sleeps before computing) while rank 1 waits for it; rank 1 is killed then.
-            rank1_pid = ray.get(ranks[1].pid.remote())
+            rank1_pid = actor_pid(ranks[1])
             _hang_in_next_step(head, ranks[0], 60.0)
             os.kill(rank1_pid, signal.SIGKILL)
             return time.monotonic()

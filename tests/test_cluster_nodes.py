@@ -10,6 +10,7 @@ ray = require_module("ray", "needs Ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from cluster import LLM  # noqa: E402
+from tests.actor_probes import worker_nodes  # noqa: E402
 from tests.parity import compare, engine_greedy, reference_greedy  # noqa: E402
 from tests.ray_start import with_one_retry  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
@@ -50,7 +51,7 @@ def test_one_rank_per_node_gives_the_same_tokens(two_nodes, tmp_path):
         placement_strategy="STRICT_SPREAD",
     )
     try:
-        nodes = ray.get(llm._cluster.heads[0].worker_nodes.remote())
+        nodes = worker_nodes(llm._cluster.heads[0])
         assert len(set(nodes)) == 2, "each rank must run on its own node"
         ours = engine_greedy(llm, prompts, 16)
     finally:

@@ -15,6 +15,7 @@ ray = require_module("ray", "needs Ray")
 
 from cluster import LLM, SamplingParams  # noqa: E402
 from cluster.core.engine_request import EngineRequest  # noqa: E402
+from tests.actor_probes import actor_pid, worker_pids  # noqa: E402
 from tests.parity import compare, engine_greedy, reference_greedy  # noqa: E402
 from tests.ray_start import start_ray  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
@@ -72,7 +73,7 @@ def test_killed_worker_is_replaced_without_changing_tokens(local_ray, tmp_path):
         ray.get(head.pause.remote("all"))
         stats = ray.get(head.stats.remote())
         assert stats["num_running"] == 8
-        rank1_pid = ray.get(head.worker_pids.remote())[1]
+        rank1_pid = worker_pids(head)[1]
         os.kill(rank1_pid, signal.SIGKILL)
         ray.get(head.resume.remote())
         outputs = []
@@ -86,7 +87,7 @@ def test_killed_worker_is_replaced_without_changing_tokens(local_ray, tmp_path):
             outputs.append(tokens)
         stats = ray.get(head.stats.remote())
         assert stats["num_restarts"] == 1
-        assert rank1_pid not in ray.get(head.worker_pids.remote())
+        assert rank1_pid not in worker_pids(head)
         assert outputs == expected
         assert stats["num_free_blocks"] == stats["num_blocks"]
     finally:
@@ -101,7 +102,7 @@ def test_dead_head_gives_a_clear_error_then_restarts(local_ray, tmp_path):
     head = llm._cluster.heads[0]
     params = SamplingParams(temperature=0.0, max_tokens=4)
     try:
-        pid = ray.get(head.pid.remote())
+        pid = actor_pid(head)
         ray.get(head.pause.remote("all"))
         errors: list[BaseException] = []
         caller = threading.Thread(target=lambda: _capture(errors, llm.generate, [[5, 6, 7]], params))
@@ -116,7 +117,7 @@ def test_dead_head_gives_a_clear_error_then_restarts(local_ray, tmp_path):
         # Ray restarts the head with a fresh worker group; new requests are served again.
         llm._cluster.wait_until_ready(timeout_s=120)
         assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
-        assert ray.get(head.pid.remote()) != pid
+        assert actor_pid(head) != pid
     finally:
         llm.shutdown()
 

@@ -121,7 +121,7 @@ def _ranks_nodes(address: str, env: dict[str, str]) -> tuple[int, list[str]]:
         heads = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                  if re.fullmatch(r"pagerail-head-[0-9]+", a["name"])]  # not its ranks, named after it
         print(sum(node["Alive"] for node in ray.nodes()))
-        print(*ray.get(ray.get_actor(heads[0]).worker_nodes.remote()))
+        print(*ray.get(ray.get_actor(heads[0]).__ray_call__.remote(lambda head: list(head.group.node_ids))))
         """
     )
     result = subprocess.run(

@@ -75,7 +75,6 @@ class WorkerActor:
         self.worker: Worker | None = None
         self._server: grpc.Server | None = None
         self._joined_group = False
-        self._faults_hit = 0
         telemetry.configure_tracing(
             "worker", endpoint=config.otlp_traces_endpoint, sampling_ratio=config.trace_sampling_ratio, rank=rank
         )
@@ -143,32 +142,6 @@ class WorkerActor:
             "rank": self.rank,
             "node_id": _node_id(),
         }
-
-    # -- fault injection, for tests -------------------------------------------------------------
-
-    def inject_step_fault(self, kind: str, seconds: float = 0.0) -> None:
-        """Fault-injection hook for failure tests, not a serving feature: the next step on this rank first
-        hangs for `seconds` then runs ("hang"), or fails without computing ("fail"). One step only."""
-        if kind not in ("hang", "fail"):
-            raise ValueError(f"kind must be 'hang' or 'fail', got {kind!r}")
-        worker = self.worker
-        if worker is None:
-            raise RuntimeError(f"rank {self.rank} is not started")
-
-        def faulty_step(batch):
-            del worker.execute_step  # back to the real method for the steps after this one
-            self._faults_hit += 1
-            if kind == "fail":
-                raise RuntimeError(f"fault injected on rank {self.rank}")
-            time.sleep(seconds)
-            return worker.execute_step(batch)
-
-        # The gRPC servicer looks the method up on the same Worker for every step.
-        worker.execute_step = faulty_step
-
-    def step_faults_hit(self) -> int:
-        """How many injected faults a step has run into (a test waits on this to act while the step is stuck)."""
-        return self._faults_hit
 
     def stop(self) -> None:
         """Stop serving and leave the process group; safe to call more than once."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -142,15 +141,6 @@ class HeadActor:
 
     def resume(self) -> None:
         self.async_engine.resume()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def worker_pids(self) -> list[int]:
-        return list(self.group.pids)
-
-    def worker_nodes(self) -> list[str]:
-        return list(self.group.node_ids)
 
     def stats(self) -> dict:
         dispatch = self.group.dispatch_stats

@@ -39,9 +39,18 @@ class _LoopThread:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     def close(self) -> None:
+        """Cancel what still runs there (an output channel's reader), then stop the loop and its thread."""
+        self.run(_cancel_others())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=30)
         self.loop.close()
+
+
+async def _cancel_others() -> None:
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class ClusterClient:
