@@ -1,6 +1,6 @@
 """Data-parallel replicas of a tiny model on a local Ray behind one routed client: unique prompts spread evenly, a
 queue starts a replica and idleness stops it, and a killed head (restarted by Ray) or a killed worker rank loses
-and repeats no token of a greedy request."""
+and repeats no token of a greedy or seeded, penalised request."""
 
 from __future__ import annotations
 
@@ -31,6 +31,16 @@ pytestmark = pytest.mark.slow
 NAMES = ["dp-head-0", "dp-head-1"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 PROMPTS = [[(p * 17 + i * 5) % 240 + 3 for i in range(5 + p % 7)] for p in range(12)]
+# Every other request is seeded and penalised: one that moves to another replica continues with the same seeds
+# per output position and the same penalty counts, so it too ends with the tokens of an undisturbed run.
+PARAMS = [
+    GREEDY
+    if p % 2 == 0
+    else SamplingParams(
+        temperature=0.8, seed=100 + p, presence_penalty=0.4, frequency_penalty=0.6, max_tokens=40, ignore_eos=True
+    )
+    for p in range(len(PROMPTS))
+]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +83,7 @@ async def collect(stream) -> list[int]:
 
 
 async def clean_run(pool: ReplicaPool, prefix: str) -> list[list[int]]:
-    streams = [pool.engine.generate(EngineRequest(f"{prefix}-{i}", p, GREEDY)) for i, p in enumerate(PROMPTS)]
+    streams = [pool.engine.generate(EngineRequest(f"{prefix}-{i}", p, PARAMS[i])) for i, p in enumerate(PROMPTS)]
     return list(await asyncio.gather(*(collect(s) for s in streams)))
 
 
@@ -92,7 +102,7 @@ async def run_with_incident(pool: ReplicaPool, prefix: str, incident) -> list[li
     """Start every request, hold the replicas once each has its first tokens, and run `incident()`, which lets
     them go on."""
     engine = pool.engine
-    streams = [engine.generate(EngineRequest(f"{prefix}-{i}", p, GREEDY)) for i, p in enumerate(PROMPTS)]
+    streams = [engine.generate(EngineRequest(f"{prefix}-{i}", p, PARAMS[i])) for i, p in enumerate(PROMPTS)]
     firsts = await asyncio.gather(*(anext(s) for s in streams))
     await engine.pause("all")
     await incident()

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.core.async_engine import AsyncEngine
 from cluster.core.engine import EngineCore
 from cluster.core.engine_client import RequestDelta
-from cluster.core.engine_request import EngineRequest
+from cluster.core.engine_request import EngineRequest, SiblingGroup
 from cluster.core.errors import QueueFullError
 from cluster.core.failover import ReplicaFailed
 from cluster.core.local_client import LocalEngineClient
@@ -289,8 +289,12 @@ def test_sibling_choices_share_a_replica_while_any_is_open(replicas):
     prompt = [4, 5, 6]  # shorter than a block: only the pin can keep them together
 
     async def scenario():
-        streams = [collect(routed.generate(EngineRequest(f"cmpl-abc-{i}", prompt, greedy(10))), 3) for i in range(4)]
-        other = collect(routed.generate(EngineRequest("cmpl-xyz-0", prompt, greedy(10))), 3)
+        siblings = [
+            EngineRequest(f"cmpl-abc-{i}", prompt, greedy(10), group=SiblingGroup("cmpl-abc", i, 4)) for i in range(4)
+        ]
+        streams = [collect(routed.generate(request), 3) for request in siblings]
+        # Named like a fifth sibling, but no group says so: ids are labels, never parsed.
+        other = collect(routed.generate(EngineRequest("cmpl-abc-4", prompt, greedy(10))), 3)
         return await asyncio.gather(*streams, other), await routed.metrics()
 
     results, metrics = run(scenario())

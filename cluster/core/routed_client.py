@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, replace
@@ -12,7 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from cluster.core.engine_client import EngineClient, RequestDelta
 from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
-from cluster.core.failover import ReplicaFailed, continued, ended, remaining_params
+from cluster.core.failover import ReplicaFailed, ended
 from cluster.core.replica_fanout import call_all, load_of, merged_metrics, merged_stats, on_every_replica, probe
 from cluster.core.router import NoReplicaError, Route, Router, check_replica_name
 from cluster.core.router_metrics import RouterMetrics
@@ -21,12 +20,10 @@ from common.telemetry import trace
 
 logger = logging.getLogger(__name__)
 
-# The frontend splits a request with n > 1 (and a batch of prompts) into engine requests named `<parent>-<index>`.
 # Attributes of the "routed" event on a request's span.
 ROUTE_REPLICA = "pagerail.route.replica"
 ROUTE_REASON = "pagerail.route.reason"
 ROUTE_CACHED_TOKENS = "pagerail.route.estimated_cached_tokens"
-_CHILD_ID = re.compile(r"(.+)-(\d{1,6})")
 
 
 class _Aborted(Exception):
@@ -75,7 +72,7 @@ class RoutedEngineClient:
         self.metrics_registry = RouterMetrics(self.model_name)
         self._clients: dict[str, EngineClient] = {}
         self._open: dict[str, _Open] = {}
-        self._pins: dict[tuple[str, int], list] = {}  # (parent id, prompt hash) -> [replica, open children]
+        self._pins: dict[str, list] = {}  # sibling group's parent id -> [replica, open siblings]
         self.num_failovers = 0
         self.num_spills = 0
         for name, client in replicas.items():
@@ -115,7 +112,7 @@ class RoutedEngineClient:
             raise ValueError(f"request_id {request_id!r} is already in use")
         final = request.final
         entry = self._open[request_id] = _Open(request_id, session=None if final else SessionLog(self.max_model_len))
-        pin = self._pin_key(request_id, list(request.prompt_token_ids)) if final else None
+        pin = _pin_key(request)
         serve = self._serve(entry, request, pin)
         try:
             async for delta in serve:
@@ -128,34 +125,27 @@ class RoutedEngineClient:
                 if self._pins[pin][1] <= 0:
                     del self._pins[pin]
 
-    async def _serve(
-        self, entry: _Open, request: EngineRequest, pin: tuple[str, int] | None
-    ) -> AsyncIterator[RequestDelta]:
-        """Run the request on a replica; when that replica fails, resume it on another from what was streamed."""
+    async def _serve(self, entry: _Open, request: EngineRequest, pin: str | None) -> AsyncIterator[RequestDelta]:
+        """Run the request on a replica; when that replica fails, resume it on another after the outputs it has."""
         request_id, params, final = entry.request_id, request.params, request.final
-        prompt = list(request.prompt_token_ids)
-        streamed: list[int] = []  # output tokens the caller has received
+        num_prompt = len(request.prompt_token_ids)
+        # Every output of the request so far, all of them with its caller: what a resumed run continues after.
+        outputs = list(request.resumed_output_token_ids)
         failed: set[str] = set()
         yielded = False
         cached = 0
+        attempt = request
         while True:
-            base = len(streamed)
-            attempt_params = remaining_params(params, base)
-            if attempt_params is None:  # every token was streamed, only the end went missing
-                yield ended(request_id, len(prompt), base, cached, "length")
-                return
             try:
-                attempt = request if not base else replace(
-                    request, prompt_token_ids=prompt + streamed, params=attempt_params
-                )
                 replica, stream, outcome = await self._admit(entry, attempt, failed, pin)
             except _Aborted:
-                yield ended(request_id, len(prompt), base, cached, "abort")
+                yield ended(request_id, num_prompt, len(outputs), cached, "abort")
                 return
             except (QueueFullError, ValueError) as error:  # every replica left is full, none is left, or one refused
                 if not yielded:
                     raise
-                yield ended(request_id, len(prompt), base, cached, "abort", f"no replica could resume it: {error}")
+                why = f"no replica could resume it: {error}"
+                yield ended(request_id, num_prompt, len(outputs), cached, "abort", why)
                 return
             failure = outcome if isinstance(outcome, BaseException) else None
             completed = False
@@ -167,11 +157,12 @@ class RoutedEngineClient:
                         failure = ReplicaFailed(delta.error or "the replica's workers failed")
                         delta = replace(delta, finished=False, finish_reason=None, error=None, error_code=None)
                     if not yielded:
-                        cached = min(delta.num_cached_tokens, len(prompt))
-                    if failed or base:  # a resumed run: its prompt holds what was streamed before
-                        delta = continued(delta, request_id, len(prompt), base, cached)
+                        cached = min(delta.num_cached_tokens, num_prompt)
+                    elif failed and delta.num_cached_tokens != cached:
+                        # A resumed run may find the first run's outputs cached: report the request's one prompt hit.
+                        delta = replace(delta, num_cached_tokens=cached)
                     if failure is None or delta.token_ids:
-                        streamed.extend(delta.token_ids)
+                        outputs.extend(delta.token_ids)
                         yielded = True
                         yield delta
                     if failure is not None or delta.finished:
@@ -183,7 +174,7 @@ class RoutedEngineClient:
             finally:
                 await _close(stream)
                 # A finished request's whole sequence now sits in that replica's prefix cache.
-                self.router.end(replica, prompt + streamed if completed and final else None)
+                self.router.end(replica, [*request.prompt_token_ids, *outputs] if completed and final else None)
             if completed:
                 return
             self._replica_failed(replica, failure)
@@ -193,25 +184,33 @@ class RoutedEngineClient:
                     "cannot move to another replica: open a new one"
                 ) from failure
             if entry.aborted:
-                yield ended(request_id, len(prompt), len(streamed), cached, "abort")
+                yield ended(request_id, num_prompt, len(outputs), cached, "abort")
                 return
-            if streamed and params.structured_outputs is not None:
+            if outputs and params.structured_outputs is not None:
                 # The constraint's state died with the replica; another would restart the grammar mid-output.
                 why = f"replica {replica!r} failed under a constrained output: {failure}"
-                yield ended(request_id, len(prompt), len(streamed), cached, "abort", why)
+                yield ended(request_id, num_prompt, len(outputs), cached, "abort", why)
                 return
             failed.add(replica)
             self.num_failovers += 1
             self.metrics_registry.failovers.labels(self.model_name, replica).inc()
+            if (params.max_tokens is not None and len(outputs) >= params.max_tokens) or (
+                num_prompt + len(outputs) >= self.max_model_len
+            ):
+                yield ended(request_id, num_prompt, len(outputs), cached, "length")  # only the end went missing
+                return
+            # The same request after the outputs it has: the same parameters, seeds and penalty counts go on.
+            attempt = request.resumed(outputs)
 
     async def _admit(
-        self, entry: _Open, request: EngineRequest, failed: set[str], pin: tuple[str, int] | None
+        self, entry: _Open, request: EngineRequest, failed: set[str], pin: str | None
     ) -> tuple[str, AsyncIterator[RequestDelta], RequestDelta | Exception]:
         """Open the request on the best replica that takes it, the next ones in turn while they are full, and
         return its first delta there, or the error of a replica that failed instead. Raises ValueError (bad input)
         and QueueFullError (every replica full, or none in rotation)."""
         started = time.perf_counter()
-        prompt = list(request.prompt_token_ids)
+        # What the replica computes: the prompt, and the outputs a resumed request continues after.
+        prompt = [*request.prompt_token_ids, *request.resumed_output_token_ids]
         hashes = self.router.index.block_hashes(prompt)
         routes = self._routes(prompt, hashes, failed, pin)
         self.metrics_registry.observe_routing(time.perf_counter() - started)
@@ -265,9 +264,7 @@ class RoutedEngineClient:
         await _close(stream)
         self.router.end(replica)
 
-    def _routes(
-        self, prompt: list[int], hashes: list[bytes], failed: set[str], pin: tuple[str, int] | None
-    ) -> list[Route]:
+    def _routes(self, prompt: list[int], hashes: list[bytes], failed: set[str], pin: str | None) -> list[Route]:
         """Replicas to try in order; the first carries the reason of the choice, the others are spills."""
         routes = self.router.rank(prompt, exclude=failed, hashes=hashes)
         if failed:
@@ -279,7 +276,7 @@ class RoutedEngineClient:
                 return [route._replace(reason="pinned"), *rest]
         return routes
 
-    def _pin(self, entry: _Open, pin: tuple[str, int] | None, replica: str) -> None:
+    def _pin(self, entry: _Open, pin: str | None, replica: str) -> None:
         """Sibling choices follow this request to `replica` while any of them is open."""
         if pin is None:
             return
@@ -375,11 +372,6 @@ class RoutedEngineClient:
         self._count_rotation()
         return await merged_metrics(dict(self._clients)) + self.metrics_registry.render()
 
-    def _pin_key(self, request_id: str, prompt: list[int]) -> tuple[str, int] | None:
-        """Sibling choices (same parent id, same prompt) go to one replica, which computes their prompt once."""
-        match = _CHILD_ID.fullmatch(request_id)
-        return (match.group(1), hash(tuple(prompt))) if match else None
-
     def _replica_failed(self, name: str, error: object) -> None:
         logger.warning("replica %s failed; out of rotation until it answers again: %s", name, error)
         if name in self.router.replicas:
@@ -388,6 +380,12 @@ class RoutedEngineClient:
 
     def _count_rotation(self) -> None:
         self.metrics_registry.in_rotation.labels(self.model_name).set(len(self.router.in_rotation()))
+
+
+def _pin_key(request: EngineRequest) -> str | None:
+    """Sibling choices of one prompt (its `n`) go to one replica, which computes their prompt once."""
+    group = request.group
+    return group.parent_id if group is not None and group.size > 1 and request.final else None
 
 
 async def _close(stream: AsyncIterator[RequestDelta] | None) -> None:
