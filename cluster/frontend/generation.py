@@ -82,15 +82,19 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.convert_tokens_to_string(tokenizer.convert_ids_to_tokens([token_id]))
 
 
-async def stream_choices(
+def stream_choices(
     engine: EngineClient, tokenizer, request_id: str, prompt_ids: list[int], params: SamplingParams, usage: Usage
 ) -> AsyncIterator[ChoiceDelta]:
     """All n choices of one prompt, interleaved as they arrive. Each choice is its own engine request."""
     usage.prompt_tokens += len(prompt_ids)
-    if params.n == 1:
-        async for delta in stream_choice(engine, tokenizer, request_id, 0, prompt_ids, params, usage):
-            yield delta
-        return
+    if params.n == 1:  # the choice's own stream: no generator in between for every chunk to pass
+        return stream_choice(engine, tokenizer, request_id, 0, prompt_ids, params, usage)
+    return _interleaved_choices(engine, tokenizer, request_id, prompt_ids, params, usage)
+
+
+async def _interleaved_choices(
+    engine: EngineClient, tokenizer, request_id: str, prompt_ids: list[int], params: SamplingParams, usage: Usage
+) -> AsyncIterator[ChoiceDelta]:
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 

@@ -44,20 +44,32 @@ def _usage_json(usage: Usage) -> dict:
     }
 
 
-async def _first_then_rest(stream: AsyncIterator[ChoiceDelta]) -> AsyncIterator[ChoiceDelta]:
+class _Prefetched:
+    """A stream whose first item was already pulled (so bad input and a full queue became real errors before the
+    response started): that item, then the rest of the stream, with no generator in between."""
+
+    def __init__(self, first: ChoiceDelta | None, stream: AsyncIterator[ChoiceDelta]) -> None:
+        self._first = first
+        self._stream = stream
+
+    def __aiter__(self) -> _Prefetched:
+        return self
+
+    async def __anext__(self) -> ChoiceDelta:
+        first = self._first
+        if first is not None:
+            self._first = None
+            return first
+        return await anext(self._stream)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+async def _first_then_rest(stream: AsyncIterator[ChoiceDelta]) -> _Prefetched:
     """Pull the first delta before the response starts, so bad input and a full queue become real errors."""
     first = await anext(stream, None)
-
-    async def chained() -> AsyncIterator[ChoiceDelta]:
-        try:
-            if first is not None:
-                yield first
-            async for delta in stream:
-                yield delta
-        finally:
-            await stream.aclose()
-
-    return chained()
+    return _Prefetched(first, stream)
 
 
 # -- completions -----------------------------------------------------------------------------------
@@ -105,10 +117,16 @@ async def completions(
         wants_logprobs = body.logprobs is not None
 
         async def events() -> AsyncIterator[str]:
-            for offset, stream in streams:
-                async for delta in stream:
-                    logprobs = _completion_logprobs(tokenizer, [delta]) if wants_logprobs else None
-                    yield chunks.text_choice(offset + delta.index, delta.text, logprobs, delta.finish_reason)
+            try:
+                for offset, stream in streams:
+                    async for delta in stream:
+                        logprobs = _completion_logprobs(tokenizer, [delta]) if wants_logprobs else None
+                        yield chunks.text_choice(offset + delta.index, delta.text, logprobs, delta.finish_reason)
+            finally:
+                # A client that hung up mid-stream: every prompt's engine requests are aborted now, not when the
+                # streams are collected.
+                for _, stream in streams:
+                    await stream.aclose()
             if body.include_usage():
                 yield chunks.event([], usage=_usage_json(usage))
             yield "data: [DONE]\n\n"
@@ -207,24 +225,27 @@ async def chat_completions(
         chunks = ChunkEvents(chat_id, "chat.completion.chunk", created, served)
 
         async def events() -> AsyncIterator[str]:
-            started: set[int] = set()
-            async for delta in stream:
-                if delta.index not in started:
-                    started.add(delta.index)
-                    yield chunks.delta_choice(delta.index, output(delta.index).opening(), None, None)
-                out = output(delta.index)
-                # Content, or a tool call's start and its argument pieces, one chunk each; an empty delta when the
-                # text is held (a tag arriving in pieces) still carries its logprobs and finish_reason.
-                pieces = out.deltas(delta.text, final=delta.finish_reason is not None) or [{}]
-                logprobs = _chat_logprobs(tokenizer, [delta]) if body.wants_logprobs() else None
-                for number, piece in enumerate(pieces):
-                    last = number == len(pieces) - 1
-                    yield chunks.delta_choice(
-                        delta.index,
-                        piece,
-                        logprobs if number == 0 else None,
-                        out.finish_reason(delta.finish_reason) if last else None,
-                    )
+            try:
+                started: set[int] = set()
+                async for delta in stream:
+                    if delta.index not in started:
+                        started.add(delta.index)
+                        yield chunks.delta_choice(delta.index, output(delta.index).opening(), None, None)
+                    out = output(delta.index)
+                    # Content, or a tool call's start and its argument pieces, one chunk each; an empty delta when the
+                    # text is held (a tag arriving in pieces) still carries its logprobs and finish_reason.
+                    pieces = out.deltas(delta.text, final=delta.finish_reason is not None) or [{}]
+                    logprobs = _chat_logprobs(tokenizer, [delta]) if body.wants_logprobs() else None
+                    for number, piece in enumerate(pieces):
+                        last = number == len(pieces) - 1
+                        yield chunks.delta_choice(
+                            delta.index,
+                            piece,
+                            logprobs if number == 0 else None,
+                            out.finish_reason(delta.finish_reason) if last else None,
+                        )
+            finally:
+                await stream.aclose()  # a client that hung up: its engine requests are aborted now
             if body.include_usage():
                 yield chunks.event([], usage=_usage_json(usage))
             yield "data: [DONE]\n\n"
@@ -232,8 +253,11 @@ async def chat_completions(
         return StreamingResponse(events(), media_type="text/event-stream")
 
     collected: dict[int, list[ChoiceDelta]] = {}
-    async for delta in stream:
-        collected.setdefault(delta.index, []).append(delta)
+    try:
+        async for delta in stream:
+            collected.setdefault(delta.index, []).append(delta)
+    finally:
+        await stream.aclose()  # cancelled (the client hung up): its engine requests are aborted now
     choices = []
     for index in sorted(collected):
         deltas = collected[index]
