@@ -41,7 +41,7 @@ class Recorder:
 
     def _check(self) -> None:
         if self.dead:
-            raise RuntimeError("the replica's actor died")
+            raise ReplicaFailed("the replica's actor died")
 
     async def generate(self, request: EngineRequest):
         self.calls.append(("generate", request.request_id))

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from cluster.core.engine_client import EngineClient, RequestDelta
 from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
-from cluster.core.failover import ReplicaFailed, ended
+from cluster.core.failover import ReplicaFailed, ended, is_replica_failure
 from cluster.core.replica_fanout import call_all, load_of, merged_metrics, merged_stats, on_every_replica, probe
 from cluster.core.router import NoReplicaError, Route, Router, check_replica_name
 from cluster.core.router_metrics import RouterMetrics
@@ -45,10 +45,12 @@ class _Open:
 class RoutedEngineClient:
     """Implements EngineClient over named replica clients of one model (see cluster/core/router.py for the policies).
 
-    A replica whose stream fails after admission is taken out of rotation and the request re-runs on another
-    replica from the tokens already streamed: the client sees one continuous request. Streaming-input sessions stay
-    on the replica that opened them and fail with an error instead. `refresh_loads()` (called by the owner) feeds
-    the replicas' reported load to the router and puts failed replicas back once they answer again.
+    A replica that fails after admission (`is_replica_failure`: its actor died, its connection broke, its workers
+    gave up) is taken out of rotation and the request resumes on another replica after the tokens already streamed,
+    with the same parameters: the client sees one continuous request. Any other error is the caller's to see.
+    Streaming-input sessions stay on the replica that opened them and fail with an error instead. `refresh_loads()`
+    (called by the owner) feeds the replicas' reported load to the router and puts failed replicas back once they
+    answer again.
     """
 
     def __init__(
@@ -243,11 +245,14 @@ class RoutedEngineClient:
                 if entry.session is not None and not entry.session.replayable:
                     raise
                 continue
+            except StopAsyncIteration:
+                failure = ReplicaFailed("the replica ended the stream before its first delta")
+                return route.replica, stream, failure  # the caller releases it, as any failed attempt
             except Exception as error:
-                if isinstance(error, ValueError):
-                    await self._release(route.replica, stream)
-                    raise
-                return route.replica, stream, error  # the caller releases it, as any failed attempt
+                if is_replica_failure(error):
+                    return route.replica, stream, error  # the caller releases it, as any failed attempt
+                await self._release(route.replica, stream)
+                raise  # bad input, or a bug: no other replica would do better
             except BaseException:  # cancelled
                 await self._release(route.replica, stream)
                 raise
@@ -400,12 +405,12 @@ async def _close(stream: AsyncIterator[RequestDelta] | None) -> None:
 
 
 async def _next(stream: AsyncIterator[RequestDelta]) -> tuple[BaseException | None, RequestDelta | None]:
-    """The stream's next delta, or the failure of its replica; bad input and a full queue are raised as they are."""
+    """The stream's next delta, or the failure of its replica; any other error (bad input, a bug) is raised."""
     try:
         return None, await anext(stream)
     except StopAsyncIteration:
         return ReplicaFailed("the replica ended the stream before the request finished"), None
-    except (ValueError, QueueFullError):
+    except Exception as error:
+        if is_replica_failure(error):
+            return error, None
         raise
-    except Exception as error:  # any other broken stream is the replica's failure
-        return error, None

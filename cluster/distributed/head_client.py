@@ -12,6 +12,7 @@ import ray
 from cluster.core.engine_client import RequestDelta, read_deltas
 from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
+from cluster.core.failover import ReplicaFailed
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class _OutputReader:
                     deltas = self._streams.get(request_id)
                     if deltas is not None:  # else its caller already left (and aborted it)
                         deltas.put_nowait(item)
-            raise RuntimeError("the head actor closed its output stream")
+            raise ReplicaFailed("the head actor closed its output stream")
         except Exception as error:  # a dead or restarting head: every open stream fails with Ray's own error
             self.failure = error
             for deltas in self._streams.values():

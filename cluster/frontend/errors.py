@@ -88,6 +88,13 @@ def unavailable(message: str, retry_after_s: float | None = None) -> APIError:
     return APIError(503, message, "server_error", code="service_unavailable", retry_after_s=retry_after_s)
 
 
+def internal_error() -> APIError:
+    """500 for an error the server did not expect: its details stay in the server's log."""
+    return APIError(
+        500, "The server had an error while processing the request", "server_error", code="internal_error"
+    )
+
+
 def from_value_error(err: ValueError) -> APIError:
     """400 for a ValueError raised by validation code; the field it names first becomes `param`."""
     message = str(err)

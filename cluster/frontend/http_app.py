@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from cluster.frontend.errors import (
     error_body,
     from_validation_error,
     from_value_error,
+    internal_error,
     overloaded,
     payload_too_large,
     unauthorized,
@@ -32,6 +34,8 @@ from cluster.frontend.errors import (
 from cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.frontend.tool_calls import TOOL_CALL_PARSERS
 from cluster.frontend.tracing import traced_http
+
+logger = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
 _OPEN_PATHS = ("/health", "/ready", "/version", "/metrics")
@@ -189,8 +193,12 @@ class GuardMiddleware:
         request_id = client_request_label(headers.get("x-request-id")) or engine_request_id
         scope.setdefault("state", {}).update(request_id=engine_request_id, client_request_id=request_id)
 
+        started = False
+
         async def send_with_id(message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 message.setdefault("headers", [])
                 message["headers"] = list(message["headers"]) + [(b"x-request-id", request_id.encode("latin-1"))]
             await send(message)
@@ -216,7 +224,21 @@ class GuardMiddleware:
         except APIError as error:
             await _error_response(error)(scope, receive_within_limit, send_with_id)
             return
-        await traced_http(self.app, scope, receive_within_limit, send_with_id, headers)
+        try:
+            await traced_http(self.app, scope, receive_within_limit, send_with_id, headers)
+        except Exception:
+            if started:
+                raise  # mid-body: the server drops the connection, so no client takes a cut stream for a whole one
+            # A bug, not the client's fault: the traceback goes to the log, the client gets no internals.
+            logger.exception(
+                "unexpected error answering %s %s (request %s, client label %s)",
+                scope.get("method"),
+                scope["path"],
+                engine_request_id,
+                request_id,
+                extra={"request_id": engine_request_id},
+            )
+            await _error_response(internal_error())(scope, receive_within_limit, send_with_id)
 
 
 def _request_id(request: Request) -> str:
