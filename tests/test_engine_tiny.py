@@ -20,3 +20,18 @@ def test_greedy_matches_transformers(kind, tmp_path):
     assert report.identical == report.total, report.divergences
     assert llm.stats.num_preemptions > 0 and llm.stats.num_mixed_steps > 0
     assert llm.engine.block_table.num_free_blocks == llm.engine.block_table.num_blocks
+
+
+def test_top_k_off_is_the_same_whichever_way_it_is_spelled(tmp_path):
+    from cluster import SamplingParams
+
+    llm = LLM(str(make_tiny_model("llama", tmp_path / "llama")), block_size=4, num_gpu_blocks=64)
+    runs = {
+        top_k: [
+            o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=3, top_k=top_k))
+        ]
+        for top_k in (-1, 0)
+    }
+    assert runs[-1] == runs[0]
+    limited = llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=3, top_k=2))
+    assert [o.outputs[0].token_ids for o in limited] != runs[0]  # top_k does reach the sampler

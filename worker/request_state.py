@@ -67,6 +67,8 @@ def argmax_only(sampling: step_pb2.SamplingParams) -> bool:
 def _row_settings(
     params: step_pb2.SamplingParams, generator: torch.Generator | None = None, banned: tuple[int, ...] = ()
 ) -> SamplingRow:
+    """The one place a request's sampling settings are normalised: what the head sent as the request holds them,
+    an absent proto field (0) as that setting's neutral value; top_k <= 0 (0 or vLLM's -1) is off in the sampler."""
     return SamplingRow(
         temperature=params.temperature,
         top_p=params.top_p if params.top_p > 0 else 1.0,

@@ -8,12 +8,13 @@ from proto import step_pb2
 
 
 def sampling_to_proto(request: Request) -> step_pb2.SamplingParams:
-    """The part of a request's sampling settings the workers act on."""
+    """The part of a request's sampling settings the workers act on, as the request holds them: the rank reads
+    them into its sampler's row in one place (worker/request_state.py), the only place they are normalised."""
     params = request.sampling_params
     message = step_pb2.SamplingParams(
         temperature=params.temperature,
         top_p=params.top_p,
-        top_k=max(params.top_k, 0),
+        top_k=params.top_k,
         min_p=params.min_p,
         repetition_penalty=params.repetition_penalty,
         presence_penalty=params.presence_penalty,
