@@ -20,7 +20,7 @@ from cluster.core.engine_request import EngineRequest  # noqa: E402
 from cluster.core.sampling_params import SamplingParams  # noqa: E402
 from cluster.distributed.head import ClusterOptions  # noqa: E402
 from cluster.distributed.launcher import HeadLauncher, start_head, start_heads, stop_head  # noqa: E402
-from cluster.frontend.replica_pool import ReplicaPool, ReplicaSettings  # noqa: E402
+from cluster.routing.replica_pool import ReplicaPool, ReplicaSettings  # noqa: E402
 from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from tests.ray_start import start_ray  # noqa: E402
 from tests.test_cluster_failures import _answers, _pid, wait_for  # noqa: E402

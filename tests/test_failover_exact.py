@@ -12,8 +12,8 @@ from cluster.core.async_engine import AsyncEngine
 from cluster.core.engine_client import RequestDelta
 from cluster.core.engine_request import EngineRequest
 from cluster.core.local_client import LocalEngineClient
-from cluster.core.routed_client import RoutedEngineClient
 from cluster.core.sampling_params import SamplingParams
+from cluster.routing.routed_client import RoutedEngineClient
 from tests.tiny_engine import close, tiny_engine
 from tests.tiny_models import make_tiny_model
 

@@ -16,6 +16,7 @@ LAYERS = [
     ("worker", 2),
     ("cluster.core", 2),
     ("cluster.distributed", 3),
+    ("cluster.routing", 3),  # beside the Ray layer: routed clients over the heads' engine clients
     ("cluster.frontend", 4),
     ("cluster.entrypoints", 5),
     ("cluster.bench", 6),

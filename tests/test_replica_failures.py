@@ -12,10 +12,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from cluster.core.engine_request import EngineRequest
-from cluster.core.failover import ReplicaFailed, is_replica_failure
-from cluster.core.routed_client import RoutedEngineClient
 from cluster.core.sampling_params import SamplingParams
 from cluster.frontend.http_app import ServerState, create_app
+from cluster.routing.failover import ReplicaFailed, is_replica_failure
+from cluster.routing.routed_client import RoutedEngineClient
 from tests.fake_engine import FakeEngineClient
 from tests.requirements import require_module
 

@@ -14,12 +14,12 @@ from cluster.core.engine import EngineCore
 from cluster.core.engine_client import RequestDelta
 from cluster.core.engine_request import EngineRequest, SiblingGroup
 from cluster.core.errors import QueueFullError
-from cluster.core.failover import ReplicaFailed
 from cluster.core.local_client import LocalEngineClient
-from cluster.core.routed_client import RoutedEngineClient
-from cluster.core.router import NoReplicaError
-from cluster.core.router_metrics import with_label
 from cluster.core.sampling_params import SamplingParams
+from cluster.routing.failover import ReplicaFailed
+from cluster.routing.routed_client import RoutedEngineClient
+from cluster.routing.router import NoReplicaError
+from cluster.routing.router_metrics import with_label
 from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from tests.fake_workers import FakeKVWorkers, next_token
 
@@ -458,7 +458,7 @@ def test_the_routing_decision_is_an_event_on_the_request_span(replicas):
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from cluster.core.routed_client import ROUTE_CACHED_TOKENS, ROUTE_REASON, ROUTE_REPLICA
+    from cluster.routing.routed_client import ROUTE_CACHED_TOKENS, ROUTE_REASON, ROUTE_REPLICA
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from cluster.core.errors import QueueFullError
-from cluster.core.prefix_index import PrefixIndex
-from cluster.core.router import NoReplicaError, Router
+from cluster.routing.prefix_index import PrefixIndex
+from cluster.routing.router import NoReplicaError, Router
 
 BLOCK = 4
 # Without subnormals: a library in the same process may set flush-to-zero, and hypothesis then refuses to draw them.

@@ -12,7 +12,7 @@ import ray
 from cluster.core.engine_client import RequestDelta, read_deltas
 from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
-from cluster.core.failover import ReplicaFailed
+from cluster.routing.failover import ReplicaFailed
 
 logger = logging.getLogger(__name__)
 

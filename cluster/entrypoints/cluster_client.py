@@ -19,7 +19,7 @@ from cluster.distributed.head_client import HeadEngineClient
 from cluster.distributed.launcher import connect, start_heads, stop_head, uses_gpu
 from cluster.frontend.generation import Usage, stream_choices
 from cluster.frontend.output_processor import append_choice
-from cluster.frontend.replica_pool import ReplicaPool, ReplicaSettings
+from cluster.routing.replica_pool import ReplicaPool, ReplicaSettings
 from common.engine_config import EngineConfig
 
 

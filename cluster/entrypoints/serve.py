@@ -9,9 +9,9 @@ import sys
 import threading
 import time
 
-from cluster.core.autoscale import ScalingPolicy
-from cluster.core.router import POLICIES
 from cluster.frontend.tool_calls import TOOL_CALL_PARSERS
+from cluster.routing.autoscale import ScalingPolicy
+from cluster.routing.router import POLICIES
 from common.engine_args import add_engine_arguments, engine_config_from_args
 from common.logs import LOG_FORMAT_ENV, configure_logging
 
@@ -180,8 +180,8 @@ def serve(args: argparse.Namespace) -> int:
     from cluster.distributed.launcher import HeadLauncher, connect, start_heads, stop_head, uses_gpu
     from cluster.distributed.local_executor import locate_model
     from cluster.frontend.actor import FrontendActor
-    from cluster.frontend.replica_pool import ReplicaSettings
     from cluster.frontend.server import FrontendSettings
+    from cluster.routing.replica_pool import ReplicaSettings
 
     check_replica_flags(args)
 

@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from cluster.distributed.head_client import HeadEngineClient
 from cluster.distributed.launcher import NAMESPACE
-from cluster.frontend.replica_pool import ReplicaPool, ReplicaSettings
 from cluster.frontend.server import FrontendServer, FrontendSettings, configure_frontend_tracing
+from cluster.routing.replica_pool import ReplicaPool, ReplicaSettings
 from common import telemetry
 from common.heap import freeze_startup_heap
 

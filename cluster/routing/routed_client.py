@@ -6,16 +6,17 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 from cluster.core.engine_client import EngineClient, RequestDelta
 from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
-from cluster.core.failover import ReplicaFailed, ended, is_replica_failure
-from cluster.core.replica_fanout import call_all, load_of, merged_metrics, merged_stats, on_every_replica, probe
-from cluster.core.router import NoReplicaError, Route, Router, check_replica_name
-from cluster.core.router_metrics import RouterMetrics
-from cluster.core.session_log import SessionLog
+from cluster.routing.failover import ReplicaFailed, ended, is_replica_failure
+from cluster.routing.replica_fanout import call_all, load_of, merged_metrics, merged_stats, on_every_replica, probe
+from cluster.routing.routed_streams import Aborted, OpenRequest, close_stream, next_delta, pin_key
+from cluster.routing.router import NoReplicaError, Route, Router, check_replica_name
+from cluster.routing.router_metrics import RouterMetrics
+from cluster.routing.session_log import SessionLog
 from common.telemetry import trace
 
 logger = logging.getLogger(__name__)
@@ -26,24 +27,8 @@ ROUTE_REASON = "pagerail.route.reason"
 ROUTE_CACHED_TOKENS = "pagerail.route.estimated_cached_tokens"
 
 
-class _Aborted(Exception):
-    """The caller aborted the request while it was between replicas."""
-
-
-@dataclass
-class _Open:
-    """A request this client has open, and the replica holding it now."""
-
-    request_id: str
-    replica: str | None = None
-    client: EngineClient | None = None
-    aborted: bool = False
-    session: SessionLog | None = None
-    pinned: bool = False  # counted among the open siblings of its pin
-
-
 class RoutedEngineClient:
-    """Implements EngineClient over named replica clients of one model (see cluster/core/router.py for the policies).
+    """Implements EngineClient over named replica clients of one model (see cluster/routing/router.py for the policies).
 
     A replica that fails after admission (`is_replica_failure`: its actor died, its connection broke, its workers
     gave up) is taken out of rotation and the request resumes on another replica after the tokens already streamed,
@@ -73,10 +58,11 @@ class RoutedEngineClient:
         self.router = router if router is not None else Router(policy, block_size=block_size)
         self.metrics_registry = RouterMetrics(self.model_name)
         self._clients: dict[str, EngineClient] = {}
-        self._open: dict[str, _Open] = {}
+        self._open: dict[str, OpenRequest] = {}
         self._pins: dict[str, list] = {}  # sibling group's parent id -> [replica, open siblings]
         self.num_failovers = 0
         self.num_spills = 0
+        self.num_routed: dict[str, int] = {}  # requests (and resumptions) each replica admitted
         for name, client in replicas.items():
             self.add_replica(name, client)
 
@@ -113,8 +99,9 @@ class RoutedEngineClient:
         if request_id in self._open:
             raise ValueError(f"request_id {request_id!r} is already in use")
         final = request.final
-        entry = self._open[request_id] = _Open(request_id, session=None if final else SessionLog(self.max_model_len))
-        pin = _pin_key(request)
+        session = None if final else SessionLog(self.max_model_len)
+        entry = self._open[request_id] = OpenRequest(request_id, session=session)
+        pin = pin_key(request)
         serve = self._serve(entry, request, pin)
         try:
             async for delta in serve:
@@ -127,7 +114,7 @@ class RoutedEngineClient:
                 if self._pins[pin][1] <= 0:
                     del self._pins[pin]
 
-    async def _serve(self, entry: _Open, request: EngineRequest, pin: str | None) -> AsyncIterator[RequestDelta]:
+    async def _serve(self, entry: OpenRequest, request: EngineRequest, pin: str | None) -> AsyncIterator[RequestDelta]:
         """Run the request on a replica; when that replica fails, resume it on another after the outputs it has."""
         request_id, params, final = entry.request_id, request.params, request.final
         num_prompt = len(request.prompt_token_ids)
@@ -140,7 +127,7 @@ class RoutedEngineClient:
         while True:
             try:
                 replica, stream, outcome = await self._admit(entry, attempt, failed, pin)
-            except _Aborted:
+            except Aborted:
                 yield ended(request_id, num_prompt, len(outputs), cached, "abort")
                 return
             except (QueueFullError, ValueError) as error:  # every replica left is full, none is left, or one refused
@@ -172,9 +159,9 @@ class RoutedEngineClient:
                         if delta.error_code == "worker_failure":  # a session's replica gave up
                             self._replica_failed(replica, delta.error)
                         break
-                    failure, delta = await _next(stream)
+                    failure, delta = await next_delta(stream)
             finally:
-                await _close(stream)
+                await close_stream(stream)
                 # A finished request's whole sequence now sits in that replica's prefix cache.
                 self.router.end(replica, [*request.prompt_token_ids, *outputs] if completed and final else None)
             if completed:
@@ -205,7 +192,7 @@ class RoutedEngineClient:
             attempt = request.resumed(outputs)
 
     async def _admit(
-        self, entry: _Open, request: EngineRequest, failed: set[str], pin: str | None
+        self, entry: OpenRequest, request: EngineRequest, failed: set[str], pin: str | None
     ) -> tuple[str, AsyncIterator[RequestDelta], RequestDelta | Exception]:
         """Open the request on the best replica that takes it, the next ones in turn while they are full, and
         return its first delta there, or the error of a replica that failed instead. Raises ValueError (bad input)
@@ -219,7 +206,7 @@ class RoutedEngineClient:
         full: list[QueueFullError] = []
         for route in routes:
             if entry.aborted:  # while a replica that refused or failed held it
-                raise _Aborted
+                raise Aborted
             client = self._clients.get(route.replica)
             if client is None or not self.router.routable(route.replica):
                 continue  # it left or failed while an earlier replica was being tried
@@ -257,6 +244,7 @@ class RoutedEngineClient:
                 await self._release(route.replica, stream)
                 raise
             self.metrics_registry.cached_tokens.labels(self.model_name, route.replica).inc(first.num_cached_tokens)
+            self.num_routed[route.replica] = self.num_routed.get(route.replica, 0) + 1
             if entry.session is not None:
                 entry.session.confirm()
             return route.replica, stream, first
@@ -266,7 +254,7 @@ class RoutedEngineClient:
         raise QueueFullError(f"all {len(full)} replicas tried are full; retry shortly", retry_after)
 
     async def _release(self, replica: str, stream: AsyncIterator[RequestDelta] | None) -> None:
-        await _close(stream)
+        await close_stream(stream)
         self.router.end(replica)
 
     def _routes(self, prompt: list[int], hashes: list[bytes], failed: set[str], pin: str | None) -> list[Route]:
@@ -281,7 +269,7 @@ class RoutedEngineClient:
                 return [route._replace(reason="pinned"), *rest]
         return routes
 
-    def _pin(self, entry: _Open, pin: str | None, replica: str) -> None:
+    def _pin(self, entry: OpenRequest, pin: str | None, replica: str) -> None:
         """Sibling choices follow this request to `replica` while any of them is open."""
         if pin is None:
             return
@@ -291,7 +279,7 @@ class RoutedEngineClient:
         self._pins[pin][0] = replica
 
     async def _first_delta(
-        self, entry: _Open, replica: str, client: EngineClient, stream: AsyncIterator[RequestDelta]
+        self, entry: OpenRequest, replica: str, client: EngineClient, stream: AsyncIterator[RequestDelta]
     ) -> RequestDelta:
         """Open a session on `replica` after another refused it: the chunks sent there are lost, so replay them
         here, holding later chunks back until they are all sent."""
@@ -367,6 +355,7 @@ class RoutedEngineClient:
             "num_open_requests": len(self._open),
             "num_failovers": self.num_failovers,
             "num_spills": self.num_spills,
+            "num_routed": dict(self.num_routed),
             "num_index_entries": len(router.index),
             "replicas": {name: {**asdict(state), "load": router.load(name)} for name, state in router.replicas.items()},
         }
@@ -385,32 +374,3 @@ class RoutedEngineClient:
 
     def _count_rotation(self) -> None:
         self.metrics_registry.in_rotation.labels(self.model_name).set(len(self.router.in_rotation()))
-
-
-def _pin_key(request: EngineRequest) -> str | None:
-    """Sibling choices of one prompt (its `n`) go to one replica, which computes their prompt once."""
-    group = request.group
-    return group.parent_id if group is not None and group.size > 1 and request.final else None
-
-
-async def _close(stream: AsyncIterator[RequestDelta] | None) -> None:
-    """Close a replica's stream (which aborts the request there if it is still open); a dead one may fail to."""
-    close = getattr(stream, "aclose", None)
-    if close is None:
-        return
-    try:
-        await close()
-    except Exception:
-        logger.debug("closing a replica stream failed", exc_info=True)
-
-
-async def _next(stream: AsyncIterator[RequestDelta]) -> tuple[BaseException | None, RequestDelta | None]:
-    """The stream's next delta, or the failure of its replica; any other error (bad input, a bug) is raised."""
-    try:
-        return None, await anext(stream)
-    except StopAsyncIteration:
-        return ReplicaFailed("the replica ended the stream before the request finished"), None
-    except Exception as error:
-        if is_replica_failure(error):
-            return error, None
-        raise

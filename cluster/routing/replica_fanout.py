@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from cluster.core.engine_client import EngineClient
-from cluster.core.router_metrics import with_label
+from cluster.routing.router_metrics import with_label
 
 logger = logging.getLogger(__name__)
 

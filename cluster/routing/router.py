@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from cluster.core.errors import QueueFullError
-from cluster.core.prefix_index import PrefixIndex
+from cluster.routing.prefix_index import PrefixIndex
 
 POLICIES = ("prefix-aware", "least-loaded", "round-robin")
 # Why a request went where it went (the `reason` label of the router's metrics).

@@ -7,9 +7,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from cluster.core.autoscale import ScalingPolicy
 from cluster.core.engine_client import EngineClient
-from cluster.core.routed_client import RoutedEngineClient
+from cluster.routing.autoscale import ScalingPolicy
+from cluster.routing.routed_client import RoutedEngineClient
 
 logger = logging.getLogger(__name__)
 

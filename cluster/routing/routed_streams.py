@@ -1,0 +1,59 @@
+"""The routed client's bookkeeping of one open request, and how it reads and closes a replica's stream."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from cluster.core.engine_client import EngineClient, RequestDelta
+from cluster.core.engine_request import EngineRequest
+from cluster.routing.failover import ReplicaFailed, is_replica_failure
+from cluster.routing.session_log import SessionLog
+
+logger = logging.getLogger(__name__)
+
+
+class Aborted(Exception):
+    """The caller aborted the request while it was between replicas."""
+
+
+@dataclass
+class OpenRequest:
+    """A request this client has open, and the replica holding it now."""
+
+    request_id: str
+    replica: str | None = None
+    client: EngineClient | None = None
+    aborted: bool = False
+    session: SessionLog | None = None
+    pinned: bool = False  # counted among the open siblings of its pin
+
+
+def pin_key(request: EngineRequest) -> str | None:
+    """Sibling choices of one prompt (its `n`) go to one replica, which computes their prompt once."""
+    group = request.group
+    return group.parent_id if group is not None and group.size > 1 and request.final else None
+
+
+async def close_stream(stream: AsyncIterator[RequestDelta] | None) -> None:
+    """Close a replica's stream (which aborts the request there if it is still open); a dead one may fail to."""
+    close = getattr(stream, "aclose", None)
+    if close is None:
+        return
+    try:
+        await close()
+    except Exception:
+        logger.debug("closing a replica stream failed", exc_info=True)
+
+
+async def next_delta(stream: AsyncIterator[RequestDelta]) -> tuple[BaseException | None, RequestDelta | None]:
+    """The stream's next delta, or the failure of its replica; any other error (bad input, a bug) is raised."""
+    try:
+        return None, await anext(stream)
+    except StopAsyncIteration:
+        return ReplicaFailed("the replica ended the stream before the request finished"), None
+    except Exception as error:
+        if is_replica_failure(error):
+            return error, None
+        raise
