@@ -7,6 +7,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from cluster.core import session_inputs
 from cluster.core.admission import check_fits
 from cluster.core.block_table import BlockTable
 from cluster.core.errors import QueueFullError
@@ -65,28 +66,8 @@ class Scheduler:
         self.waiting.append(request)
 
     def append_input(self, request_id: str, token_ids: list[int], final: bool) -> Request:
-        """Next chunk of a streaming-input session. A chunk that would not fit is refused, the session unchanged."""
-        request = self.requests.get(request_id)
-        if request is None or not request.input_open:
-            raise ValueError(f"request_id {request_id!r} is not an open streaming-input session")
-        check_fits(request, request.num_tokens + len(token_ids), self.max_model_len, self.config, self.block_table)
-        request.append_input(token_ids)
-        request.input_open = not final
-        if not request.awaiting_input:
-            return request  # still running or waiting: the new tokens are picked up by the next steps
-        if not token_ids and not final:
-            request.idle_since = self.clock()  # an empty chunk only shows the client is still there
-            return request
-        del self.idle_sessions[request_id]
-        request.idle_since = None
-        if not token_ids and request.num_computed_tokens == request.num_tokens:
-            # The input ended after its last chunk was computed, but positions computed while input was open
-            # kept no logits: recompute the last one to sample the first output token.
-            request.num_computed_tokens -= 1
-            request.needs_resync = True
-        request.status = RequestStatus.WAITING
-        self.waiting.append(request)
-        return request
+        """Next chunk of a streaming-input session (cluster/core/session_inputs.py)."""
+        return session_inputs.append_input(self, request_id, token_ids, final)
 
     def abort(self, request_id: str) -> Request | None:
         """Drop a request wherever it is and free its blocks."""
@@ -119,14 +100,7 @@ class Scheduler:
 
     def expire_idle_sessions(self) -> list[Request]:
         """Close sessions that waited longer than session_idle_timeout_s for their next chunk."""
-        timeout = self.config.session_idle_timeout_s
-        now = self.clock()
-        expired = [r for r in self.idle_sessions.values() if now - r.idle_since > timeout]
-        for request in expired:
-            request.error = f"the session received no input for {timeout:g} s (session_idle_timeout) and was closed"
-            request.error_code = "session_idle_timeout"
-            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
-        return expired
+        return session_inputs.expire_idle(self)
 
     def replace_block_table(self, block_table: BlockTable) -> None:
         """A restarted worker group may hold a different number of blocks."""
@@ -389,13 +363,6 @@ class Scheduler:
         request.needs_resync = False
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-
-    def park_until_input(self, request: Request) -> None:
-        """A running session computed all the input it has: it waits, out of the batch, for its next chunk."""
-        self.running.remove(request)
-        request.status = RequestStatus.AWAITING_INPUT
-        request.idle_since = self.clock()
-        self.idle_sessions[request.request_id] = request
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """End a request: out of its queue, its blocks freed, its handle sent to the workers to forget."""

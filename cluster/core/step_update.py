@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from cluster.core import session_inputs
 from cluster.core.request import Request, RequestStatus
 from cluster.core.scheduler_output import SchedulerOutput
 from cluster.core.stop_conditions import stop_status
@@ -48,7 +49,7 @@ def apply_step_output(
                 and request.num_computed_tokens == request.num_tokens
                 and not request.num_inflight_tokens
             ):
-                scheduler.park_until_input(request)
+                session_inputs.park_until_input(scheduler, request)
             elif (
                 item.skip_sampling
                 and request.status is running
