@@ -127,7 +127,8 @@ class HeadActor:
         return await self.async_engine.generate(request)
 
     async def stream(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
-        """One request's deltas as their own Ray stream (tests); serving uses a channel, one message per step."""
+        """One request's deltas as their own Ray stream (bench/dispatch.py and the cluster tests drive a head this way);
+        serving uses a channel, one message per step."""
         async for delta in self.async_engine.stream(request):
             yield delta
 
