@@ -75,8 +75,12 @@ class WorkerActor:
         self.worker: Worker | None = None
         self._server: grpc.Server | None = None
         self._joined_group = False
+        observability = config.engine.observability
         telemetry.configure_tracing(
-            "worker", endpoint=config.otlp_traces_endpoint, sampling_ratio=config.trace_sampling_ratio, rank=rank
+            "worker",
+            endpoint=observability.otlp_traces_endpoint,
+            sampling_ratio=observability.trace_sampling_ratio,
+            rank=rank,
         )
 
     def __repr__(self) -> str:

@@ -130,13 +130,13 @@ def describe(worker: Worker) -> worker_pb2.WorkerInfo:
     """What the head needs to know about a rank: its place in the group and the size of its cache shard."""
     model, config = worker.model, worker.config
     per_block = bytes_per_block(
-        model.num_layers, model.num_kv_heads_per_rank, model.head_dim, config.block_size, worker.dtype
+        model.num_layers, model.num_kv_heads_per_rank, model.head_dim, config.engine.cache.block_size, worker.dtype
     )
     return worker_pb2.WorkerInfo(
         rank=worker.tp.rank,
         world_size=worker.tp.size,
         num_blocks=worker.num_blocks,
-        block_size=config.block_size,
+        block_size=config.engine.cache.block_size,
         device=str(worker.device),
         dtype=str(worker.dtype).removeprefix("torch."),
         kv_cache_bytes=per_block * worker.num_blocks,

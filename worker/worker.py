@@ -58,18 +58,20 @@ class Worker:
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.engine.dtype, self.device)
         if self.device.type == "cpu":
             limit_threads(config.num_threads)
             keep_freed_memory()
         model_dir = Path(config.model_dir)
         if not model_dir.is_dir():
             # Another node resolved the model; fetch or convert it on this one the same way.
-            model_dir = resolve_model_dir(config.model_spec)
+            model_dir = resolve_model_dir(config.engine.model)
         self.model = load_model(
-            model_dir, tp, self.dtype, self.device, load_format=config.load_format, seed=config.seed
+            model_dir, tp, self.dtype, self.device, load_format=config.engine.load_format, seed=config.engine.seed
         )
-        max_model_len = config.max_model_len or self.model.config.max_position_embeddings
+        engine = config.engine
+        cache, scheduler = engine.cache, engine.scheduler
+        max_model_len = scheduler.max_model_len or self.model.config.max_position_embeddings
         # Every number behind the cache size when a profiling forward chose it.
         self.kv_profile: KvCacheProfile | None = None
         # The blocks the head may hand out; the cache holds SCRATCH_BLOCKS more, numbered from num_blocks.
@@ -77,57 +79,58 @@ class Worker:
         caches = allocate_kv_caches(
             self.model.num_layers,
             self.num_blocks + SCRATCH_BLOCKS,
-            config.block_size,
+            cache.block_size,
             self.model.num_kv_heads_per_rank,
             self.model.head_dim,
             self.dtype,
             self.device,
         )
-        for layer, cache in zip(self.model.attention_layers(), caches, strict=True):
-            layer.kv_cache = cache
+        for layer, layer_cache in zip(self.model.attention_layers(), caches, strict=True):
+            layer.kv_cache = layer_cache
         self.runner = ModelRunner(
             self.model,
-            config.block_size,
+            cache.block_size,
             self.device,
             tp,
-            max_num_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-            max_blocks_per_seq=-(-max_model_len // config.block_size),
+            max_num_tokens=scheduler.max_num_batched_tokens,
+            max_num_seqs=scheduler.max_num_seqs,
+            max_blocks_per_seq=-(-max_model_len // cache.block_size),
             tokenizer_dir=str(model_dir),
-            enforce_eager=config.enforce_eager,
+            enforce_eager=engine.enforce_eager,
             scratch_block=self.num_blocks,
         )
-        torch.manual_seed(config.seed)
+        torch.manual_seed(engine.seed)
 
     def _size_cache(self, max_model_len: int) -> int:
-        """Blocks for the head: config.num_blocks, else an explicit byte budget, else a profiling forward on a GPU,
-        else the CPU default budget."""
-        config = self.config
-        if config.num_blocks is not None:
-            return config.num_blocks
+        """Blocks for the head: a fixed num_gpu_blocks, else an explicit byte budget, else a profiling forward on a
+        GPU, else the CPU default budget."""
+        engine = self.config.engine
+        cache, scheduler = engine.cache, engine.scheduler
+        if cache.num_gpu_blocks is not None:
+            return cache.num_gpu_blocks
         per_block = bytes_per_block(
-            self.model.num_layers, self.model.num_kv_heads_per_rank, self.model.head_dim, config.block_size, self.dtype
+            self.model.num_layers, self.model.num_kv_heads_per_rank, self.model.head_dim, cache.block_size, self.dtype
         )
-        probe = memory_probe(self.device) if config.kv_cache_memory_bytes is None else None
+        probe = memory_probe(self.device) if cache.kv_cache_memory_bytes is None else None
         if probe is not None:
             self.kv_profile = profile = profile_kv_cache(
                 self.model,
                 probe,
-                block_size=config.block_size,
+                block_size=cache.block_size,
                 dtype=self.dtype,
                 device=self.device,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=scheduler.max_num_batched_tokens,
+                max_num_seqs=scheduler.max_num_seqs,
                 max_model_len=max_model_len,
-                gpu_memory_utilization=config.gpu_memory_utilization,
-                enforce_eager=config.enforce_eager,
+                gpu_memory_utilization=cache.gpu_memory_utilization,
+                enforce_eager=engine.enforce_eager,
                 scratch_blocks=SCRATCH_BLOCKS,
             )
             logger.info("rank %d: KV cache sized by a profiling forward: %s", self.tp.rank, profile.summary())
             return profile.num_blocks
-        budget = memory_budget(self.device, config.kv_cache_memory_bytes)
+        budget = memory_budget(self.device, cache.kv_cache_memory_bytes)
         if budget is None:
-            raise ValueError(f"device {self.device} has no memory probe; set kv_cache_memory_bytes or num_blocks")
+            raise ValueError(f"device {self.device} has no memory probe; set kv_cache_memory_bytes or num_gpu_blocks")
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"KV cache budget of {budget} bytes is below one block ({per_block} bytes)")

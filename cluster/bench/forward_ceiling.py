@@ -46,7 +46,7 @@ class _Replay:
 
     def run(self) -> int:
         """Output tokens sampled over the whole workload."""
-        block_size = self.worker.config.block_size
+        block_size = self.worker.config.engine.cache.block_size
         next_block, pending = 0, deque()
         for handle, request in enumerate(self.requests, start=1):
             count = blocks_per_request(request, block_size)
