@@ -1,8 +1,8 @@
 """Reference input builder for the property test: each step's model inputs rebuilt from the request lists.
 
-This is the straightforward construction the persistent input buffers (worker/input_buffers.py) must match
-exactly: every tensor built from Python lists, the decode block table padded row by row, the decode key mask
-always built.
+This is the straightforward construction the persistent input buffers (worker/input_buffers.py) and the attention
+backends' metadata (worker/attention_backends/) must match exactly: every tensor built from Python lists, the
+decode block table padded row by row, the decode key mask always built.
 """
 
 from __future__ import annotations

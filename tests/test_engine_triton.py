@@ -48,7 +48,7 @@ def _mixed_report(model_dir: str) -> None:
     import torch.nn.functional as F
 
     import worker.layers.attention as attention
-    from worker.input_buffers import InputBuffers
+    from worker.model_runner import ModelRunner
 
     counts = {"mixed": 0, "decode": 0, "sdpa": 0, "masks": 0, "mid_block_chunks": 0, "decodes_in_mixed": 0}
 
@@ -69,10 +69,10 @@ def _mixed_report(model_dir: str) -> None:
             counts["decodes_in_mixed"] += query_len == 1
         return mixed(q, key_cache, value_cache, block_tables, query_starts, context_lens, block_size, scale)
 
-    prepare = InputBuffers.prepare
+    prepare = ModelRunner.prepare
 
-    def prepare_spy(self, scheduled):
-        flat = prepare(self, scheduled)
+    def prepare_spy(self, batch):
+        flat = prepare(self, batch)
         if flat is not None:
             counts["masks"] += sum(span.mask is not None for span in flat.attention.prefills)
         return flat
@@ -80,7 +80,7 @@ def _mixed_report(model_dir: str) -> None:
     attention.paged_mixed_attention = mixed_spy
     attention.paged_decode_attention = counted("decode", attention.paged_decode_attention)
     F.scaled_dot_product_attention = counted("sdpa", F.scaled_dot_product_attention)
-    InputBuffers.prepare = prepare_spy
+    ModelRunner.prepare = prepare_spy
     tokens, stats = _greedy_tokens(model_dir)
     counts.update(prefix_hit_tokens=stats.num_prefix_hit_tokens, mixed_steps=stats.num_mixed_steps)
     print(json.dumps({"tokens": tokens, "counts": counts}))

@@ -17,10 +17,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from proto import step_pb2
 from tests.input_batch_reference import build_flat_batch
+from worker.attention_backends.settings import AttentionSettings
 from worker.input_batch import FlatBatch, GatherWorkspace
 from worker.input_buffers import InputBuffers
 from worker.layers.attention import decode_key_mask
 from worker.request_state import RequestStates
+from worker.step_inputs import prepare_step
 
 CPU = torch.device("cpu")
 HANDLES = range(8)  # a small pool, so finished handles come back as new requests
@@ -63,14 +65,18 @@ class InputBuffersMachine(RuleBasedStateMachine):
         mixed: bool,
         paged_limit: int,
     ) -> None:
-        """`in_place` False runs the device path on the CPU: table writes staged, then applied by index. `mixed`:
-        steps with prefill chunks are laid out for the mixed-batch Triton kernel. `paged_limit`: steps whose
-        prefill chunks end within it also get every row's table row and context length (the native CPU path)."""
+        """`in_place` False runs the device path on the CPU: table writes staged, then applied by index. The rank's
+        decode path is torch's (`torch_decode`), else Triton's (`mixed`: steps with prefill chunks are laid out for
+        the mixed-batch kernel), else the native CPU kernel's, whose steps with prefill chunks ending within
+        `paged_limit` also get every row's table row and context length."""
         self.block_size = block_size
-        self.paged_limit = paged_limit
+        path = "torch" if torch_decode else "triton" if mixed else "native"
+        self.paged_limit = paged_limit if path == "native" else 0  # a setting of the native kernel alone
         self.in_place = in_place and self.device.type == "cpu"
-        self.mixed = mixed and not torch_decode  # the mixed kernel runs where the decode path is Triton's
+        self.mixed = path == "triton"
         self.torch_decode = torch_decode
+        # Only the torch path gathers into a workspace.
+        self.settings = AttentionSettings(path, self.paged_limit, self._workspace() if torch_decode else None)
         num_seqs, blocks_per_seq, num_tokens = capacity
         # Tiny starting sizes, so every buffer has to grow along the way.
         self.buffers = InputBuffers(
@@ -79,15 +85,11 @@ class InputBuffersMachine(RuleBasedStateMachine):
             max_num_tokens=num_tokens,
             max_num_seqs=num_seqs,
             max_blocks_per_seq=blocks_per_seq,
-            build_decode_mask=torch_decode,
-            workspace=self._workspace(),
-            mixed_attention=self.mixed,
             in_place=in_place if self.device.type == "cpu" else None,
-            paged_prefill_max_context=paged_limit,
         )
         self.ours = RequestStates(self.device, on_drop=self.buffers.release)
         self.reference = RequestStates(self.device)
-        self.reference_workspace = self._workspace()
+        self.reference_workspace = self._workspace() if torch_decode else None
         self.requests: dict[int, HeadRequest] = {}
         self.batch = step_pb2.StepBatch(step_id=0)
         self.counter = 1
@@ -145,7 +147,7 @@ class InputBuffersMachine(RuleBasedStateMachine):
         for handle in rng.sample(free, min(len(free), rng.choice([0, 0, 1, 1, 2, 3]))):
             self._join(rng, handle)
 
-        ours = self.buffers.prepare(self.ours.apply(self.batch))
+        ours = prepare_step(self.buffers, self.settings, self.ours.apply(self.batch))
         reference_states = self.reference.apply(self.batch)
         reference = None
         if any(s.num_scheduled_tokens > 0 for s in reference_states):

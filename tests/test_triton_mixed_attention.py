@@ -12,8 +12,10 @@ import torch
 from proto import step_pb2
 from tests.requirements import TRITON_REQUIRED, require_module
 from tests.triton_interpreter import interpreted_report
+from worker.attention_backends.settings import AttentionSettings
 from worker.input_buffers import InputBuffers
 from worker.request_state import RequestState
+from worker.step_inputs import prepare_step
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -196,12 +198,12 @@ def _state(handle: int, num_tokens: int, blocks: list[int], computed: int, sched
 @pytest.mark.parametrize("in_place", [True, False])
 def test_input_buffers_build_mixed_metadata(in_place: bool) -> None:
     """A step with a prefill gets the kernel's per-sequence indices and no dense mask; decode-only steps as before."""
-    buffers = InputBuffers(4, torch.device("cpu"), max_num_seqs=2, max_blocks_per_seq=2, mixed_attention=True,
-                           in_place=in_place)  # fmt: skip
+    buffers = InputBuffers(4, torch.device("cpu"), max_num_seqs=2, max_blocks_per_seq=2, in_place=in_place)
+    triton = AttentionSettings("triton")
     decode = _state(0, 10, [7, 3, 9], computed=9, scheduled=1)
     prefix_hit = _state(1, 14, [4, 11, 2, 8], computed=6, scheduled=7)  # a chunk from mid-block 1 to 12
     fresh = _state(2, 5, [5, 6], computed=0, scheduled=5)
-    flat = buffers.prepare([prefix_hit, decode, fresh])
+    flat = prepare_step(buffers, triton, [prefix_hit, decode, fresh])
     meta = flat.attention
     assert meta.mixed_query_starts.tolist() == [0, 1, 8, 13]
     assert meta.mixed_context_lens.tolist() == [10, 13, 5]
@@ -219,7 +221,7 @@ def test_input_buffers_build_mixed_metadata(in_place: bool) -> None:
         state.num_scheduled_tokens = 1
     decode.token_ids.append(1)
     prefix_hit.token_ids.append(1)
-    flat = buffers.prepare([decode, prefix_hit])
+    flat = prepare_step(buffers, triton, [decode, prefix_hit])
     meta = flat.attention
     assert meta.mixed_query_starts is None and meta.mixed_block_table is None
     assert meta.decode_block_table.tolist() == [[7, 3, 9, 0], [4, 11, 2, 8]]

@@ -44,7 +44,6 @@ def _device_path_inputs(runner):
         max_num_tokens=64,
         max_num_seqs=16,
         max_blocks_per_seq=old.block_table.shape[1],
-        mixed_attention=old.mixed_attention,
         in_place=False,
     )
 

@@ -9,6 +9,7 @@ import torch
 
 from common.telemetry import get_tracer, traced
 from proto import step_pb2
+from worker.attention_backends.settings import AttentionSettings
 from worker.constraints import ConstraintMatchers
 from worker.cuda_graphs import (
     DEFAULT_MAX_CAPTURE_SIZE,
@@ -19,13 +20,14 @@ from worker.cuda_graphs import (
     StaticDecodeInputs,
 )
 from worker.host_readback import HostReadback, to_host
-from worker.input_batch import FlatBatch, GatherWorkspace
+from worker.input_batch import FlatBatch
 from worker.input_buffers import InputBuffers
-from worker.layers.attention import decode_path, paged_prefill_max_context
+from worker.layers.attention import decode_path
 from worker.parallel_state import TensorParallelGroup
 from worker.penalty_state import PenaltyState
 from worker.request_state import RequestState, RequestStates, sampling_row
 from worker.sampler import Sampler, row_argmax
+from worker.step_inputs import prepare_step
 from worker.warmup import warmup_steps
 
 logger = logging.getLogger(__name__)
@@ -89,24 +91,15 @@ class ModelRunner:
         # Output constraints are enforced where tokens are sampled; the tokenizer they compile against is read
         # from `tokenizer_dir` on first use.
         self.constraints = ConstraintMatchers(tokenizer_dir, model.config.vocab_size) if tp.rank == 0 else None
-        self.workspace = None
         dtype = next(model.parameters()).dtype
-        torch_decode = decode_path_of(model, device, dtype) == "torch"
-        if device.type == "cpu" and torch_decode:
-            # The Triton and native kernels read the cache in place: only the torch path gathers.
-            self.workspace = GatherWorkspace(block_size, model.num_kv_heads_per_rank, model.head_dim, dtype, device)
+        # Which attention runs here is fixed now; each step picks its backend from it (worker/attention_backends/).
+        self.attention = AttentionSettings.for_model(model, device, dtype, block_size)
         self.inputs = InputBuffers(
             block_size,
             device,
             max_num_tokens=max_num_tokens,
             max_num_seqs=max_num_seqs,
             max_blocks_per_seq=max_blocks_per_seq,
-            build_decode_mask=torch_decode,
-            mixed_attention=decode_path_of(model, device, dtype) == "triton",
-            workspace=self.workspace,
-            paged_prefill_max_context=paged_prefill_max_context(
-                device, model.num_heads_per_rank, model.num_kv_heads_per_rank, model.head_dim, dtype
-            ),
         )
         self.num_replayed_steps = 0
         self.num_eager_steps = 0
@@ -176,7 +169,7 @@ class ModelRunner:
 
     def prepare(self, batch: step_pb2.StepBatch) -> FlatBatch | None:
         """Apply the step's deltas to the request states and the input buffers; the model's inputs, if any."""
-        return self.inputs.prepare(self.states.apply(batch))
+        return prepare_step(self.inputs, self.attention, self.states.apply(batch))
 
     @torch.inference_mode()
     def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:

@@ -1,0 +1,1 @@
+"""Attention backends: each turns a step's staged inputs into the AttentionMetadata its kernels read."""
