@@ -20,7 +20,7 @@ def tiny_engine(model_dir: str | Path, num_blocks: int = 64, block_size: int = 4
     )
     info = read_model_info(Path(model_dir))
     executor = InProcessExecutor(worker_config(config, Path(model_dir)))
-    engine = EngineCore(config, executor, info.max_position_embeddings, info.vocab_size, info.eos_token_ids)
+    engine = EngineCore.for_model(config, executor, info)
     engine.restart_backoff_s = 0.0
     return engine
 

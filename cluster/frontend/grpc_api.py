@@ -67,7 +67,7 @@ class _Stream:
     prompt_ids: list[int]  # grows with each chunk of a streaming-input session
     params: SamplingParams
     send_text: bool
-    choices: list[_Choice] = field(default_factory=list)
+    choices: list[_Choice] = field(init=False)  # one per `n`, made from the fields above
     # (choice, RequestDelta), or the exception that ended the call.
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     span: trace.Span = trace.INVALID_SPAN  # the call's request span (Generate only)

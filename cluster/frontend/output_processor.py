@@ -95,7 +95,7 @@ class ChoiceState:
         """The caller's view of the engine's next delta of this choice."""
         token_ids = delta.token_ids
         text = ""
-        reason = delta.finish_reason or "stop" if delta.finished else None
+        reason = (delta.finish_reason or "stop") if delta.finished else None
         detokenizer = self.detokenizer
         if self._held is not None:
             self._held.extend(token_ids)
