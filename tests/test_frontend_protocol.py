@@ -18,14 +18,7 @@ from cluster.frontend.errors import (
     unauthorized,
     unavailable,
 )
-from cluster.frontend.protocol import (
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    CompletionRequest,
-    CompletionResponse,
-    CompletionStreamResponse,
-    ModelList,
-)
+from cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -194,17 +187,3 @@ def test_from_value_error_finds_the_field() -> None:
     assert from_value_error(ValueError("top_p must be in (0, 1], got 2")).param == "top_p"
     assert from_value_error(ValueError("messages[2].content is empty")).param == "messages[2].content"
     assert from_value_error(ValueError("Prompt too long for this model")).param is None
-
-
-def test_response_models_serialize_like_openai() -> None:
-    response = CompletionResponse(
-        model="m", choices=[{"index": 0, "text": "x", "finish_reason": "stop"}], usage={"prompt_tokens": 1}
-    )
-    data = response.model_dump()
-    assert data["object"] == "text_completion" and data["id"].startswith("cmpl-") and isinstance(data["created"], int)
-    chunk = CompletionStreamResponse(id=response.id, model="m", choices=[{"index": 0, "text": "y"}])
-    assert chunk.usage is None and chunk.id == response.id
-    chat = ChatCompletionChunk(model="m", choices=[{"index": 0, "delta": {"content": "hi"}}]).model_dump()
-    assert chat["object"] == "chat.completion.chunk" and chat["id"].startswith("chatcmpl-")
-    assert chat["choices"][0]["delta"] == {"role": None, "content": "hi"}
-    assert ModelList(data=[{"id": "m"}]).model_dump()["data"][0]["object"] == "model"
