@@ -66,6 +66,9 @@ class AttentionMetadata:
     # attention layers use them instead of the decode fields and the spans (which stay built, for any other path).
     paged_block_table: torch.Tensor | None = None  # [T, max_blocks]: each row's sequence's table row
     paged_context_lens: torch.Tensor | None = None  # [T]
+    # Masks of the torch paths for layers with a sliding window, built by the first such layer of the step:
+    # ("decode", window) for the decodes, (span start, window) for a prefill span.
+    window_masks: dict = field(default_factory=dict)
 
 
 class Attention(nn.Module):
@@ -77,12 +80,20 @@ class Attention(nn.Module):
     layout the CPU attention kernel runs fastest on.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+    ) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # A query at position p sees keys p - sliding_window + 1 .. p (transformers' convention); None: all.
+        self.sliding_window = sliding_window
+        # The kernels' spelling of the same: 0 for no window.
+        self._window = sliding_window or 0
         self.kv_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -111,6 +122,7 @@ class Attention(nn.Module):
                 meta.mixed_context_lens,
                 meta.block_size,
                 self.scale,
+                self._window,
             )
             return out.view(num_tokens, self.num_heads * self.head_dim)
 
@@ -126,6 +138,7 @@ class Attention(nn.Module):
                     meta.paged_context_lens,
                     meta.block_size,
                     self.scale,
+                    self._window,
                 )
                 return out.reshape(num_tokens, self.num_heads * self.head_dim)
         n = meta.num_decodes
@@ -143,17 +156,31 @@ class Attention(nn.Module):
             else:
                 keys = self._gather(key_cache, span.context_blocks, meta.block_size)[:, : span.context_len]
                 values = self._gather(value_cache, span.context_blocks, meta.block_size)[:, : span.context_len]
+            mask = span.mask if self.sliding_window is None else self._windowed_span_mask(span, meta)
             attended = F.scaled_dot_product_attention(
                 queries,
                 keys.unsqueeze(0),
                 values.unsqueeze(0),
-                attn_mask=span.mask,
-                is_causal=span.mask is None,
+                attn_mask=mask,
+                is_causal=mask is None,
                 scale=self.scale,
                 enable_gqa=True,
             )
             out[span.start : span.end] = attended.squeeze(0).transpose(0, 1)
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    def _windowed_span_mask(self, span: PrefillSpan, meta: AttentionMetadata) -> torch.Tensor:
+        """The span's causal mask narrowed to this layer's window, made once per step for each window size."""
+        key = (span.start, self.sliding_window)
+        mask = meta.window_masks.get(key)
+        if mask is None:
+            num_queries = span.end - span.start
+            num_keys = span.context_len if span.context_blocks is not None else num_queries
+            device = meta.slot_mapping.device
+            queries = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
+            keys = torch.arange(num_keys, device=device)[None, :]
+            mask = meta.window_masks[key] = (keys <= queries) & (keys > queries - self.sliding_window)
+        return mask
 
     def _gather(
         self, cache: torch.Tensor, blocks: torch.Tensor, block_size: int, out: torch.Tensor | None = None
@@ -184,6 +211,7 @@ class Attention(nn.Module):
                 meta.decode_context_lens,
                 meta.block_size,
                 self.scale,
+                self._window,
             )
         if path == "native":
             return native_kernel().decode(
@@ -194,6 +222,7 @@ class Attention(nn.Module):
                 meta.decode_context_lens,
                 meta.block_size,
                 self.scale,
+                self._window,
             )
         n = q.shape[0]
         group = self.num_heads // self.num_kv_heads
@@ -204,10 +233,17 @@ class Attention(nn.Module):
         keys = keys.view(self.num_kv_heads, n, -1, self.head_dim).transpose(0, 1)
         values = values.view(self.num_kv_heads, n, -1, self.head_dim).transpose(0, 1)
         queries = q.view(n, self.num_kv_heads, group, self.head_dim)
-        if meta.decode_mask is None:
-            # Built once per step, by the first layer that needs it, from the context lengths already on the device.
-            meta.decode_mask = decode_key_mask(meta.decode_context_lens, keys.shape[2])
-        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
+        if self.sliding_window is not None:
+            mask = meta.window_masks.get(("decode", self.sliding_window))
+            if mask is None:
+                mask = decode_key_mask(meta.decode_context_lens, keys.shape[2], self.sliding_window)
+                meta.window_masks["decode", self.sliding_window] = mask
+        else:
+            if meta.decode_mask is None:
+                # Built once per step, by the first layer that needs it, from the context lengths on the device.
+                meta.decode_mask = decode_key_mask(meta.decode_context_lens, keys.shape[2])
+            mask = meta.decode_mask
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
         return attended.reshape(n, self.num_heads, self.head_dim)
 
 
@@ -238,7 +274,11 @@ def paged_prefill_max_context(
     return PAGED_PREFILL_CONTEXT_BYTES // (2 * 4 * head_dim)
 
 
-def decode_key_mask(context_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """[n, 1, 1, num_keys] True where key position < the row's context length: the torch decode path's mask."""
-    keys = torch.arange(num_keys, device=context_lens.device)
-    return (keys[None, :] < context_lens[:, None])[:, None, None, :]
+def decode_key_mask(context_lens: torch.Tensor, num_keys: int, sliding_window: int | None = None) -> torch.Tensor:
+    """[n, 1, 1, num_keys] True where key position < the row's context length (and, with a window, within the
+    last `sliding_window` of them): the torch decode path's mask."""
+    keys = torch.arange(num_keys, device=context_lens.device)[None, :]
+    visible = keys < context_lens[:, None]
+    if sliding_window is not None:
+        visible &= keys >= context_lens[:, None] - sliding_window
+    return visible[:, None, None, :]

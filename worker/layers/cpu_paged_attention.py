@@ -32,7 +32,7 @@ class NativeKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fn = library.paged_decode_attention_f32
         self._fn.restype = None
-        self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+        self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64]
         max_group, max_head_dim = ctypes.c_int64(), ctypes.c_int64()
         library.paged_attention_limits(ctypes.byref(max_group), ctypes.byref(max_head_dim))
         self.max_group = max_group.value
@@ -54,8 +54,11 @@ class NativeKernel:
         context_lens: torch.Tensor,
         block_size: int,
         scale: float,
+        sliding_window: int = 0,
     ) -> torch.Tensor:
-        """q [n, heads, d]; caches [kv_heads, slots, d]; block_table [n, max_blocks] int64 → [n, heads, d]."""
+        """q [n, heads, d]; caches [kv_heads, slots, d]; block_table [n, max_blocks] int64 → [n, heads, d].
+
+        With `sliding_window` > 0 each query attends only to the last that many positions of its context."""
         q = q.contiguous()
         out = torch.empty_like(q)
         n, num_heads, head_dim = q.shape
@@ -75,6 +78,7 @@ class NativeKernel:
             block_table.shape[1],
             block_size,
             scale,
+            sliding_window,
         )
         return out
 

@@ -48,7 +48,7 @@ def dot_operands(cache_dtype: torch.dtype) -> dict[str, object]:
 # per "== 1" / "divisible by 16" pattern of them (a step with one partition, a table 16 blocks wide, ...), each
 # costing seconds on the first step that meets it. Strides of the cache and head counts stay specialised: they
 # are fixed for a model.
-_DECODE_DYNAMIC = ("partition_size", "num_partitions", "stride_table_seq")
+_DECODE_DYNAMIC = ("partition_size", "window", "num_partitions", "stride_table_seq")
 
 if triton is not None:
 
@@ -65,6 +65,7 @@ if triton is not None:
         part_acc_ptr,
         qk_scale,
         partition_size,
+        window,
         num_heads,
         num_partitions,
         stride_q_seq,
@@ -99,6 +100,10 @@ if triton is not None:
         else:
             start = 0
             end = context_len
+        if window > 0:
+            # A sliding-window layer: keys before the last `window` positions are never read. A partition wholly
+            # before them runs no tile and leaves a -inf max, which the reduce kernel weighs as zero.
+            start = tl.maximum(start, context_len - window)
 
         group = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, HEAD_DIM_PAD)
@@ -249,10 +254,11 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     block_size: int,
     scale: float,
+    sliding_window: int = 0,
     *,
     partition_size: int | None = None,
 ) -> torch.Tensor:
-    """q [n, H, D] attends over its paged context → [n, H, D].
+    """q [n, H, D] attends over its paged context (its last `sliding_window` positions when > 0) → [n, H, D].
 
     key_cache/value_cache are [num_slots, KVH, D] with slot = block_id * block_size + offset. block_tables
     [n, max_blocks] and context_lens [n] are int32 (int64 is accepted too); context_lens counts the token
@@ -327,6 +333,7 @@ def paged_decode_attention(
         part_acc,
         scale * math.log2(math.e),
         partition_size or 0,
+        sliding_window,
         num_heads,
         num_partitions,
         q.stride(0),

@@ -25,6 +25,7 @@ if triton is not None:
         tile_start,
         kv_end,
         query_pos,
+        window,
         seq,
         key_base,
         value_base,
@@ -38,6 +39,7 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         TILE_N: tl.constexpr,
         MASKED: tl.constexpr,
+        WINDOWED: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
@@ -64,6 +66,9 @@ if triton is not None:
         if MASKED:
             # Causal within the chunk: the query at position p sees keys 0..p (and never past the context).
             visible = (positions[None, :] <= query_pos[:, None]) & valid[None, :]
+            if WINDOWED:
+                # A sliding-window layer: the query at p sees keys p - window + 1 .. p only.
+                visible = visible & (positions[None, :] > query_pos[:, None] - window)
             scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         # A row that has seen no key yet keeps -inf; subtracting 0 instead avoids inf - inf = nan.
@@ -80,7 +85,7 @@ if triton is not None:
         return acc, new_max, row_sum
 
     # The sequence count and the table view's width change every step: not specialised (see triton_attention).
-    @triton.jit(do_not_specialize=("num_seqs", "stride_table_seq"))
+    @triton.jit(do_not_specialize=("num_seqs", "window", "stride_table_seq"))
     def _paged_mixed_kernel(
         out_ptr,
         q_ptr,
@@ -91,6 +96,7 @@ if triton is not None:
         context_lens_ptr,
         qk_scale,
         num_seqs,
+        window,
         stride_q_tok,
         stride_q_head,
         stride_out_tok,
@@ -107,6 +113,7 @@ if triton is not None:
         BLOCK_Q: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         TILE_N: tl.constexpr,
+        WINDOWED: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
@@ -161,18 +168,29 @@ if triton is not None:
         row_max = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-        for tile_start in range(0, full_end, TILE_N):
-            acc, row_max, row_sum = _attend_tile(
-                q, acc, row_max, row_sum, tile_start, kv_end, query_pos, seq, key_base, value_base,
-                block_tables_ptr, qk_scale, stride_k_slot, stride_v_slot, stride_table_seq,
-                dims, dim_mask, BLOCK_SIZE, TILE_N, False, DOT_DTYPE, DOT_PRECISION,
-            )  # fmt: skip
-        for tile_start in range(full_end, kv_end, TILE_N):
-            acc, row_max, row_sum = _attend_tile(
-                q, acc, row_max, row_sum, tile_start, kv_end, query_pos, seq, key_base, value_base,
-                block_tables_ptr, qk_scale, stride_k_slot, stride_v_slot, stride_table_seq,
-                dims, dim_mask, BLOCK_SIZE, TILE_N, True, DOT_DTYPE, DOT_PRECISION,
-            )  # fmt: skip
+        if WINDOWED:
+            # Every tile from the first query's window start on is masked per row: the window's lower edge moves
+            # with the query, so no tile is visible to all rows in general.
+            window_start = tl.maximum(first_pos - window + 1, 0) // TILE_N * TILE_N
+            for tile_start in range(window_start, kv_end, TILE_N):
+                acc, row_max, row_sum = _attend_tile(
+                    q, acc, row_max, row_sum, tile_start, kv_end, query_pos, window, seq, key_base, value_base,
+                    block_tables_ptr, qk_scale, stride_k_slot, stride_v_slot, stride_table_seq,
+                    dims, dim_mask, BLOCK_SIZE, TILE_N, True, True, DOT_DTYPE, DOT_PRECISION,
+                )  # fmt: skip
+        else:
+            for tile_start in range(0, full_end, TILE_N):
+                acc, row_max, row_sum = _attend_tile(
+                    q, acc, row_max, row_sum, tile_start, kv_end, query_pos, window, seq, key_base, value_base,
+                    block_tables_ptr, qk_scale, stride_k_slot, stride_v_slot, stride_table_seq,
+                    dims, dim_mask, BLOCK_SIZE, TILE_N, False, False, DOT_DTYPE, DOT_PRECISION,
+                )  # fmt: skip
+            for tile_start in range(full_end, kv_end, TILE_N):
+                acc, row_max, row_sum = _attend_tile(
+                    q, acc, row_max, row_sum, tile_start, kv_end, query_pos, window, seq, key_base, value_base,
+                    block_tables_ptr, qk_scale, stride_k_slot, stride_v_slot, stride_table_seq,
+                    dims, dim_mask, BLOCK_SIZE, TILE_N, True, False, DOT_DTYPE, DOT_PRECISION,
+                )  # fmt: skip
 
         out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
         tl.store(
@@ -268,8 +286,10 @@ def paged_mixed_attention(
     context_lens: torch.Tensor,
     block_size: int,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """q [T, H, D] of every sequence of a step attends causally over its paged context → [T, H, D].
+    """q [T, H, D] of every sequence of a step attends causally over its paged context → [T, H, D]; with
+    `sliding_window` > 0 the query at position p sees only keys p - sliding_window + 1 .. p.
 
     Sequence s owns query rows query_starts[s]:query_starts[s + 1]; they are the last positions of its
     context_lens[s] tokens, whose K/V (this step's included) are already in the cache. key_cache/value_cache
@@ -312,6 +332,7 @@ def paged_mixed_attention(
         context_lens,
         scale * math.log2(math.e),
         num_seqs,
+        sliding_window,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -328,6 +349,7 @@ def paged_mixed_attention(
         BLOCK_Q=block_q,
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
+        WINDOWED=sliding_window > 0,
         **dot_operands(key_cache.dtype),
         num_warps=num_warps,
         # Double-buffered K/V tiles fit shared memory for every dtype and head size up to 256.

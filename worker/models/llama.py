@@ -2,60 +2,38 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
+from common.attention_windows import layer_sliding_windows
 from worker.layers.activation import SiluAndMul
 from worker.layers.attention import Attention, AttentionMetadata
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding, rope_parameters
+from worker.models.causal_lm import CausalLM, check_head_split, head_dim_of
 from worker.parallel_state import TensorParallelGroup
-
-logger = logging.getLogger(__name__)
-
-# HF checkpoint projection name → (our fused parameter's module name, shard id inside it).
-_FUSED = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
-def _head_dim(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def _warn_if_sliding_window(config: Any) -> None:
-    # Full attention equals sliding-window attention while the context fits in the window; warn that it differs after.
-    window = getattr(config, "sliding_window", None)
-    uses_window = "sliding_attention" in (getattr(config, "layer_types", None) or []) or (
-        config.model_type == "mistral" and window is not None
-    )
-    if uses_window and window is not None and window < config.max_position_embeddings:
-        logger.warning(
-            "sliding_window=%d is not implemented; attention spans the whole context, which differs from the "
-            "reference model for contexts longer than the window",
-            window,
-        )
 
 
 class LlamaAttention(nn.Module):
     """qkv projection → optional per-head q/k RMSNorm (Qwen3) → RoPE → paged attention → o projection."""
 
-    def __init__(self, config: Any, rotary: RotaryEmbedding, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: Any,
+        rotary: RotaryEmbedding,
+        tp: TensorParallelGroup,
+        dtype: torch.dtype,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        self.head_dim = _head_dim(config)
+        self.head_dim = head_dim_of(config)
         # Qwen2 always has q/k/v biases (its config has no switch); others follow attention_bias.
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attention_bias or config.model_type == "qwen2"
@@ -69,7 +47,11 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         self.rotary_emb = rotary
         self.attn = Attention(
-            self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank, self.head_dim, self.head_dim**-0.5
+            self.qkv_proj.num_heads_per_rank,
+            self.qkv_proj.num_kv_heads_per_rank,
+            self.head_dim,
+            self.head_dim**-0.5,
+            sliding_window=sliding_window,
         )
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, meta: AttentionMetadata):
@@ -108,10 +90,17 @@ class LlamaDecoderLayer(nn.Module):
     one fused kernel adds and normalises; on CPU the same add and norm as the plain formulation run, in order.
     """
 
-    def __init__(self, config: Any, rotary: RotaryEmbedding, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: Any,
+        rotary: RotaryEmbedding,
+        tp: TensorParallelGroup,
+        dtype: torch.dtype,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, rotary, tp, dtype)
+        self.self_attn = LlamaAttention(config, rotary, tp, dtype, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, tp, dtype)
 
@@ -143,9 +132,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype)
         # One cos/sin cache shared by every layer: it can be large for long-context models.
-        self.rotary = RotaryEmbedding(_head_dim(config), config.max_position_embeddings, rope_parameters(config))
+        self.rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters(config))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary, tp, dtype) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, self.rotary, tp, dtype, window) for window in layer_sliding_windows(config)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -161,18 +150,12 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
-    """Causal LM over a flat batch of tokens from many requests; KV caches live in the Attention modules."""
+class LlamaForCausalLM(CausalLM):
+    """Llama-family causal LM; Mistral's sliding window comes from its config, per layer."""
 
     def __init__(self, hf_config: Any, tp: TensorParallelGroup, dtype: torch.dtype) -> None:
         super().__init__()
-        # Checked here, before any layer, so the message names the model field rather than a layer argument.
-        if hf_config.num_attention_heads % tp.size:
-            raise ValueError(
-                f"num_attention_heads={hf_config.num_attention_heads} is not divisible by "
-                f"tensor_parallel_size={tp.size}"
-            )
-        _warn_if_sliding_window(hf_config)
+        check_head_split(hf_config, tp)
         self.config = hf_config
         self.tp = tp
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -180,63 +163,3 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp, dtype)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.model.layers)
-
-    @property
-    def head_dim(self) -> int:
-        return _head_dim(self.config)
-
-    @property
-    def num_heads_per_rank(self) -> int:
-        return self.model.layers[0].self_attn.qkv_proj.num_heads_per_rank
-
-    @property
-    def num_kv_heads_per_rank(self) -> int:
-        return self.model.layers[0].self_attn.qkv_proj.num_kv_heads_per_rank
-
-    def attention_layers(self) -> list[Attention]:
-        """The Attention modules in layer order; the worker binds one KV cache shard to each."""
-        return [layer.self_attn.attn for layer in self.model.layers]
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] long → final hidden states [T, hidden_size]."""
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden [N, hidden_size] → logits [N, vocab_size] in float32 on rank 0 (the sampling rank), else None."""
-        return self.lm_head.compute_logits(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load full (unsharded) HF checkpoint tensors; each layer keeps its rank's slice. Returns loaded names."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            if "rotary_emb.inv_freq" in hf_name or "rotary_emb.cos_cached" in hf_name:
-                continue  # RoPE tables are recomputed from the config
-            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # the LM head shares the embedding, which the checkpoint also holds
-            name, shard_id = _our_name(hf_name)
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(self).__name__}")
-            param = params[name]
-            param.weight_loader(param, tensor, shard_id)
-            loaded.add(name)
-        if self.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
-            loaded.add("lm_head.weight")
-        missing = sorted(set(params) - loaded)
-        if missing:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
-        return loaded
-
-
-def _our_name(hf_name: str) -> tuple[str, object]:
-    # "model.layers.3.self_attn.k_proj.weight" → ("model.layers.3.self_attn.qkv_proj.weight", "k")
-    parts = hf_name.split(".")
-    if len(parts) >= 2 and parts[-2] in _FUSED:
-        fused, shard_id = _FUSED[parts[-2]]
-        return ".".join([*parts[:-2], fused, parts[-1]]), shard_id
-    return hf_name, None

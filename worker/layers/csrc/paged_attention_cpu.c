@@ -107,7 +107,7 @@ static inline __attribute__((always_inline)) __m512 sum_lanes_16(const __m512 *p
  * time too, with the last group of a block masked. */
 static inline __attribute__((always_inline)) void item_avx512(
     const int HD, const int G, const float *queries, const float *keys, const float *values, const int64_t *blocks,
-    int64_t ctx, int64_t block_size, float scale, float *scores, float *out, int64_t block_bytes)
+    int64_t ctx, int64_t first, int64_t block_size, float scale, float *scores, float *out, int64_t block_bytes)
 {
     enum { MAXV = 8 };  /* HD / 16 for HD up to 128 */
     const int NV = HD / 16;
@@ -117,13 +117,18 @@ static inline __attribute__((always_inline)) void item_avx512(
     const __m512 scale_v = _mm512_set1_ps(scale);
     __m512 max_v[4];
     for (int g = 0; g < G; g++) max_v[g] = _mm512_set1_ps(-1e30f);
-    prefetch_first_blocks(keys, blocks, ctx, block_size, HD, block_bytes);
-    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+    const int64_t t_begin = first / block_size * block_size;
+    prefetch_first_blocks(keys, blocks + t_begin / block_size, ctx - t_begin, block_size, HD, block_bytes);
+    for (int64_t t0 = t_begin; t0 < ctx; t0 += block_size) {
         int64_t rows;
         const float *k_block = context_block(keys, blocks, t0, ctx, block_size, HD, block_bytes, &rows);
         for (int64_t r0 = 0; r0 < rows; r0 += 16) {
             const int64_t count = rows - r0 < 16 ? rows - r0 : 16;
-            const __mmask16 live = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
+            __mmask16 live = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
+            /* Keys before the window's first position are neither stored nor counted in the max. */
+            const int64_t before = first - (t0 + r0);
+            if (before >= 16) continue;
+            if (before > 0) live &= (__mmask16)~((1u << before) - 1);
             for (int g = 0; g < G; g++) {
                 __m512 part[16];
                 for (int j = 0; j < 16; j++) {
@@ -148,7 +153,7 @@ static inline __attribute__((always_inline)) void item_avx512(
         float *row = scores + g * ctx;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < ctx; t++) {
+        for (int64_t t = first; t < ctx; t++) {
             row[t] = expf(row[t] - max_score);
             sum += row[t];
         }
@@ -157,11 +162,11 @@ static inline __attribute__((always_inline)) void item_avx512(
     __m512 acc[4][MAXV];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < NV; c++) acc[g][c] = _mm512_setzero_ps();
-    prefetch_first_blocks(values, blocks, ctx, block_size, HD, block_bytes);
-    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+    prefetch_first_blocks(values, blocks + t_begin / block_size, ctx - t_begin, block_size, HD, block_bytes);
+    for (int64_t t0 = t_begin; t0 < ctx; t0 += block_size) {
         int64_t rows;
         const float *v_block = context_block(values, blocks, t0, ctx, block_size, HD, block_bytes, &rows);
-        for (int64_t r = 0; r < rows; r++) {
+        for (int64_t r = first > t0 ? first - t0 : 0; r < rows; r++) {
             const float *v = v_block + r * HD;
             __m512 vv[MAXV];
             for (int c = 0; c < NV; c++) vv[c] = _mm512_loadu_ps(v + 16 * c);
@@ -179,11 +184,12 @@ static inline __attribute__((always_inline)) void item_avx512(
 
 /* 1 when (head_dim, group) has a specialised path, which then ran. */
 static int item_specialised(int64_t head_dim, int64_t group, const float *queries, const float *keys,
-                            const float *values, const int64_t *blocks, int64_t ctx, int64_t block_size, float scale,
-                            float *scores, float *out, int64_t block_bytes)
+                            const float *values, const int64_t *blocks, int64_t ctx, int64_t first,
+                            int64_t block_size, float scale, float *scores, float *out, int64_t block_bytes)
 {
 #define CASE(hd, g) if (head_dim == hd && group == g) { \
-        item_avx512(hd, g, queries, keys, values, blocks, ctx, block_size, scale, scores, out, block_bytes); return 1; }
+        item_avx512(hd, g, queries, keys, values, blocks, ctx, first, block_size, scale, scores, out, block_bytes); \
+        return 1; }
     CASE(64, 1) CASE(64, 2) CASE(64, 3) CASE(64, 4)
     CASE(32, 1) CASE(32, 2) CASE(32, 3) CASE(32, 4)
     CASE(128, 1) CASE(128, 2) CASE(128, 3) CASE(128, 4)
@@ -200,7 +206,8 @@ void paged_decode_attention_f32(
     const int64_t *context_lens,  /* [n] */
     float *out,                   /* [n, num_heads, head_dim] */
     int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t num_slots, int64_t max_blocks, int64_t block_size, float scale)
+    int64_t num_slots, int64_t max_blocks, int64_t block_size, float scale,
+    int64_t window)               /* > 0: each query sees only the last `window` positions of its context */
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t items = n * num_kv_heads;
@@ -214,13 +221,15 @@ void paged_decode_attention_f32(
         const int64_t seq = item / num_kv_heads;
         const int64_t kv_head = item % num_kv_heads;
         const int64_t ctx = context_lens[seq];
+        const int64_t first = window > 0 && ctx > window ? ctx - window : 0;
+        const int64_t t_begin = first / block_size * block_size;
         const int64_t *blocks = block_table + seq * max_blocks;
         const float *keys = key_cache + kv_head * num_slots * head_dim;
         const float *values = value_cache + kv_head * num_slots * head_dim;
         const float *queries = q + (seq * num_heads + kv_head * group) * head_dim;
         float *scores = (float *)malloc(sizeof(float) * group * ctx);
 #if HAVE_AVX512
-        if (item_specialised(head_dim, group, queries, keys, values, blocks, ctx, block_size, scale, scores,
+        if (item_specialised(head_dim, group, queries, keys, values, blocks, ctx, first, block_size, scale, scores,
                              out + (seq * num_heads + kv_head * group) * head_dim, block_bytes)) {
             free(scores);
             continue;
@@ -231,11 +240,11 @@ void paged_decode_attention_f32(
         float denom[MAX_GROUP];
 
         for (int64_t g = 0; g < group; g++) max_score[g] = -1e30f;
-        prefetch_first_blocks(keys, blocks, ctx, block_size, head_dim, block_bytes);
-        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        prefetch_first_blocks(keys, blocks + t_begin / block_size, ctx - t_begin, block_size, head_dim, block_bytes);
+        for (int64_t t0 = t_begin; t0 < ctx; t0 += block_size) {
             int64_t rows;
             const float *k_block = context_block(keys, blocks, t0, ctx, block_size, head_dim, block_bytes, &rows);
-            for (int64_t r = 0; r < rows; r++) {
+            for (int64_t r = first > t0 ? first - t0 : 0; r < rows; r++) {
                 const float *k = k_block + r * head_dim;
                 for (int64_t g = 0; g < group; g++) {
                     const float *qg = queries + g * head_dim;
@@ -251,18 +260,19 @@ void paged_decode_attention_f32(
         for (int64_t g = 0; g < group; g++) {
             float *row = scores + g * ctx;
             float sum = 0.0f;
-            for (int64_t t = 0; t < ctx; t++) {
+            for (int64_t t = first; t < ctx; t++) {
                 row[t] = expf(row[t] - max_score[g]);
                 sum += row[t];
             }
             denom[g] = sum;
             for (int64_t d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
         }
-        prefetch_first_blocks(values, blocks, ctx, block_size, head_dim, block_bytes);
-        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        prefetch_first_blocks(values, blocks + t_begin / block_size, ctx - t_begin, block_size, head_dim,
+                              block_bytes);
+        for (int64_t t0 = t_begin; t0 < ctx; t0 += block_size) {
             int64_t rows;
             const float *v_block = context_block(values, blocks, t0, ctx, block_size, head_dim, block_bytes, &rows);
-            for (int64_t r = 0; r < rows; r++) {
+            for (int64_t r = first > t0 ? first - t0 : 0; r < rows; r++) {
                 const float *v = v_block + r * head_dim;
                 for (int64_t g = 0; g < group; g++) {
                     const float w = scores[g * ctx + t0 + r];

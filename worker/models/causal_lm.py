@@ -1,0 +1,111 @@
+"""What every decoder-only model shares: cache geometry, logits, and loading a Hugging Face checkpoint by name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.layers.attention import Attention, AttentionMetadata
+from worker.layers.embedding import ParallelLMHead
+from worker.parallel_state import TensorParallelGroup
+
+# HF checkpoint projection name → (our fused parameter's module name, shard id inside it).
+FUSED_PROJECTIONS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_head_split(config: Any, tp: TensorParallelGroup) -> None:
+    """Checked before any layer is built, so the message names the model field rather than a layer argument."""
+    if config.num_attention_heads % tp.size:
+        raise ValueError(
+            f"num_attention_heads={config.num_attention_heads} is not divisible by tensor_parallel_size={tp.size}"
+        )
+
+
+class CausalLM(nn.Module):
+    """A causal LM over a flat batch of tokens from many requests; KV caches live in its Attention modules.
+
+    Subclasses build `self.model` (whose forward maps (input_ids, positions, meta) to final hidden states) and
+    `self.lm_head`, and map checkpoint names in `checkpoint_name`.
+    """
+
+    config: Any
+    tp: TensorParallelGroup
+    model: nn.Module
+    lm_head: ParallelLMHead
+    tie_word_embeddings: bool = False
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.attention_layers())
+
+    @property
+    def head_dim(self) -> int:
+        return self.attention_layers()[0].head_dim
+
+    @property
+    def num_heads_per_rank(self) -> int:
+        return self.attention_layers()[0].num_heads
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        return self.attention_layers()[0].num_kv_heads
+
+    def attention_layers(self) -> list[Attention]:
+        """The Attention modules in layer order; the worker binds one KV cache shard to each."""
+        return [module for module in self.modules() if isinstance(module, Attention)]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] long → final hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, hidden_size] → logits [N, vocab_size] in float32 on rank 0 (the sampling rank), else None."""
+        return self.lm_head.compute_logits(hidden)
+
+    def checkpoint_name(self, hf_name: str) -> tuple[str, object] | None:
+        """(our parameter name, shard id inside it) for a checkpoint tensor, or None for one this model skips."""
+        if "rotary_emb.inv_freq" in hf_name or "rotary_emb.cos_cached" in hf_name:
+            return None  # RoPE tables are recomputed from the config
+        if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+            return None  # the LM head shares the embedding, which the checkpoint also holds
+        # "model.layers.3.self_attn.k_proj.weight" → ("model.layers.3.self_attn.qkv_proj.weight", "k")
+        parts = hf_name.split(".")
+        if len(parts) >= 2 and parts[-2] in FUSED_PROJECTIONS:
+            fused, shard_id = FUSED_PROJECTIONS[parts[-2]]
+            return ".".join([*parts[:-2], fused, parts[-1]]), shard_id
+        return hf_name, None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load full (unsharded) HF checkpoint tensors; each layer keeps its rank's slice. Returns loaded names."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            mapped = self.checkpoint_name(hf_name)
+            if mapped is None:
+                continue
+            name, shard_id = mapped
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(self).__name__}")
+            param = params[name]
+            param.weight_loader(param, tensor, shard_id)
+            loaded.add(name)
+        if self.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
+            loaded.add("lm_head.weight")
+        missing = sorted(set(params) - loaded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+        return loaded
