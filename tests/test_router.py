@@ -99,7 +99,7 @@ def test_requests_sharing_a_long_prefix_stay_on_one_replica_until_the_balance_th
     decisions = []
     for user in range(5):
         prompt = system + [user] * 7
-        decision = router.route(prompt)
+        decision = router.rank(prompt)[0]
         router.begin(decision.replica, prompt)  # all stay open
         decisions.append(decision)
     holder = decisions[0].replica
@@ -111,7 +111,7 @@ def test_requests_sharing_a_long_prefix_stay_on_one_replica_until_the_balance_th
     # Once the holder's load is back within the threshold, affinity wins again.
     router.end(holder)
     router.end(holder)
-    again = router.route(system + [9] * 7)
+    again = router.rank(system + [9] * 7)[0]
     assert again.reason == "prefix" and again.cached_tokens == 64
 
 
@@ -127,7 +127,7 @@ def test_prefixes_no_replica_holds_spread_evenly_over_the_caches():
     homes: dict[int, set[str]] = {p: set() for p in range(6)}
     for number, p in enumerate(order):
         prompt = prefixes[p] + [number % 50 + 1] * 5
-        decision = router.route(prompt)
+        decision = router.rank(prompt)[0]
         router.begin(decision.replica, prompt)
         router.end(decision.replica)
         homes[p].add(decision.replica)
@@ -140,7 +140,7 @@ def test_the_estimate_never_counts_the_last_prompt_token():
     router = make_router(names=("r0",))
     prompt = list(range(16))  # exactly four blocks: the engine recomputes the last one
     router.begin("r0", prompt)
-    assert router.route(prompt) == ("r0", "prefix", 12)
+    assert router.rank(prompt)[0] == ("r0", "prefix", 12)
 
 
 @pytest.mark.parametrize("policy", ["prefix-aware", "least-loaded", "round-robin"])
@@ -152,7 +152,7 @@ def test_unique_prompts_spread_evenly_over_equal_replicas(policy):
     open_requests: list[str] = []
     for _ in range(200):
         prompt = [rng.randrange(50_000) for _ in range(rng.randrange(1, 200))]
-        replica = router.route(prompt).replica
+        replica = router.rank(prompt)[0].replica
         router.begin(replica, prompt)
         counts[replica] += 1
         open_requests.append(replica)
@@ -166,11 +166,11 @@ def test_unique_prompts_spread_evenly_over_equal_replicas(policy):
 
 def test_round_robin_cycles_and_skips_replicas_out_of_rotation():
     router = make_router("round-robin")
-    assert [router.route([1]).replica for _ in range(6)] == ["r0", "r1", "r2"] * 2
+    assert [router.rank([1])[0].replica for _ in range(6)] == ["r0", "r1", "r2"] * 2
     router.set_in_rotation("r1", False)
-    assert [router.route([1]).replica for _ in range(4)] == ["r0", "r2"] * 2
+    assert [router.rank([1])[0].replica for _ in range(4)] == ["r0", "r2"] * 2
     router.set_healthy("r0", False)
-    assert {router.route([1]).replica for _ in range(3)} == {"r2"}
+    assert {router.rank([1])[0].replica for _ in range(3)} == {"r2"}
 
 
 def test_ties_go_to_the_lower_reported_load_and_kv_usage_counts():
@@ -186,7 +186,7 @@ def _wave(router: Router, size: int) -> list[str]:
     """Route `size` prompts no replica holds, each begun where it went; the replicas chosen, in order."""
     chosen = []
     for number in range(size):
-        replica = router.route([7000 + number, 1, 2, 3]).replica
+        replica = router.rank([7000 + number, 1, 2, 3])[0].replica
         router.begin(replica, [7000 + number, 1, 2, 3])
         chosen.append(replica)
     return chosen
@@ -227,11 +227,11 @@ def test_no_replica_in_rotation_is_a_clear_retryable_error():
     router = make_router(names=("r0",))
     router.set_in_rotation("r0", False)
     with pytest.raises(NoReplicaError, match="no replica is in rotation") as caught:
-        router.route([1, 2, 3])
+        router.rank([1, 2, 3])[0]
     assert isinstance(caught.value, QueueFullError)
     router.set_in_rotation("r0", True)
     with pytest.raises(NoReplicaError, match="1 excluded"):
-        router.route([1, 2, 3], exclude={"r0"})
+        router.rank([1, 2, 3], exclude={"r0"})[0]
 
 
 def test_bad_settings_and_names_are_refused_with_the_field_named():
@@ -306,7 +306,7 @@ class RouterMachine(RuleBasedStateMachine):
         eligible = {name for name in self.router.in_rotation() if name not in exclude}
         if not eligible:
             with pytest.raises(NoReplicaError):
-                self.router.route(prompt, exclude=exclude)
+                self.router.rank(prompt, exclude=exclude)[0]
             return
         ranked = self.router.rank(prompt, exclude=exclude)
         assert {route.replica for route in ranked} == eligible

@@ -35,12 +35,6 @@ class HistogramChild:
         self.counts[bisect_left(self.bounds, value)] += count
         self.sum += value * count
 
-    def observe_many(self, values: Sequence[float]) -> None:
-        bounds, counts = self.bounds, self.counts
-        for value in values:
-            counts[bisect_left(bounds, value)] += 1
-        self.sum += math.fsum(values)
-
     @property
     def count(self) -> int:
         return sum(self.counts)

@@ -111,10 +111,6 @@ class Request:
     def finished(self) -> bool:
         return self.status.finished
 
-    def append_output(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-
     @property
     def awaiting_input(self) -> bool:
         return self.status is RequestStatus.AWAITING_INPUT

@@ -241,10 +241,6 @@ class GuardMiddleware:
             await _error_response(internal_error())(scope, receive_within_limit, send_with_id)
 
 
-def _request_id(request: Request) -> str:
-    return request.scope["state"]["request_id"]
-
-
 def client_request_label(value: str | None) -> str | None:
     """A client's X-Request-Id made safe to echo and log: printable ASCII, at most MAX_CLIENT_REQUEST_ID_LEN."""
     if not value:

@@ -11,8 +11,6 @@ from cluster.core.errors import QueueFullError
 from cluster.routing.prefix_index import PrefixIndex
 
 POLICIES = ("prefix-aware", "least-loaded", "round-robin")
-# Why a request went where it went (the `reason` label of the router's metrics).
-REASONS = ("prefix", "balance", "load", "round_robin", "pinned", "spill", "failover")
 # Names end up in metric labels and logs: keep them plain.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 
@@ -156,12 +154,6 @@ class Router:
             self.index.insert(name, token_ids)
 
     # -- decisions ------------------------------------------------------------------------------
-
-    def route(
-        self, token_ids: Sequence[int], *, exclude: Collection[str] = (), hashes: list[bytes] | None = None
-    ) -> Route:
-        """The replica for a prompt among those in rotation and not in `exclude`."""
-        return self.rank(token_ids, exclude=exclude, hashes=hashes)[0]
 
     def rank(
         self, token_ids: Sequence[int], *, exclude: Collection[str] = (), hashes: list[bytes] | None = None
