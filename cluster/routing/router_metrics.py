@@ -16,44 +16,37 @@ class RouterMetrics:
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        registry = self.registry
-        self.requests = Counter(
-            PREFIX + "router_requests",
+        per_replica = ("model_name", "replica")
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = per_replica) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+        self.requests = counter(
+            "router_requests",
             "Requests sent to each replica, by why the router chose it (prefix, balance, load, round_robin, pinned, "
             "spill, failover).",
-            ["model_name", "replica", "reason"],
-            registry=registry,
+            (*per_replica, "reason"),
         )
-        self.estimated_cached_tokens = Counter(
-            PREFIX + "router_estimated_cached_tokens",
+        self.estimated_cached_tokens = counter(
+            "router_estimated_cached_tokens",
             "Prompt tokens the router expected each replica to hold in its prefix cache.",
-            ["model_name", "replica"],
-            registry=registry,
         )
-        self.cached_tokens = Counter(
-            PREFIX + "router_cached_tokens",
-            "Prompt tokens each replica reported found in its prefix cache.",
-            ["model_name", "replica"],
-            registry=registry,
+        self.cached_tokens = counter(
+            "router_cached_tokens", "Prompt tokens each replica reported found in its prefix cache."
         )
         self.routing_seconds = Histogram(
             PREFIX + "router_routing_seconds",
             "Time to choose a replica.",
             ["model_name"],
             buckets=ROUTING_BUCKETS,
-            registry=registry,
+            registry=self.registry,
         )
-        self.failovers = Counter(
-            PREFIX + "router_failovers",
-            "Requests moved off a replica that failed while serving them.",
-            ["model_name", "replica"],
-            registry=registry,
-        )
+        self.failovers = counter("router_failovers", "Requests moved off a replica that failed while serving them.")
         self.in_rotation = Gauge(
             PREFIX + "router_replicas_in_rotation",
             "Replicas new requests may go to.",
             ["model_name"],
-            registry=registry,
+            registry=self.registry,
         )
         self._routing = self.routing_seconds.labels(model_name)
 
