@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from cluster.bench.stats import format_table
+from cluster.bench.step_phases import on_step_results
 from cluster.bench.structured import add_structured_arguments
 from cluster.bench.workload import BenchRequest, add_request_arguments, describe, throughput
 from common.engine_args import add_engine_arguments, engine_arg_values
@@ -85,19 +86,26 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
     engine = llm.engine
     variants_before = compiled_variants()
     engine.scheduler.stats = SchedulerStats()  # the warm-up request must not count toward peaks
-    timing = _StepTiming()
-    submit = engine.executor.submit
+    # Forward seconds in all, and (seconds, sequences, context tokens) of every pure decode step, its seconds being
+    # the whole step on the rank.
+    forward = {"seconds": 0.0}
+    decode_steps: list[tuple[float, int, int]] = []
 
-    def timed_submit(batch):
+    def on_submit(batch):
         decodes = batch.cached_requests
         num_decodes = len(decodes) + len(batch.decode_handles)
         decode = bool(num_decodes) and not batch.new_requests and all(d.num_scheduled_tokens == 1 for d in decodes)
         # Read when the step is submitted: with overlapped steps the scheduler has already moved past it later.
         context = sum(r.next_position for r in engine.scheduler.running) if decode else 0
-        return _TimedStep(submit(batch), timing, num_decodes if decode else 0, context)
 
-    engine.executor.submit = timed_submit
-    try:
+        def record(result) -> None:
+            forward["seconds"] += result.forward_seconds
+            if decode:
+                decode_steps.append((result.compute_seconds, num_decodes, context))
+
+        return record
+
+    with on_step_results(engine, on_submit):
         for i, request in enumerate(requests):
             engine.add_request(EngineRequest(f"bench-{i}", request.prompt_token_ids, params(request)))
         produced = 0
@@ -106,9 +114,7 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
             for finished in engine.step():
                 produced += len(finished.output_token_ids) if finished.finished else 0
         seconds = time.perf_counter() - started
-    finally:
-        engine.executor.submit = submit
-    forward_seconds, decode_steps = timing.forward_seconds, timing.decode_steps
+    forward_seconds = forward["seconds"]
     variants = compiled_variants()
     runner = engine.executor.worker.runner if hasattr(engine.executor, "worker") else None
     stats = engine.scheduler.stats
@@ -140,34 +146,6 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
         if runner is None
         else {"replayed": runner.num_replayed_steps, "eager": runner.num_eager_steps},
     }
-
-
-class _StepTiming:
-    """What the rank reported for each step: forward seconds in all, and (seconds, sequences, context tokens) of
-    every pure decode step, its seconds being the whole step on the rank."""
-
-    def __init__(self) -> None:
-        self.forward_seconds = 0.0
-        self.decode_steps: list[tuple[float, int, int]] = []
-
-
-class _TimedStep:
-    """A submitted step whose result, once the engine asks for it, is added to the timing."""
-
-    def __init__(self, pending, timing: _StepTiming, decode_sequences: int, context_tokens: int) -> None:
-        self._pending = pending
-        self._timing = timing
-        self._decode = (decode_sequences, context_tokens)
-        self._counted = False
-
-    def result(self):
-        result = self._pending.result()
-        if not self._counted:
-            self._counted = True
-            self._timing.forward_seconds += result.forward_seconds
-            if self._decode[0]:
-                self._timing.decode_steps.append((result.compute_seconds, *self._decode))
-        return result
 
 
 def _typical_decode_step(steps: list[tuple[float, int, int]]) -> dict[str, float] | None:

@@ -1,8 +1,10 @@
-"""Where a run's wall time went, from the engine's step-duration histograms: the forward pass, the rank's work
-around it, and the time the rank sat idle waiting for the head."""
+"""Where a run's wall time went, from the engine's step-duration histograms (the forward pass, the rank's work
+around it, and the time the rank sat idle waiting for the head) or from each step's result."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 PHASES = ("schedule", "dispatch", "forward", "sample")
@@ -88,3 +90,31 @@ def counter_total(text: str, name: str) -> float:
         for sample in family.samples
         if sample.name == name + "_total"
     )
+
+
+@contextmanager
+def on_step_results(engine: Any, on_submit: Callable[[Any], Callable[[Any], None]]) -> Iterator[None]:
+    """While active, `on_submit(batch)` runs as the in-process engine submits each step, and the recorder it returns
+    gets that step's StepResult once, when the engine first asks for it."""
+    executor = engine.executor
+    submit = executor.submit
+    executor.submit = lambda batch: _RecordedStep(submit(batch), on_submit(batch))
+    try:
+        yield
+    finally:
+        executor.submit = submit
+
+
+class _RecordedStep:
+    """A submitted step whose result is handed to its recorder once."""
+
+    def __init__(self, pending: Any, record: Callable[[Any], None]) -> None:
+        self._pending = pending
+        self._record: Callable[[Any], None] | None = record
+
+    def result(self) -> Any:
+        result = self._pending.result()
+        if self._record is not None:
+            record, self._record = self._record, None
+            record(result)
+        return result

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.bench.stats import format_table
+from cluster.bench.step_phases import on_step_results
 from cluster.bench.workload import BenchRequest
 from cluster.core.engine_request import EngineRequest
 from cluster.core.structured_outputs import StructuredOutputs
@@ -133,7 +134,7 @@ def run_constrained(llm, requests: list[BenchRequest], schemas: list[Schema]) ->
     warm = [SamplingParams(temperature=0.0, max_tokens=2, structured_outputs=s.constraint) for s in schemas]
     llm.generate([requests[0].prompt_token_ids[:8]] * len(schemas), warm)
     outputs: list[tuple[list[int], str]] = [([], "")] * len(requests)
-    rank: _RankSeconds | None = None
+    rank: dict[str, float] | None = None
     if llm.engine is None:
         started = time.perf_counter()
         results = llm.generate([r.prompt_token_ids for r in requests], [params(i, r) for i, r in enumerate(requests)])
@@ -144,7 +145,15 @@ def run_constrained(llm, requests: list[BenchRequest], schemas: list[Schema]) ->
         engine = llm.engine
         for i, request in enumerate(requests):
             engine.add_request(EngineRequest(f"bench-json-{i}", request.prompt_token_ids, params(i, request)))
-        with _RankSeconds(engine) as rank:
+        # The sampling rank's whole step time and, of it, the time it spent on constraints (building matchers,
+        # filling and applying masks), as each step's result reports them.
+        rank = {"compute": 0.0, "constraint": 0.0}
+
+        def record(result) -> None:
+            rank["compute"] += result.compute_seconds
+            rank["constraint"] += result.constraint_seconds
+
+        with on_step_results(engine, lambda batch: record):
             started = time.perf_counter()
             while engine.has_unfinished():
                 for done in engine.step():
@@ -168,45 +177,10 @@ def run_constrained(llm, requests: list[BenchRequest], schemas: list[Schema]) ->
         "parsed_as_json": sum(_parses(text) for text in texts),
         "output_lens": lengths,
         # The sampling rank's own account (in-process only): less sensitive to other work on the machine.
-        "rank_compute_seconds": rank.compute if rank else None,
-        "rank_constraint_seconds": rank.constraint if rank else None,
-        "constraint_share_of_rank_time": rank.constraint / rank.compute if rank and rank.compute else None,
+        "rank_compute_seconds": rank["compute"] if rank else None,
+        "rank_constraint_seconds": rank["constraint"] if rank else None,
+        "constraint_share_of_rank_time": rank["constraint"] / rank["compute"] if rank and rank["compute"] else None,
     }
-
-
-class _RankSeconds:
-    """While active, adds up what each step's result reports: the rank's whole step time and, of it, the time it
-    spent on constraints (building matchers, filling and applying masks)."""
-
-    def __init__(self, engine) -> None:
-        self.compute = 0.0
-        self.constraint = 0.0
-        self._executor = engine.executor
-        self._submit = engine.executor.submit
-
-    def __enter__(self) -> _RankSeconds:
-        self._executor.submit = lambda batch: _CountedStep(self._submit(batch), self)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._executor.submit = self._submit
-
-
-class _CountedStep:
-    """A submitted step whose result is counted once, when the engine first asks for it."""
-
-    def __init__(self, pending, totals: _RankSeconds) -> None:
-        self._pending = pending
-        self._totals = totals
-        self._counted = False
-
-    def result(self):
-        result = self._pending.result()
-        if not self._counted:
-            self._counted = True
-            self._totals.compute += result.compute_seconds
-            self._totals.constraint += result.constraint_seconds
-        return result
 
 
 def _parses(text: str) -> bool:
