@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from cluster.bench.cli import add_bench_parser
-from cluster.entrypoints.serve import add_serve_arguments
+from cluster.entrypoints.serve import add_serve_arguments, serve
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -22,18 +22,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from cluster.entrypoints.serve import serve
-
-    return serve(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagerail", description="Distributed LLM serving engine.")
     commands = parser.add_subparsers(dest="command")
-    serve = commands.add_parser("serve", help="serve a model over the OpenAI HTTP API and gRPC")
-    add_serve_arguments(serve)
-    serve.set_defaults(func=_serve)
+    serving = commands.add_parser("serve", help="serve a model over the OpenAI HTTP API and gRPC")
+    add_serve_arguments(serving)
+    serving.set_defaults(func=serve)
     generate = commands.add_parser("generate", help="generate completions offline with the Python engine")
     generate.add_argument("--model", default=None, help="local dir, .gguf file or hub id (default: embedded SmolLM2)")
     generate.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
