@@ -1,10 +1,12 @@
-"""Tiny random-weight transformers checkpoints (Llama, Mistral, Qwen2, Qwen3) saved as safetensors for tests."""
+"""Tiny random-weight transformers checkpoints (Llama, Mistral, Qwen2, Qwen3 and MoE families) saved for tests."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 TINY_KINDS = ("llama", "llama_tied", "mistral", "qwen2", "qwen3")
+# Mixtures of experts: 4 or 8 experts of intermediate size 32 (Mixtral: 128), top-1 to top-4.
+MOE_KINDS = ("qwen3_moe", "qwen3_moe_dense", "mixtral", "qwen2_moe")
 
 _COMMON = dict(
     vocab_size=250,  # even but not a multiple of 4, so tp=4 exercises vocab padding
@@ -45,7 +47,52 @@ def tiny_config(kind: str):
         return Qwen2Config(**_COMMON, tie_word_embeddings=True, rope_parameters=rope)
     if kind == "qwen3":
         return Qwen3Config(**_COMMON, tie_word_embeddings=False, head_dim=16)
-    raise ValueError(f"kind must be one of {', '.join(TINY_KINDS)}, got {kind!r}")
+    if kind in MOE_KINDS:
+        return _moe_config(kind)
+    raise ValueError(f"kind must be one of {', '.join(TINY_KINDS + MOE_KINDS)}, got {kind!r}")
+
+
+def _moe_config(kind: str):
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    if kind == "qwen3_moe":
+        # 8 experts, top-2, renormalised top-k weights (Qwen3-30B-A3B's norm_topk_prob=true).
+        return Qwen3MoeConfig(
+            **_COMMON,
+            head_dim=16,
+            tie_word_embeddings=False,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        )
+    if kind == "qwen3_moe_dense":
+        # Layer 0 dense (mlp_only_layers), layer 1 top-1 of 4 experts without renormalisation; tied head.
+        return Qwen3MoeConfig(
+            **_COMMON,
+            head_dim=16,
+            tie_word_embeddings=True,
+            num_experts=4,
+            num_experts_per_tok=1,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
+        )
+    if kind == "mixtral":
+        # Top-2 of 4; a sliding window shorter than the longer test prompts.
+        return MixtralConfig(
+            **_COMMON, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, sliding_window=24
+        )
+    # qwen2_moe: top-4 of 8 without renormalisation, plus the sigmoid-gated shared expert and q/k/v biases.
+    return Qwen2MoeConfig(
+        **_COMMON,
+        tie_word_embeddings=False,
+        num_experts=8,
+        num_experts_per_tok=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=96,
+        norm_topk_prob=False,
+    )
 
 
 def make_tiny_model(
