@@ -156,12 +156,6 @@ def extract_carrier(carrier: Mapping[str, str] | None) -> otel_context.Context:
     return propagate.extract(carrier or {})
 
 
-def inject_metadata(context: otel_context.Context | None = None) -> list[tuple[str, str]]:
-    """The current (or given) span context as gRPC metadata (traceparent, tracestate); empty without a span."""
-    carrier = inject_carrier(context)
-    return list(carrier.items()) if carrier else []
-
-
 def extract_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> otel_context.Context:
     """The context in a call's gRPC metadata (`context.invocation_metadata()`), ignoring binary entries."""
     carrier = {key: value for key, value in metadata or () if isinstance(value, str)}

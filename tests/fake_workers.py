@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from cluster.core.executor import PendingStep, WorkerGroupError, run_now
+from cluster.core.executor import CompletedStep, PendingStep, WorkerGroupError
 from proto import step_pb2
 from worker.request_state import RequestStates
 
@@ -24,6 +24,14 @@ def next_token(token_ids: list[int], vocab_size: int) -> int:
     """A deterministic 'sample' that depends on the whole sequence, so a wrong context changes the output."""
     return (sum(t * (i + 1) for i, t in enumerate(token_ids)) * 31 + len(token_ids)) % vocab_size
 
+
+
+def run_now(execute, batch: step_pb2.StepBatch) -> CompletedStep:
+    """Run `execute(batch)` at once and wrap its outcome, a WorkerGroupError included."""
+    try:
+        return CompletedStep(execute(batch))
+    except WorkerGroupError as error:
+        return CompletedStep(error=error)
 
 class FakeKVWorkers:
     """Implements the engine's executor interface over the real worker-side request state (RequestStates)."""

@@ -19,7 +19,7 @@ from ray.util import placement_group_table  # noqa: E402
 from cluster.core.engine_request import EngineRequest  # noqa: E402
 from cluster.core.sampling_params import SamplingParams  # noqa: E402
 from cluster.distributed.head import ClusterOptions  # noqa: E402
-from cluster.distributed.launcher import start_head  # noqa: E402
+from cluster.distributed.launcher import start_heads  # noqa: E402
 from cluster.distributed.local_executor import worker_config  # noqa: E402
 from cluster.distributed.worker_group import WorkerGroup, process_running  # noqa: E402
 from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
@@ -73,7 +73,7 @@ def start(model_dir, name: str, **options):
         cache=CacheConfig(block_size=4, num_gpu_blocks=512),
         scheduler=SchedulerConfig(async_scheduling=True),
     )
-    return start_head(config, ClusterOptions(**options), name)
+    return start_heads(config, ClusterOptions(**options), [name])[0]
 
 
 def stop(head) -> None:

@@ -115,11 +115,25 @@ def test_dead_head_gives_a_clear_error_then_restarts(local_ray, tmp_path):
         assert not caller.is_alive(), "the caller hung after the head died"
         assert len(errors) == 1 and isinstance(errors[0], HeadUnavailableError)
         # Ray restarts the head with a fresh worker group; new requests are served again.
-        llm._cluster.wait_until_ready(timeout_s=120)
+        _wait_until_ready(head, timeout_s=120)
         assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
         assert actor_pid(head) != pid
     finally:
         llm.shutdown()
+
+
+def _wait_until_ready(head, timeout_s: float) -> None:
+    """Block until the head answers ready (after Ray restarted it, once its new workers are up)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if ray.get(head.ready.remote(), timeout=max(1.0, deadline - time.monotonic())):
+                return
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the head actor was not ready within {timeout_s:g} s")
+        time.sleep(0.2)
 
 
 def _capture(errors: list, fn, *args) -> None:

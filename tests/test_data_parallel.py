@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from cluster.core.engine_request import EngineRequest  # noqa: E402
 from cluster.core.sampling_params import SamplingParams  # noqa: E402
 from cluster.distributed.head import ClusterOptions  # noqa: E402
-from cluster.distributed.launcher import HeadLauncher, start_head, start_heads, stop_head  # noqa: E402
+from cluster.distributed.launcher import HeadLauncher, start_heads, stop_head  # noqa: E402
 from cluster.routing.replica_pool import ReplicaPool, ReplicaSettings  # noqa: E402
 from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from tests.ray_start import start_ray  # noqa: E402
@@ -145,7 +145,7 @@ def test_a_queue_above_target_starts_a_replica_and_idleness_stops_it(heads, mode
         scheduler=SchedulerConfig(max_num_seqs=2),
     )
     launcher = HeadLauncher(config, ClusterOptions(), ready_timeout_s=120)
-    first = start_head(config, ClusterOptions(), "dp-scale-0")
+    first = start_heads(config, ClusterOptions(), ["dp-scale-0"])[0]
     info = ray.get(first.model_info.remote())
     settings = ReplicaSettings(
         block_size=4,

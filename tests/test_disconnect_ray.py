@@ -14,7 +14,7 @@ ray = require_module("ray", "needs Ray")
 
 from cluster.distributed.head import ClusterOptions  # noqa: E402
 from cluster.distributed.head_client import HeadEngineClient  # noqa: E402
-from cluster.distributed.launcher import start_head  # noqa: E402
+from cluster.distributed.launcher import start_heads  # noqa: E402
 from cluster.frontend.http_app import ServerState, create_app  # noqa: E402
 from common.engine_config import CacheConfig, EngineConfig  # noqa: E402
 from tests.http_server import BackgroundServer  # noqa: E402
@@ -30,7 +30,7 @@ def test_dropped_streams_are_aborted_through_the_head_actor(tmp_path, smollm2_di
     start_ray(num_cpus=2, namespace="pagerail", include_dashboard=False, log_to_driver=False)
     try:
         config = EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=4, num_gpu_blocks=1024))
-        head = start_head(config, ClusterOptions(), f"drop-head-{uuid.uuid4().hex[:8]}")
+        head = start_heads(config, ClusterOptions(), [f"drop-head-{uuid.uuid4().hex[:8]}"])[0]
         info = ray.get(head.model_info.remote())
         engine = HeadEngineClient(head, "tiny", info["max_model_len"], info["vocab_size"])
         # The tiny model has no tokenizer: prompts go in as token ids, and any tokenizer can show ids below 250.

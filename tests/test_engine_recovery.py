@@ -8,10 +8,11 @@ import pytest
 import cluster.core.engine as engine_module
 from cluster.core.engine import EngineCore
 from cluster.core.engine_request import EngineRequest
-from cluster.core.executor import PendingStep, WorkerGroupError, run_now
+from cluster.core.executor import PendingStep, WorkerGroupError
 from cluster.core.sampling_params import SamplingParams
 from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from proto import step_pb2
+from tests.fake_workers import run_now
 
 VOCAB = 500
 POISON = 499  # a prompt holding this token crashes the fake workers whenever it is in a step
@@ -154,7 +155,7 @@ def test_a_request_that_crashes_the_workers_is_failed_alone(no_sleep, poison_at,
     failed_steps = [handles for handles in group.batches if poisoned in handles]
     assert len(failed_steps) == group.restarts and len(failed_steps[-1]) >= 1
     # The sequence cap of the isolation is lifted, nothing leaks.
-    assert not engine.quarantine.isolating
+    assert engine.scheduler.admission_cap is None
     assert engine.scheduler.config == engine.config.scheduler
     assert engine.block_table.num_free_blocks == engine.block_table.num_blocks
 

@@ -71,7 +71,7 @@ def test_tracing_off_installs_nothing_and_spans_are_noops():
         span = telemetry.get_tracer("t").start_span("s")
         assert not span.is_recording() and not span.get_span_context().is_valid
         assert start_step_span(SchedulerOutput(), 0) is trace.INVALID_SPAN
-        assert telemetry.inject_metadata() == [] and telemetry.inject_carrier() is None
+        assert telemetry.inject_carrier() is None
         assert telemetry.flush()
         assert "opentelemetry.sdk.trace" not in sys.modules, "tracing off must not load the SDK"
         """
@@ -82,7 +82,7 @@ def test_tracing_off_installs_nothing_and_spans_are_noops():
 def test_context_round_trips_through_grpc_metadata():
     trace_id = uuid.uuid4().hex
     caller = SpanContext(int(trace_id, 16), int(CALLER_SPAN_ID, 16), is_remote=True, trace_flags=TraceFlags(1))
-    metadata = telemetry.inject_metadata(trace.set_span_in_context(NonRecordingSpan(caller)))
+    metadata = list(telemetry.inject_carrier(trace.set_span_in_context(NonRecordingSpan(caller))).items())
     assert metadata == [("traceparent", traceparent(trace_id))]
     extracted = trace.get_current_span(telemetry.extract_metadata([("authorization", "Bearer x"), *metadata]))
     assert extracted.get_span_context() == caller
@@ -196,7 +196,7 @@ def test_one_trace_from_http_through_head_to_both_ranks(receiver, tmp_path):
 
     from cluster.distributed.head import ClusterOptions
     from cluster.distributed.head_client import HeadEngineClient
-    from cluster.distributed.launcher import start_head
+    from cluster.distributed.launcher import start_heads
     from cluster.frontend.http_app import ServerState, create_app
     from common.engine_config import CacheConfig, EngineConfig
     from tests.http_server import BackgroundServer
@@ -216,7 +216,7 @@ def test_one_trace_from_http_through_head_to_both_ranks(receiver, tmp_path):
             cache=CacheConfig(block_size=4, num_gpu_blocks=64),
             observability=ObservabilityConfig(otlp_traces_endpoint=receiver.endpoint),
         )
-        head = start_head(config, ClusterOptions(), f"trace-head-{uuid.uuid4().hex[:8]}")
+        head = start_heads(config, ClusterOptions(), [f"trace-head-{uuid.uuid4().hex[:8]}"])[0]
         info = ray.get(head.model_info.remote())
         engine = HeadEngineClient(head, "tiny", info["max_model_len"], info["vocab_size"])
         with BackgroundServer(create_app(ServerState(engine, tokenizer, "tiny"))) as base_url:

@@ -51,11 +51,3 @@ class CompletedStep:
         if self._error is not None:
             raise self._error
         return self._result
-
-
-def run_now(execute, batch: step_pb2.StepBatch) -> CompletedStep:
-    """Run `execute(batch)` at once and wrap its outcome, a WorkerGroupError included."""
-    try:
-        return CompletedStep(execute(batch))
-    except WorkerGroupError as error:
-        return CompletedStep(error=error)

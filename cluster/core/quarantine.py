@@ -36,11 +36,6 @@ class Quarantine:
         self._strikes: dict[int, int] = {}  # request handle → failed steps in a row it was in
         self._succeeded_since_failure = False
 
-    @property
-    def isolating(self) -> bool:
-        """True while suspects are being let back in one at a time."""
-        return self.scheduler.admission_cap is not None
-
     # -- told by the engine -----------------------------------------------------------------------
 
     def step_succeeded(self, batch: step_pb2.StepBatch) -> None:

@@ -11,7 +11,6 @@ from cluster.distributed.head import ClusterOptions, HeadActor
 from common.engine_config import EngineConfig
 
 NAMESPACE = "pagerail"
-DEFAULT_HEAD_NAME = "pagerail-head"
 
 
 def connect(address: str | None = None, num_cpus: int | None = None) -> None:
@@ -29,7 +28,7 @@ def uses_gpu(device: str) -> bool:
     return device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
 
 
-def launch_head(config: EngineConfig, options: ClusterOptions, name: str = DEFAULT_HEAD_NAME):
+def launch_head(config: EngineConfig, options: ClusterOptions, name: str):
     """Create the head actor without waiting for it: it reserves a placement group and starts one worker per rank.
 
     The head is named and namespaced so frontends can find it, and restarted by Ray if it dies.
@@ -43,13 +42,6 @@ def launch_head(config: EngineConfig, options: ClusterOptions, name: str = DEFAU
         max_restarts=-1,
         max_concurrency=10_000,
     ).remote(config, options, token)
-
-
-def start_head(config: EngineConfig, options: ClusterOptions, name: str = DEFAULT_HEAD_NAME):
-    """Start the head actor (which reserves a placement group and starts one worker per rank); wait until ready."""
-    head = launch_head(config, options, name)
-    ray.get(head.ready.remote())
-    return head
 
 
 def start_heads(config: EngineConfig, options: ClusterOptions, names: list[str]) -> list:
@@ -67,7 +59,7 @@ def start_heads(config: EngineConfig, options: ClusterOptions, names: list[str])
     return heads
 
 
-def find_head(name: str = DEFAULT_HEAD_NAME):
+def find_head(name: str):
     """The running head actor called `name`."""
     return ray.get_actor(name, namespace=NAMESPACE)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import replace
 from typing import Any
@@ -107,21 +106,6 @@ class ClusterClient:
                     group.create_task(one(output, sp))
         except BaseExceptionGroup as failures:
             raise failures.exceptions[0] from None
-
-    def wait_until_ready(self, timeout_s: float = 300.0) -> None:
-        """Block until every head answers ready (after Ray restarted one, once its new workers are up)."""
-        deadline = time.monotonic() + timeout_s
-        while not all(self._ready(head, deadline) for head in self.heads):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the head actors were not ready within {timeout_s:g} s")
-            time.sleep(0.2)
-
-    @staticmethod
-    def _ready(head, deadline: float) -> bool:
-        try:
-            return bool(ray.get(head.ready.remote(), timeout=max(1.0, deadline - time.monotonic())))
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            return False
 
     def stats(self) -> dict:
         return self._loop.run(self.client.stats())

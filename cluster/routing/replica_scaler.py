@@ -78,11 +78,6 @@ class ReplicaScaler:
                 self._spawn(self._drain(name))
         return decision
 
-    async def wait_idle(self) -> None:
-        """Wait until every start and drain begun so far is done."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
-
     async def aclose(self) -> None:
         """Stop what is under way: a start or drain left half-way leaves its replica as it is."""
         for task in list(self._tasks):
