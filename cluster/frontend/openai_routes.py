@@ -13,7 +13,7 @@ from cluster.core.engine_client import EngineClient
 from cluster.core.sampling_params import SamplingParams
 from cluster.frontend.chat import encode_prompt, render_chat
 from cluster.frontend.chat_output import ChoiceOutput
-from cluster.frontend.constraint_errors import check_output_constraint
+from cluster.frontend.constraints import check_output_constraint
 from cluster.frontend.errors import from_value_error, not_found_model
 from cluster.frontend.generation import ChoiceDelta, Usage, logprob_entries, stream_choices
 from cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
