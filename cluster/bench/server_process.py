@@ -51,7 +51,6 @@ class ServerProcess:
         self.stop_timeout_s = stop_timeout_s
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.process: subprocess.Popen | None = None
-        self.startup_seconds = 0.0
 
     def __enter__(self) -> ServerProcess:
         self.start()
@@ -72,7 +71,6 @@ class ServerProcess:
         except BaseException:
             self.stop()
             raise
-        self.startup_seconds = time.monotonic() - started
 
     def _wait_until_serving(self, started: float) -> None:
         url = f"{self.base_url}/v1/models"

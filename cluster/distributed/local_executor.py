@@ -4,7 +4,7 @@ transport derives from the engine's configuration."""
 from __future__ import annotations
 
 import contextvars
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cluster.core.executor import CompletedStep, PendingStep, WorkerGroupError
@@ -23,16 +23,6 @@ def locate_model(config: EngineConfig) -> Path:
 def worker_config(config: EngineConfig, model_dir: Path) -> WorkerConfig:
     """What every rank of the replica receives: the engine configuration itself, and where the model lies."""
     return WorkerConfig(str(model_dir), config)
-
-
-class _ThreadStep:
-    """A step running on the executor's thread."""
-
-    def __init__(self, future: Future) -> None:
-        self._future = future
-
-    def result(self) -> step_pb2.StepResult:
-        return self._future.result()
 
 
 class InProcessExecutor:
@@ -55,7 +45,7 @@ class InProcessExecutor:
             return CompletedStep(self.worker.execute_step(batch))
         # The caller's context travels along, so the rank's spans stay children of the step's dispatch span.
         context = contextvars.copy_context()
-        return _ThreadStep(self._thread.submit(context.run, self.worker.execute_step, batch))
+        return self._thread.submit(context.run, self.worker.execute_step, batch)  # a Future is a PendingStep
 
     def restart(self) -> int:
         raise WorkerGroupError("the in-process worker cannot be restarted")

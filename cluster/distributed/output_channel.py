@@ -27,7 +27,6 @@ class OutputChannel:
         self._outgoing: OutputMessage = []
         self._ready = asyncio.Event()
         self.closed = False
-        self.num_messages = 0
 
     async def submit(self, request: EngineRequest) -> None:
         """Return once the engine admitted the request; raise its ValueError/QueueFullError when it refused."""
@@ -56,7 +55,6 @@ class OutputChannel:
             self._ready.clear()
             await self._ready.wait()
         message, self._outgoing = self._outgoing, []
-        self.num_messages += 1
         return message
 
     def close(self) -> None:
