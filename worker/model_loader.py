@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from common.expert_parallel import check_expert_parallel
 from worker.default_model import cache_root, convert_gguf, default_model_dir
 from worker.layers.cpu_matmul import attach_cpu_weights
 from worker.layers.lazy_tensor import LazyTensor
@@ -19,7 +20,6 @@ from worker.models.registry import model_class
 from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
 LOAD_FORMATS = ("auto", "dummy")
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # What a hub snapshot needs: config, tokenizer and safetensors weights (not the duplicate consolidated.* files).
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "tokenizer*"]
 
@@ -84,43 +84,36 @@ def load_hf_config(model_dir: str | os.PathLike[str]) -> Any:
     return AutoConfig.from_pretrained(os.fspath(model_dir), local_files_only=True)
 
 
-def resolve_dtype(dtype: torch.dtype | str, hf_config: Any = None) -> torch.dtype:
-    """A torch dtype from a dtype or its name; "auto" takes the checkpoint's dtype (float32 when unknown)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        if isinstance(saved, torch.dtype):
-            return saved
-        return _DTYPES.get(str(saved), torch.float32)
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
-
-
 def load_model(
     model_dir: str | os.PathLike[str],
     tp: TensorParallelGroup = SINGLE_RANK,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     load_format: str = "auto",
     seed: int = 0,
+    enable_expert_parallel: bool = False,
 ) -> nn.Module:
     """Build the model for `model_dir` on `device` holding this rank's shard, with checkpoint or dummy weights.
 
     "dummy" fills random weights (std 0.02, norms near 1) that depend only on `seed`, not on the tp size:
-    every rank draws the same full tensors and keeps its slice.
+    every rank draws the same full tensors and keeps its slice. `enable_expert_parallel` gives each rank of `tp`
+    whole experts (num_experts / tp.size of them) instead of a slice of every expert; refused for dense models.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     model_dir = Path(model_dir)
     config = load_hf_config(model_dir)
     cls = model_class(config)
-    dtype = resolve_dtype(dtype, config)
     device = torch.device(device)
+    extra = {}
+    if enable_expert_parallel:
+        check_expert_parallel(config, tp.size)
+        if not getattr(cls, "supports_expert_parallel", False):
+            raise ValueError(f"enable_expert_parallel=True, but {cls.__name__} has no experts to spread over ranks")
+        extra["enable_expert_parallel"] = True
     # Building under the device context allocates every weight where it will run, with no CPU copy first.
     with device:
-        model = cls(config, tp, dtype)
+        model = cls(config, tp, dtype, **extra)
     if load_format == "dummy":
         _fill_dummy(model, cls, config, device, seed)
     else:

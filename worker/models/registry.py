@@ -7,12 +7,18 @@ from typing import Any
 from torch import nn
 
 from worker.models.llama import LlamaForCausalLM
+from worker.models.mixtral import MixtralForCausalLM
+from worker.models.qwen2_moe import Qwen2MoeForCausalLM
+from worker.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 # Configs converted from GGUF or written by hand may lack `architectures`; their model_type still identifies them.
@@ -21,6 +27,9 @@ _MODEL_TYPES: dict[str, type[nn.Module]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
 

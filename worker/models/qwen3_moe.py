@@ -1,0 +1,67 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's qk-norm attention with sparse MoE blocks in most layers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from worker.layers.moe_block import SparseMoeBlock
+from worker.layers.norm import RMSNorm
+from worker.layers.rotary import RotaryEmbedding
+from worker.models.llama import LlamaAttention, LlamaMLP
+from worker.models.moe_common import MoeCausalLM, MoeDecoderLayer
+from worker.parallel_state import TensorParallelGroup
+
+
+class QkNormAttention(LlamaAttention):
+    """LlamaAttention with Qwen3's per-head RMSNorm on q and k before RoPE, whatever the config's model_type."""
+
+    def __init__(
+        self,
+        config: Any,
+        rotary: RotaryEmbedding,
+        tp: TensorParallelGroup,
+        dtype: torch.dtype,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__(config, rotary, tp, dtype, sliding_window)
+        if not self.has_qk_norm:
+            self.has_qk_norm = True
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+
+
+def is_sparse_layer(config: Any, index: int) -> bool:
+    """Qwen2/3-MoE's rule: a layer is sparse unless listed in mlp_only_layers or off the decoder_sparse_step."""
+    mlp_only = getattr(config, "mlp_only_layers", None) or []
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return index not in mlp_only and config.num_experts > 0 and (index + 1) % step == 0
+
+
+class Qwen3MoeForCausalLM(MoeCausalLM):
+    """Routed experts only (no shared expert); top-k weights renormalised when norm_topk_prob."""
+
+    def __init__(
+        self, hf_config: Any, tp: TensorParallelGroup, dtype: torch.dtype, enable_expert_parallel: bool = False
+    ) -> None:
+        super().__init__()
+
+        def make_layer(index: int, rotary: RotaryEmbedding, window: int | None) -> MoeDecoderLayer:
+            attention = QkNormAttention(hf_config, rotary, tp, dtype, window)
+            if not is_sparse_layer(hf_config, index):
+                return MoeDecoderLayer(hf_config, attention, LlamaMLP(hf_config, tp, dtype), dtype)
+            moe = SparseMoeBlock(
+                hf_config.hidden_size,
+                hf_config.num_experts,
+                hf_config.num_experts_per_tok,
+                hf_config.moe_intermediate_size,
+                bool(getattr(hf_config, "norm_topk_prob", False)),
+                tp,
+                dtype,
+                enable_expert_parallel,
+                hidden_act=getattr(hf_config, "hidden_act", "silu"),
+            )
+            return MoeDecoderLayer(hf_config, attention, moe, dtype)
+
+        self.build(hf_config, tp, dtype, make_layer)
