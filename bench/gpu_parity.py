@@ -139,13 +139,11 @@ def _free(device: str) -> None:
 def check_model(name: str, model_dir: Path, args: argparse.Namespace) -> dict:
     from transformers import AutoConfig
 
-    from worker.model_loader import resolve_dtype
-
     vocab = AutoConfig.from_pretrained(str(model_dir)).vocab_size
     prompts = make_prompts(vocab, args.prompts, args.seed)
     started = time.perf_counter()
     fp32 = transformers_greedy(model_dir, prompts, args.new_tokens, torch.float32, args.device)
-    half = transformers_greedy(model_dir, prompts, args.new_tokens, resolve_dtype(args.dtype), args.device)
+    half = transformers_greedy(model_dir, prompts, args.new_tokens, getattr(torch, args.dtype), args.device)
     report: dict = {"model": name, "prompts": len(prompts), "new_tokens": args.new_tokens}
     same = sum(first_divergence(h[0], f[0]) == args.new_tokens for h, f in zip(half, fp32, strict=True))
     report["transformers_" + args.dtype] = {"identical_to_fp32": same}
