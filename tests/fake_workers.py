@@ -25,7 +25,6 @@ def next_token(token_ids: list[int], vocab_size: int) -> int:
     return (sum(t * (i + 1) for i, t in enumerate(token_ids)) * 31 + len(token_ids)) % vocab_size
 
 
-
 def run_now(execute, batch: step_pb2.StepBatch) -> CompletedStep:
     """Run `execute(batch)` at once and wrap its outcome, a WorkerGroupError included."""
     try:
@@ -33,11 +32,21 @@ def run_now(execute, batch: step_pb2.StepBatch) -> CompletedStep:
     except WorkerGroupError as error:
         return CompletedStep(error=error)
 
+
 class FakeKVWorkers:
     """Implements the engine's executor interface over the real worker-side request state (RequestStates)."""
 
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int, step_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        vocab_size: int,
+        step_delay_s: float = 0.0,
+        sliding_window: int | None = None,
+    ) -> None:
         self.step_delay_s = step_delay_s  # a forward pass's duration, so that concurrent callers overlap
+        # Attention of a model whose every layer slides reads only the last sliding_window positions.
+        self.sliding_window = sliding_window
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -63,9 +72,11 @@ class FakeKVWorkers:
         failure, self.fail_next = self.fail_next, None
         if any(state.handle in self.poison_handles for state in scheduled):
             failure = "worker"
-        writes = [(state, pos) for state in scheduled for pos in range(
-            state.num_computed_tokens, state.num_computed_tokens + state.num_scheduled_tokens
-        )]
+        writes = [
+            (state, pos)
+            for state in scheduled
+            for pos in range(state.num_computed_tokens, state.num_computed_tokens + state.num_scheduled_tokens)
+        ]
         if failure is not None:
             # A rank that fails part-way has written some of the step's KV; the rest of the slots keep whatever
             # they held before (another sequence's KV, or nothing).
@@ -83,8 +94,11 @@ class FakeKVWorkers:
             end = state.num_computed_tokens + state.num_scheduled_tokens
             for pos in range(state.num_computed_tokens, end):
                 self.kv[self._slot(state.block_ids, pos)] = fingerprint(state.token_ids, pos)
-            # Attention at the last position reads every slot of the context.
-            for pos in range(end):
+            # Attention reads every slot of the context, or with a window every slot some query of the step sees.
+            first_read = (
+                0 if self.sliding_window is None else max(0, state.num_computed_tokens - self.sliding_window + 1)
+            )
+            for pos in range(first_read, end):
                 if self.kv.get(self._slot(state.block_ids, pos)) != fingerprint(state.token_ids, pos):
                     self.corrupt_reads.append((state.handle, pos))
                     break

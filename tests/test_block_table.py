@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 
 from cluster.core import block_table as block_table_module
+from cluster.core.block_table import RELEASED
 from cluster.core.block_table import BlockTable as EngineBlockTable
 
 BS = 4  # small block size keeps the token lists in these tests readable
@@ -57,10 +58,18 @@ def check_lookups(table: EngineBlockTable) -> None:
     """The scheduler's per-step shortcuts agree with the request block lists they summarise."""
     bs = table.block_size
     assert dict(table.slots_owned) == {rid: len(r.block_ids) * bs for rid, r in table._requests.items()}
-    if table._enable_prefix_caching:
-        assert dict(table.hash_due_at) == {rid: (r.num_hashed + 1) * bs for rid, r in table._requests.items()}
-    else:
-        assert not table.hash_due_at
+    window = table._sliding_window
+    expected = {}
+    for rid, r in table._requests.items():
+        due = [(r.num_hashed + 1) * bs] if table._enable_prefix_caching else []
+        if window is not None:
+            due.append((r.num_released + 1) * bs + window - 1)
+            # Released entries lead the list, and nothing but them is RELEASED.
+            assert r.block_ids[: r.num_released] == [RELEASED] * r.num_released
+            assert RELEASED not in r.block_ids[r.num_released :]
+        if due:
+            expected[rid] = min(due)
+    assert dict(table.hash_due_at) == expected
 
 
 @pytest.mark.parametrize("num_blocks, block_size", [(0, 16), (-1, 16), (8, 0), (8, -4)])

@@ -12,7 +12,7 @@ from collections import Counter
 import hypothesis.strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cluster.core.block_table import ROOT_PARENT_HASH, BlockTable
+from cluster.core.block_table import RELEASED, ROOT_PARENT_HASH, BlockTable
 from cluster.core.engine import EngineCore
 from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
@@ -46,9 +46,19 @@ class EngineMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(min_value=1, max_value=6),
         max_sessions=st.integers(min_value=1, max_value=4),
         async_scheduling=st.booleans(),
+        # A model whose every layer slides: blocks that leave the window go back to the pool mid-sequence.
+        sliding_window=st.one_of(st.none(), st.integers(min_value=1, max_value=13)),
     )
-    def start(self, num_blocks: int, budget: int, max_num_seqs: int, max_sessions: int, async_scheduling: bool) -> None:
-        self.workers = FakeKVWorkers(num_blocks, BLOCK_SIZE, VOCAB)
+    def start(
+        self,
+        num_blocks: int,
+        budget: int,
+        max_num_seqs: int,
+        max_sessions: int,
+        async_scheduling: bool,
+        sliding_window: int | None,
+    ) -> None:
+        self.workers = FakeKVWorkers(num_blocks, BLOCK_SIZE, VOCAB, sliding_window=sliding_window)
         config = EngineConfig(
             cache=CacheConfig(block_size=BLOCK_SIZE),
             scheduler=SchedulerConfig(
@@ -59,7 +69,9 @@ class EngineMachine(RuleBasedStateMachine):
                 async_scheduling=async_scheduling,
             ),
         )
-        self.engine = EngineCore(config, self.workers, MAX_MODEL_LEN, VOCAB, eos_token_ids=[EOS])
+        self.engine = EngineCore(
+            config, self.workers, MAX_MODEL_LEN, VOCAB, eos_token_ids=[EOS], sliding_window=sliding_window
+        )
         self.engine.restart_backoff_s = 0.0
         self.engine.scheduler.clock = lambda: self.now
         self.all_requests = []
@@ -155,7 +167,7 @@ class EngineMachine(RuleBasedStateMachine):
         if self.engine is None:
             return
         table: BlockTable = self.engine.block_table
-        held = Counter(b for r in table._requests.values() for b in r.block_ids)
+        held = Counter(b for r in table._requests.values() for b in r.block_ids if b != RELEASED)
         for block_id in range(table.num_blocks):
             assert table._ref_counts[block_id] == held[block_id], "ref count differs from the references held"
         free = set(table._free_queue)

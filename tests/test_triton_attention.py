@@ -28,6 +28,7 @@ class Case:
     partition_size: int | None = None
     index_dtype: str = "int32"
     atol: float = 1e-4
+    window: int = 0  # > 0: a sliding-window layer's last `window` positions only
 
 
 CASES = [
@@ -40,6 +41,10 @@ CASES = [
     Case("int64_tables_split", 6, 2, 32, 16, (100, 3), partition_size=64, index_dtype="int64"),
     Case("bf16", 8, 2, 64, 16, (9, 50), dtype="bfloat16", atol=2e-2),
     Case("fp16_split", 8, 2, 64, 16, (9, 150), dtype="float16", partition_size=64, atol=2e-3),
+    # A window that starts mid-block, one longer than some contexts, and one wholly past early partitions.
+    Case("window_mid_block", 6, 2, 32, 16, (5, 23, 100), window=21),
+    Case("window_split", 8, 2, 32, 16, (150, 1, 64, 300), partition_size=64, window=70),
+    Case("window_1_bf16", 8, 2, 64, 4, (9, 50), dtype="bfloat16", atol=2e-2, window=1),
 ]
 
 
@@ -67,12 +72,14 @@ def _reference(
     context_lens: torch.Tensor,
     block_size: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Gather each sequence's context slot by slot and run an fp64 softmax over it."""
+    """Gather each sequence's context slot by slot (its last `window` positions when > 0) and run an fp64 softmax
+    over it."""
     group = q.shape[1] // key_cache.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for seq, length in enumerate(context_lens.tolist()):
-        positions = torch.arange(length)
+        positions = torch.arange(max(0, length - window) if window else 0, length)
         slots = block_tables[seq].long()[positions // block_size] * block_size + positions % block_size
         keys = key_cache[slots].double().repeat_interleave(group, dim=1)  # [ctx, H, D]
         values = value_cache[slots].double().repeat_interleave(group, dim=1)
@@ -107,10 +114,11 @@ def _max_error(case: Case, seed: int = 0) -> float:
         context_lens,
         case.block_size,
         scale,
+        case.window,
         partition_size=case.partition_size,
     )
     assert got.dtype == dtype and got.shape == q.shape
-    want = _reference(q, key_cache, value_cache, block_tables, context_lens, case.block_size, scale)
+    want = _reference(q, key_cache, value_cache, block_tables, context_lens, case.block_size, scale, case.window)
     return (got.double() - want).abs().max().item()
 
 

@@ -32,6 +32,7 @@ class Case:
     dtype: str = "float32"
     index_dtype: str = "int32"
     atol: float = 1e-5
+    window: int = 0  # > 0: the query at p sees keys p - window + 1 .. p only
 
 
 CASES = [
@@ -47,6 +48,9 @@ CASES = [
     Case("int64_indices", 6, 2, 32, 16, ((100, 3), (3, 3), (45, 1)), index_dtype="int64"),
     Case("fp16_mixed", 8, 2, 64, 16, ((9, 1), (150, 40), (33, 33)), dtype="float16", atol=3e-3),
     Case("bf16_mixed", 6, 2, 80, 4, ((9, 1), (75, 30), (33, 33)), dtype="bfloat16", atol=2e-2),
+    # Sliding windows: shorter than a chunk, starting mid-block and mid-tile, and 1 (each query sees itself).
+    Case("window_chunks", 4, 2, 32, 16, ((90, 77), (37, 13), (200, 1), (5, 5)), window=19),
+    Case("window_1_fp16", 8, 2, 64, 4, ((9, 1), (75, 30), (33, 33)), dtype="float16", atol=3e-3, window=1),
 ]
 
 
@@ -75,8 +79,10 @@ def reference_attention(
     context_lens: torch.Tensor,
     block_size: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Gather each sequence's context slot by slot; fp64 causal softmax of its queries over it."""
+    """Gather each sequence's context slot by slot; fp64 causal softmax of its queries over it (over the last
+    `window` positions up to each query when > 0)."""
     group = q.shape[1] // key_cache.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
     starts = query_starts.tolist()
@@ -91,6 +97,8 @@ def reference_attention(
         scores = torch.einsum("qhd,khd->hqk", q[first:last].double(), keys) * scale
         query_positions = torch.arange(length - (last - first), length)
         hidden = positions[None, :] > query_positions[:, None]  # [q, ctx]: keys after the query
+        if window:
+            hidden |= positions[None, :] <= query_positions[:, None] - window
         scores = scores.masked_fill(hidden[None], float("-inf"))
         out[first:last] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
     return out
@@ -117,11 +125,11 @@ def _max_error(case: Case, seed: int = 0) -> float:
     scale = case.head_dim**-0.5
 
     got = paged_mixed_attention(
-        q, key_cache, value_cache, block_tables, query_starts, context_lens, case.block_size, scale
+        q, key_cache, value_cache, block_tables, query_starts, context_lens, case.block_size, scale, case.window
     )
     assert got.dtype == dtype and got.shape == q.shape
     want = reference_attention(
-        q, key_cache, value_cache, block_tables, query_starts, context_lens, case.block_size, scale
+        q, key_cache, value_cache, block_tables, query_starts, context_lens, case.block_size, scale, case.window
     )
     return (got.double() - want).abs().max().item()
 

@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 # Parent hash of the first block of every sequence. Any fixed value works; it only has to be the same for
 # every request so that identical first blocks hash identically.
 ROOT_PARENT_HASH = 0x5EED_B10C
+# A request's block-list entry whose block left its sliding window and went back to the pool.
+RELEASED = -1
+# What a released entry reads as outside the table: any real block id works, since no attention path reads a
+# position before the window, and block 0 always exists.
+RELEASED_PLACEHOLDER = 0
 
 
 def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
@@ -34,6 +39,8 @@ class _RequestBlocks:
     block_ids: list[int] = field(default_factory=list)
     num_hashed: int = 0
     last_hash: int = ROOT_PARENT_HASH
+    # Leading entries already released (sliding window): block_ids[:num_released] are all RELEASED.
+    num_released: int = 0
 
 
 class BlockTable:
@@ -47,16 +54,30 @@ class BlockTable:
 
     A block gets its hash (becomes findable) only through commit_computed, which the engine calls after the
     step that wrote the block's KV succeeded: a block whose KV was never written can never be served.
+
+    With `sliding_window` (a model whose every layer attends to only its last that many positions), commit_computed
+    also releases a request's leading blocks once no later query can see them: a sequence then holds about
+    window / block_size + 1 blocks however long it grows. Released blocks keep their hash, so a prefix hit still
+    finds them while they wait in the pool.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self._num_blocks = num_blocks
         self._block_size = block_size
         self._enable_prefix_caching = enable_prefix_caching
+        self._sliding_window = sliding_window
         self.reset()
 
     def reset(self) -> None:
@@ -71,8 +92,8 @@ class BlockTable:
         self._requests: dict[str, _RequestBlocks] = {}
         # Token slots each request's blocks hold (blocks × block size), for the scheduler's per-step look.
         self._slots: dict[str, int] = {}
-        # The computed-token count at which each request's next block becomes full, so commit_computed has
-        # work; only kept with prefix caching on.
+        # The computed-token count at which each request's next block becomes full (prefix caching on) or, with a
+        # sliding window, leaves the window, whichever comes first: from then on commit_computed has work.
         self._hash_due: dict[str, int] = {}
 
     # ------------------------------------------------------------------ sizes
@@ -110,17 +131,27 @@ class BlockTable:
 
     @property
     def hash_due_at(self) -> Mapping[str, int]:
-        """request id → the computed-token count from which commit_computed has a block to hash; read it, never
-        write it. A request absent has nothing to hash (or prefix caching is off): commit_computed would return."""
+        """request id → the computed-token count from which commit_computed has a block to hash or to release;
+        read it, never write it. A request absent has neither (prefix caching off, no sliding window)."""
         return self._hash_due
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
     def block_ids(self, request_id: str) -> list[int]:
-        """The request's blocks in sequence order (a copy); empty for an unknown request."""
+        """The request's blocks in sequence order (a copy), a released one as RELEASED_PLACEHOLDER; empty for an
+        unknown request."""
         req = self._requests.get(request_id)
-        return list(req.block_ids) if req is not None else []
+        if req is None:
+            return []
+        if not req.num_released:
+            return list(req.block_ids)
+        return [RELEASED_PLACEHOLDER] * req.num_released + req.block_ids[req.num_released :]
+
+    def num_blocks_held(self, request_id: str) -> int:
+        """Blocks the request holds now: its block list less what left its sliding window."""
+        req = self._requests.get(request_id)
+        return 0 if req is None else len(req.block_ids) - req.num_released
 
     def num_blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """How many new blocks allocate_slots would take for num_tokens, not counting cached attachments."""
@@ -190,8 +221,7 @@ class BlockTable:
             # Attached blocks are already hashed; continue the chain from the last one.
             req.num_hashed = len(cached_block_ids)
             req.last_hash = last_cached_hash
-        if self._enable_prefix_caching:
-            self._hash_due[request_id] = (req.num_hashed + 1) * self._block_size
+        self._set_due(request_id, req)
 
         new_ids = [self._pop_free_block() for _ in range(num_new)]
         for block_id in new_ids:
@@ -201,17 +231,20 @@ class BlockTable:
         return new_ids
 
     def commit_computed(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """The KV of the request's first num_computed_tokens tokens is now written: make its full blocks findable.
+        """The KV of the request's first num_computed_tokens tokens is now written: make its full blocks findable,
+        then release the blocks that left a sliding window.
 
         Call only after the step that wrote them succeeded; until then a block is private to its request.
         """
         req = self._requests.get(request_id)
-        if req is None or not self._enable_prefix_caching:
+        if req is None:
             return
-        if num_computed_tokens < (req.num_hashed + 1) * self._block_size:
-            return  # no block became full since the last commit
-        self._hash_full_blocks(req, token_ids, min(num_computed_tokens, len(token_ids)))
-        self._hash_due[request_id] = (req.num_hashed + 1) * self._block_size
+        if self._enable_prefix_caching and num_computed_tokens >= (req.num_hashed + 1) * self._block_size:
+            self._hash_full_blocks(req, token_ids, min(num_computed_tokens, len(token_ids)))
+        if self._sliding_window is not None:
+            # The next query sits at position num_computed_tokens and sees keys from window - 1 before it on.
+            self._release_before(req, num_computed_tokens - self._sliding_window + 1)
+        self._set_due(request_id, req)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks; cached ones stay findable by hash until their block is reused."""
@@ -221,12 +254,33 @@ class BlockTable:
         del self._slots[request_id]
         self._hash_due.pop(request_id, None)
         # Tail first: the queue front is evicted first, and a sequence's head is the part most likely shared.
-        for block_id in reversed(req.block_ids):
+        for block_id in reversed(req.block_ids[req.num_released :]):
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
                 self._free_queue[block_id] = None
 
     # ------------------------------------------------------------------ internals
+
+    def _set_due(self, request_id: str, req: _RequestBlocks) -> None:
+        due = []
+        if self._enable_prefix_caching:
+            due.append((req.num_hashed + 1) * self._block_size)
+        if self._sliding_window is not None:
+            due.append((req.num_released + 1) * self._block_size + self._sliding_window - 1)
+        if due:
+            self._hash_due[request_id] = min(due)
+
+    def _release_before(self, req: _RequestBlocks, first_visible: int) -> None:
+        """Release the request's blocks that end before position `first_visible`; their hashes stay findable."""
+        # Never past the last block: a request whose KV lags its list (recomputing) keeps its tail.
+        upto = min(first_visible // self._block_size, len(req.block_ids) - 1)
+        for i in range(req.num_released, upto):
+            block_id = req.block_ids[i]
+            req.block_ids[i] = RELEASED
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free_queue[block_id] = None
+        req.num_released = max(req.num_released, upto)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)

@@ -68,15 +68,15 @@ class EngineCore:
         max_model_len: int,
         vocab_size: int,
         eos_token_ids: Sequence[int],
+        sliding_window: int | None = None,
     ) -> None:
         self.config = config
+        self.sliding_window = sliding_window
         self.executor = executor
         self.max_model_len = effective_max_model_len(config, max_model_len, executor.num_blocks)
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_table = BlockTable(
-            executor.num_blocks, config.cache.block_size, enable_prefix_caching=config.cache.enable_prefix_caching
-        )
+        self.block_table = self._new_block_table(executor.num_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_table, self.max_model_len)
         self.step_builder = StepMessageBuilder()
         self._handles = itertools.count(1)
@@ -105,7 +105,11 @@ class EngineCore:
         """The engine of one replica of the model `info` describes: what every entry point (`LLM`, the head actor)
         builds, so a model stops at the same tokens (its EOS ids) within the same context whichever serves it."""
         limit = info.context_limit(config.scheduler.max_model_len)
-        return cls(config, executor, limit, info.vocab_size, info.eos_token_ids)
+        return cls(config, executor, limit, info.vocab_size, info.eos_token_ids, info.sliding_window)
+
+    def _new_block_table(self, num_blocks: int) -> BlockTable:
+        cache = self.config.cache
+        return BlockTable(num_blocks, cache.block_size, cache.enable_prefix_caching, self.sliding_window)
 
     def add_request(self, request: EngineRequest) -> Request:
         """Queue a new request (final=False: the first chunk of a streaming-input session).
@@ -296,9 +300,7 @@ class EngineCore:
                 continue
             self.num_restarts += 1
             if num_blocks != self.block_table.num_blocks:
-                self.block_table = BlockTable(
-                    num_blocks, self.config.cache.block_size, self.config.cache.enable_prefix_caching
-                )
+                self.block_table = self._new_block_table(num_blocks)
                 self.scheduler.replace_block_table(self.block_table)
             self.quarantine.arrange()  # suspects of repeated failures rejoin one at a time
             return failed

@@ -6,12 +6,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.attention_windows import uniform_sliding_window
+
 
 @dataclass(frozen=True)
 class ModelInfo:
     max_position_embeddings: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    # The window when every layer attends over the same sliding window: the block table can then release blocks
+    # that left it. None when any layer attends over the whole context.
+    sliding_window: int | None = None
 
     def context_limit(self, max_model_len: int | None) -> int:
         """The context the model is served with: what was asked for (None: all it has), never beyond its own."""
@@ -61,4 +66,5 @@ def read_model_info(model_dir: Path) -> ModelInfo:
         max_position_embeddings=int(text_config.get("max_position_embeddings", 2048)),
         vocab_size=int(text_config["vocab_size"]),
         eos_token_ids=eos,
+        sliding_window=uniform_sliding_window(text_config),
     )
