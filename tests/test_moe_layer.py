@@ -1,7 +1,9 @@
-"""The MoE layer: routing against transformers' routers, the grouped CPU path against a per-token loop, and the
-tensor- and expert-parallel splits (ranks simulated, their parts summed) against one rank."""
+"""The MoE layer: routing against transformers' routers, the grouped CPU path against a per-token loop and the
+Triton kernel, and the tensor- and expert-parallel splits (ranks simulated, their parts summed) against one rank."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -244,3 +246,33 @@ def test_weight_loader_names_the_expert_and_both_shapes():
         moe.w13_weight.weight_loader(moe.w13_weight, torch.zeros(HIDDEN, INTER), (0, "down"))
     with pytest.raises(ValueError, match=r"stacked down weight of all experts has shape \(7, 24, 16\)"):
         moe.w2_weight.weight_loader(moe.w2_weight, torch.zeros(7, HIDDEN, INTER))
+
+
+_KERNEL_CONTRACT = """
+import json, torch
+from worker.layers.moe_grouped import grouped_experts
+from worker.layers.triton_moe import triton_fused_experts
+errors = []
+for tokens, experts, top_k in ((9, 8, 2), (3, 16, 8), (20, 4, 1)):
+    gen = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, 32, generator=gen)
+    w13 = torch.randn(experts, 64, 32, generator=gen) * 0.2
+    w2 = torch.randn(experts, 32, 32, generator=gen) * 0.2
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), -1)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    ids[::3, 0] = -1  # another rank's experts
+    a = grouped_experts(hidden, w13, w2, weights, ids)
+    b = triton_fused_experts(hidden, w13, w2, weights, ids)
+    errors.append((a - b).abs().max().item())
+print(json.dumps(errors))
+"""
+
+
+@pytest.mark.slow
+def test_grouped_path_and_triton_kernel_share_one_contract():
+    from tests.triton_interpreter import run_interpreted
+
+    result = run_interpreted(["-c", _KERNEL_CONTRACT], timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    errors = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(errors) == 3 and max(errors) < 1e-4, errors
