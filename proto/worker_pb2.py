@@ -25,17 +25,13 @@ _sym_db = _symbol_database.Default()
 from proto import step_pb2 as proto_dot_step__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\x0fpagerail.worker\x1a\x10proto/step.proto\"\x11\n\x0f\x44\x65scribeRequest\"\x9a\x01\n\nWorkerInfo\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x16\n\x0ekv_cache_bytes\x18\x07 \x01(\x03\x12\x0b\n\x03pid\x18\x08 \x01(\x05\x32\xe5\x01\n\rWorkerService\x12\x45\n\nStepStream\x12\x18.pagerail.step.StepBatch\x1a\x19.pagerail.step.StepResult(\x01\x30\x01\x12\x42\n\x0b\x45xecuteStep\x12\x18.pagerail.step.StepBatch\x1a\x19.pagerail.step.StepResult\x12I\n\x08\x44\x65scribe\x12 .pagerail.worker.DescribeRequest\x1a\x1b.pagerail.worker.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\x0fpagerail.worker\x1a\x10proto/step.proto2V\n\rWorkerService\x12\x45\n\nStepStream\x12\x18.pagerail.step.StepBatch\x1a\x19.pagerail.step.StepResult(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DESCRIBEREQUEST']._serialized_start=57
-  _globals['_DESCRIBEREQUEST']._serialized_end=74
-  _globals['_WORKERINFO']._serialized_start=77
-  _globals['_WORKERINFO']._serialized_end=231
-  _globals['_WORKERSERVICE']._serialized_start=234
-  _globals['_WORKERSERVICE']._serialized_end=463
+  _globals['_WORKERSERVICE']._serialized_start=57
+  _globals['_WORKERSERVICE']._serialized_end=143
 # @@protoc_insertion_point(module_scope)

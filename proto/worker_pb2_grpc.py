@@ -4,7 +4,6 @@ import grpc
 import warnings
 
 from proto import step_pb2 as proto_dot_step__pb2
-from proto import worker_pb2 as proto_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -40,16 +39,6 @@ class WorkerServiceStub:
                 request_serializer=proto_dot_step__pb2.StepBatch.SerializeToString,
                 response_deserializer=proto_dot_step__pb2.StepResult.FromString,
                 _registered_method=True)
-        self.ExecuteStep = channel.unary_unary(
-                '/pagerail.worker.WorkerService/ExecuteStep',
-                request_serializer=proto_dot_step__pb2.StepBatch.SerializeToString,
-                response_deserializer=proto_dot_step__pb2.StepResult.FromString,
-                _registered_method=True)
-        self.Describe = channel.unary_unary(
-                '/pagerail.worker.WorkerService/Describe',
-                request_serializer=proto_dot_worker__pb2.DescribeRequest.SerializeToString,
-                response_deserializer=proto_dot_worker__pb2.WorkerInfo.FromString,
-                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -65,20 +54,6 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ExecuteStep(self, request, context):
-        """Run one engine step on its own (tools and tests); rank 0 answers with sampled tokens, other ranks with an
-        empty result.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Describe(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -86,16 +61,6 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.StepStream,
                     request_deserializer=proto_dot_step__pb2.StepBatch.FromString,
                     response_serializer=proto_dot_step__pb2.StepResult.SerializeToString,
-            ),
-            'ExecuteStep': grpc.unary_unary_rpc_method_handler(
-                    servicer.ExecuteStep,
-                    request_deserializer=proto_dot_step__pb2.StepBatch.FromString,
-                    response_serializer=proto_dot_step__pb2.StepResult.SerializeToString,
-            ),
-            'Describe': grpc.unary_unary_rpc_method_handler(
-                    servicer.Describe,
-                    request_deserializer=proto_dot_worker__pb2.DescribeRequest.FromString,
-                    response_serializer=proto_dot_worker__pb2.WorkerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -125,60 +90,6 @@ class WorkerService:
             '/pagerail.worker.WorkerService/StepStream',
             proto_dot_step__pb2.StepBatch.SerializeToString,
             proto_dot_step__pb2.StepResult.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ExecuteStep(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pagerail.worker.WorkerService/ExecuteStep',
-            proto_dot_step__pb2.StepBatch.SerializeToString,
-            proto_dot_step__pb2.StepResult.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Describe(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pagerail.worker.WorkerService/Describe',
-            proto_dot_worker__pb2.DescribeRequest.SerializeToString,
-            proto_dot_worker__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,5 +1,5 @@
-"""Two tensor-parallel WorkerActor ranks on a local Ray over gloo, driven over gRPC (single calls, and the head's
-pipelined step streams), match a single-rank Worker."""
+"""Two tensor-parallel WorkerActor ranks on a local Ray over gloo, driven over gRPC (one step per stream, and the
+head's pipelined step streams), match a single-rank Worker."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from cluster.distributed.remote_executor import RemoteExecutor
 from common.auth import auth_metadata
 from common.engine_args import engine_config
-from proto import step_pb2, worker_pb2, worker_pb2_grpc
+from proto import step_pb2, worker_pb2_grpc
 from tests.ray_start import start_ray
 from tests.requirements import require_module
 from tests.tiny_models import make_tiny_model
@@ -69,17 +69,16 @@ def test_two_ranks_match_single_rank(local_ray, tmp_path):
         channels = [grpc.insecure_channel(info["address"]) for info in started]
         stubs = [worker_pb2_grpc.WorkerServiceStub(channel) for channel in channels]
         metadata = auth_metadata(TOKEN)
-        infos = [stub.Describe(worker_pb2.DescribeRequest(), metadata=metadata, timeout=TIMEOUT_S) for stub in stubs]
-        assert [(info.rank, info.world_size) for info in infos] == [(0, 2), (1, 2)]
 
         reference = Worker(WorkerConfig(str(model_dir), engine_config(num_gpu_blocks=16, block_size=4), num_threads=1))
         batch = prefill_batch()
         for _ in range(2):
             expected = reference.execute_step(batch)
             assert list(expected.handles) == [1] and len(expected.token_ids) == 1
-            # Concurrently: each rank blocks in its all-reduce until the other one runs the same step.
-            calls = [stub.ExecuteStep.future(batch, metadata=metadata, timeout=TIMEOUT_S) for stub in stubs]
-            first, second = (call.result() for call in calls)
+            # Concurrently (a call starts sending at once): each rank blocks in its all-reduce until the other one
+            # runs the same step.
+            calls = [stub.StepStream(iter([batch]), metadata=metadata, timeout=TIMEOUT_S) for stub in stubs]
+            first, second = (next(call) for call in calls)
             assert first.step_id == second.step_id == batch.step_id
             assert list(first.handles) == [1] and list(first.token_ids) == list(expected.token_ids)
             assert list(second.handles) == [] and list(second.token_ids) == []

@@ -1,5 +1,4 @@
-"""The worker's gRPC server: Describe, ExecuteStep and the step stream over a real channel, bearer-token refusals,
-and TLS."""
+"""The worker's gRPC server: the step stream over a real channel, bearer-token refusals, and TLS."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from cluster.distributed.remote_executor import RemoteExecutor
 from common.auth import auth_metadata, check_token
 from common.engine_args import engine_config
 from common.tls import TlsConfig
-from proto import step_pb2, worker_pb2, worker_pb2_grpc
+from proto import step_pb2, worker_pb2_grpc
 from tests.tiny_models import make_tiny_model
 from worker.config import WorkerConfig
 from worker.grpc_server import start_worker_server
@@ -58,21 +57,15 @@ def stub(worker):
     server.stop(grace=None)
 
 
-def describe(stub, metadata) -> worker_pb2.WorkerInfo:
-    return stub.Describe(worker_pb2.DescribeRequest(), metadata=metadata, timeout=RPC_TIMEOUT_S)
+def run_step(stub, batch: step_pb2.StepBatch, metadata=None) -> step_pb2.StepResult:
+    """One step on a stream of its own; a failed step raises the stream's INTERNAL status."""
+    metadata = auth_metadata(TOKEN) if metadata is None else metadata
+    (result,) = stub.StepStream(iter([batch]), metadata=metadata, timeout=RPC_TIMEOUT_S)
+    return result
 
 
-def test_describe_with_token(stub, worker):
-    info = describe(stub, auth_metadata(TOKEN))
-    assert (info.rank, info.world_size, info.num_blocks, info.block_size) == (0, 1, 64, BLOCK_SIZE)
-    assert (info.device, info.dtype) == ("cpu", "float32")
-    # tiny llama: 2 layers, 2 kv heads of 16 dims, K and V, fp32
-    assert info.kv_cache_bytes == 64 * 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
-    assert info.pid > 0
-
-
-def test_execute_step_samples_one_token(stub):
-    result = stub.ExecuteStep(prefill_batch(handle=1, step_id=7), metadata=auth_metadata(TOKEN), timeout=RPC_TIMEOUT_S)
+def test_a_step_samples_one_token(stub):
+    result = run_step(stub, prefill_batch(handle=1, step_id=7))
     assert result.step_id == 7
     assert list(result.handles) == [1]
     assert len(result.token_ids) == 1 and 0 <= result.token_ids[0] < 250
@@ -85,7 +78,7 @@ def decode_batch(handle: int, step_id: int) -> step_pb2.StepBatch:
     )
 
 
-def test_step_stream_runs_pipelined_steps_like_single_calls(stub):
+def test_step_stream_runs_pipelined_steps_like_one_step_streams(stub):
     # The decode is on the stream before the prefill it depends on has run.
     replies = stub.StepStream(
         iter([prefill_batch(handle=3, step_id=1), decode_batch(handle=3, step_id=2)]),
@@ -94,8 +87,7 @@ def test_step_stream_runs_pipelined_steps_like_single_calls(stub):
     )
     streamed = list(replies)
     single = [
-        stub.ExecuteStep(batch, metadata=auth_metadata(TOKEN), timeout=RPC_TIMEOUT_S)
-        for batch in (prefill_batch(handle=4, step_id=3), decode_batch(handle=4, step_id=4))
+        run_step(stub, batch) for batch in (prefill_batch(handle=4, step_id=3), decode_batch(handle=4, step_id=4))
     ]
     assert [result.step_id for result in streamed] == [1, 2]
     assert [list(result.handles) for result in streamed] == [[3], [3]]
@@ -113,15 +105,7 @@ def test_step_stream_error_ends_the_stream_and_skips_later_steps(stub):
     assert "step 5: KeyError" in caught.value.details() and "998" in caught.value.details()
     # Step 6 was never run: handle 5 is still unknown, so a decode for it fails.
     with pytest.raises(grpc.RpcError, match="KeyError"):
-        stub.ExecuteStep(decode_batch(handle=5, step_id=7), metadata=auth_metadata(TOKEN), timeout=RPC_TIMEOUT_S)
-
-
-def test_step_error_is_internal_with_its_text(stub):
-    unknown = step_pb2.StepBatch(step_id=3, cached_requests=[step_pb2.CachedRequest(handle=999)])
-    with pytest.raises(grpc.RpcError) as caught:
-        stub.ExecuteStep(unknown, metadata=auth_metadata(TOKEN), timeout=RPC_TIMEOUT_S)
-    assert caught.value.code() == grpc.StatusCode.INTERNAL
-    assert "KeyError" in caught.value.details() and "999" in caught.value.details()
+        run_step(stub, decode_batch(handle=5, step_id=7))
 
 
 @pytest.mark.parametrize(
@@ -136,16 +120,11 @@ def test_step_error_is_internal_with_its_text(stub):
     ids=["none", "wrong-token", "basic-scheme", "no-scheme", "two-headers"],
 )
 def test_refuses_bad_credentials_and_keeps_serving(stub, metadata):
-    for call in (
-        lambda: describe(stub, metadata),
-        lambda: stub.ExecuteStep(prefill_batch(2), metadata=metadata, timeout=RPC_TIMEOUT_S),
-        lambda: list(stub.StepStream(iter([prefill_batch(2)]), metadata=metadata, timeout=RPC_TIMEOUT_S)),
-    ):
-        with pytest.raises(grpc.RpcError) as caught:
-            call()
-        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert "not-the-token" not in caught.value.details() and TOKEN not in caught.value.details()
-    assert describe(stub, auth_metadata(TOKEN)).num_blocks == 64
+    with pytest.raises(grpc.RpcError) as caught:
+        run_step(stub, prefill_batch(2), metadata)
+    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "not-the-token" not in caught.value.details() and TOKEN not in caught.value.details()
+    assert run_step(stub, step_pb2.StepBatch(step_id=8)).step_id == 8  # the server still answers with the token
 
 
 def test_token_and_address_validation(worker):
@@ -181,13 +160,11 @@ def test_tls(worker, tmp_path):
     server, port = start_worker_server(worker, "127.0.0.1", TOKEN, tls=tls)
     try:
         with grpc.secure_channel(f"127.0.0.1:{port}", tls.channel_credentials()) as channel:
-            info = describe(worker_pb2_grpc.WorkerServiceStub(channel), auth_metadata(TOKEN))
-            assert info.num_blocks == 64
+            result = run_step(worker_pb2_grpc.WorkerServiceStub(channel), prefill_batch(handle=9))
+            assert list(result.handles) == [9]
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             with pytest.raises(grpc.RpcError) as caught:
-                worker_pb2_grpc.WorkerServiceStub(channel).Describe(
-                    worker_pb2.DescribeRequest(), metadata=auth_metadata(TOKEN), timeout=3
-                )
+                run_step(worker_pb2_grpc.WorkerServiceStub(channel), prefill_batch(handle=10))
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
         # The head's executor streams its steps over the same TLS.
         executor = RemoteExecutor([f"127.0.0.1:{port}"], TOKEN, tls=tls)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -14,10 +13,9 @@ from typing import Any
 import grpc
 
 from common.auth import AUTH_METADATA_KEY, SCHEME, check_token
-from common.telemetry import RANK_ATTRIBUTE, extract_carrier, extract_metadata, get_tracer, trace, tracing_enabled
+from common.telemetry import RANK_ATTRIBUTE, extract_carrier, get_tracer, trace, tracing_enabled
 from common.tls import TlsConfig
-from proto import step_pb2, worker_pb2, worker_pb2_grpc
-from worker.kv_cache import bytes_per_block
+from proto import step_pb2, worker_pb2_grpc
 from worker.step_stream import serve_step_stream
 from worker.worker import Worker
 
@@ -26,7 +24,7 @@ _tracer = get_tracer("pagerail.worker")
 
 # A step carrying a few thousand new prompts (token ids plus block ids) runs to tens of MiB.
 MAX_MESSAGE_BYTES = 256 << 20
-# The head's step stream holds one thread for its lifetime; the spare ones answer Describe and refuse bad calls.
+# The head's step stream holds one thread for its lifetime; the spare ones refuse bad calls.
 _NUM_THREADS = 4
 
 
@@ -74,7 +72,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    """Serves one Worker: steps one at a time (from the head's stream, in order), and a description of its shard."""
+    """Serves one Worker: steps one at a time, from the head's stream, in order."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
@@ -86,62 +84,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     ) -> Iterator[step_pb2.StepResult]:
         """The steps in the order they arrive, each answered in turn; the head queues step N+1 while step N runs.
         A failed step ends the stream with INTERNAL, and the steps queued behind it are not run."""
-        return serve_step_stream(
-            request_iterator, context, self._run_step, lambda batch: self._step_span(batch, "StepStream"),
-            self.worker.tp.rank,
-        )
-
-    def ExecuteStep(self, request: step_pb2.StepBatch, context: grpc.ServicerContext) -> step_pb2.StepResult:
-        with self._step_span(request, "ExecuteStep", context.invocation_metadata()):
-            try:
-                return self._run_step(request)
-            except Exception as error:
-                logger.exception("rank %d: step %d failed", self.worker.tp.rank, request.step_id)
-                context.abort(grpc.StatusCode.INTERNAL, f"step {request.step_id}: {type(error).__name__}: {error}")
+        return serve_step_stream(request_iterator, context, self._run_step, self._step_span, self.worker.tp.rank)
 
     def _run_step(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
         with self._step_lock:
             return self.worker.execute_step(batch)
 
-    def _step_span(self, batch: step_pb2.StepBatch, method: str, metadata: tuple | None = None):
-        """A child of the head's dispatch span, whose context came in the batch (the stream) or in the call metadata
-        (ExecuteStep); it includes the wait for the step lock. Named ExecuteStep whichever RPC carried the step."""
+    def _step_span(self, batch: step_pb2.StepBatch):
+        """A child of the head's dispatch span, whose context came in the batch; it includes the wait for the step
+        lock."""
         if not tracing_enabled():
             return nullcontext()
-        parent = extract_carrier(batch.trace_context) if metadata is None else extract_metadata(metadata)
         return _tracer.start_as_current_span(
             "ExecuteStep",
-            context=parent,
+            context=extract_carrier(batch.trace_context),
             kind=trace.SpanKind.SERVER,
             attributes={
                 "rpc.system": "grpc",
                 "rpc.service": "pagerail.worker.WorkerService",
-                "rpc.method": method,
+                "rpc.method": "StepStream",
                 "pagerail.step_id": batch.step_id,
                 RANK_ATTRIBUTE: self.worker.tp.rank,
             },
         )
-
-    def Describe(self, request: worker_pb2.DescribeRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerInfo:
-        return describe(self.worker)
-
-
-def describe(worker: Worker) -> worker_pb2.WorkerInfo:
-    """What the head needs to know about a rank: its place in the group and the size of its cache shard."""
-    model, config = worker.model, worker.config
-    per_block = bytes_per_block(
-        model.num_layers, model.num_kv_heads_per_rank, model.head_dim, config.engine.cache.block_size, worker.dtype
-    )
-    return worker_pb2.WorkerInfo(
-        rank=worker.tp.rank,
-        world_size=worker.tp.size,
-        num_blocks=worker.num_blocks,
-        block_size=config.engine.cache.block_size,
-        device=str(worker.device),
-        dtype=str(worker.dtype).removeprefix("torch."),
-        kv_cache_bytes=per_block * worker.num_blocks,
-        pid=os.getpid(),
-    )
 
 
 def _bind_address(host: str, port: int) -> str:
