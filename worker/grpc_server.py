@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -12,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from common.auth import AUTH_METADATA_KEY, SCHEME, check_token
+from common.auth import AUTH_METADATA_KEY, bearer_matches, check_token, refusing_handler
 from common.telemetry import RANK_ATTRIBUTE, extract_carrier, get_tracer, trace, tracing_enabled
 from common.tls import TlsConfig
 from proto import step_pb2, worker_pb2_grpc
@@ -28,19 +27,8 @@ MAX_MESSAGE_BYTES = 256 << 20
 _NUM_THREADS = 4
 
 
-def _refusal(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming shape as `handler` that answers UNAUTHENTICATED without running it."""
-
-    def refuse(request: Any, context: grpc.ServicerContext) -> None:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-
-    if handler is None or not (handler.request_streaming or handler.response_streaming):
-        return grpc.unary_unary_rpc_method_handler(refuse)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    return grpc.unary_stream_rpc_method_handler(refuse)
+def _refuse(request: Any, context: grpc.ServicerContext) -> None:
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -52,13 +40,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     def _authorized(self, metadata: tuple[Any, ...] | None) -> bool:
         values = [item.value for item in metadata or () if item.key == AUTH_METADATA_KEY]
         # Two authorization entries are ambiguous; refuse rather than guess which one counts.
-        if len(values) != 1 or not isinstance(values[0], str):
-            return False
-        scheme, _, presented = values[0].partition(" ")
-        if scheme.lower() != SCHEME:
-            return False
-        # Constant-time comparison so the response time does not leak how much of the token matched.
-        return hmac.compare_digest(presented.strip().encode(), self._expected)
+        return len(values) == 1 and isinstance(values[0], str) and bearer_matches(values[0], self._expected)
 
     def intercept_service(
         self,
@@ -68,7 +50,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         if self._authorized(handler_call_details.invocation_metadata):
             return continuation(handler_call_details)
         logger.warning("refused an unauthenticated call to %s", handler_call_details.method)
-        return _refusal(continuation(handler_call_details))
+        return refusing_handler(continuation(handler_call_details), _refuse)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -12,6 +11,8 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+
+from common.auth import AUTH_METADATA_KEY, bearer_matches, refusing_handler
 
 logger = logging.getLogger(__name__)
 
@@ -69,33 +70,14 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         service = handler_call_details.method.rpartition("/")[0].lstrip("/")
         if handler is None or service in OPEN_SERVICES or self._authorized(handler_call_details.invocation_metadata):
             return handler
-        return _unauthenticated_like(handler)
+        return refusing_handler(handler, _deny)
 
     def _authorized(self, metadata: Any) -> bool:
         for key, value in metadata or ():
-            if key == "authorization":
-                text = value.decode(errors="replace") if isinstance(value, bytes) else value
-                scheme, _, token = text.strip().partition(" ")
-                # compare_digest: the time taken does not tell how much of a guess was right.
-                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)
+            if key == AUTH_METADATA_KEY:
+                return bearer_matches(value.decode(errors="replace") if isinstance(value, bytes) else value, self._key)
         return False
 
 
-def _unauthenticated_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as `handler` (so the call is read as the client sends it) that only
-    answers UNAUTHENTICATED."""
-
-    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(
-            grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key: send 'authorization: Bearer <key>'"
-        )
-
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(handler.request_streaming, handler.response_streaming)]
-    return make(
-        deny, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-    )
+async def _deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key: send 'authorization: Bearer <key>'")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -34,6 +33,7 @@ from cluster.frontend.errors import (
 from cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.frontend.tool_calls import TOOL_CALL_PARSERS
 from cluster.frontend.tracing import traced_http
+from common.auth import bearer_matches
 
 logger = logging.getLogger(__name__)
 
@@ -258,8 +258,7 @@ def _check_key(state: ServerState, path: str, header: str) -> None:
         return
     else:
         expected = state.api_key
-    scheme, _, key = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), expected.encode()):
+    if not bearer_matches(header, expected.encode()):
         raise unauthorized()
 
 
