@@ -49,8 +49,10 @@ def test_layer_windows_follow_each_config_convention():
         layer_sliding_windows({"num_hidden_layers": 2, "sliding_window": 4, "layer_types": ["sliding_attention"]})
 
 
-@pytest.mark.parametrize(("block_size", "window"), [(16, 21), (4, 1), (16, 300), (8, 16)])
-def test_native_kernel_attends_over_the_window_only(block_size, window):
+@pytest.mark.parametrize(
+    ("block_size", "window", "softcap"), [(16, 21, 0.0), (4, 1, 0.0), (16, 300, 0.0), (8, 16, 0.0), (16, 21, 1.5)]
+)
+def test_native_kernel_attends_over_the_window_only(block_size, window, softcap):
     kernel = cpu_paged_attention.native_kernel()
     if kernel is None:
         pytest.skip("no native CPU attention kernel on this machine")
@@ -68,13 +70,16 @@ def test_native_kernel_attends_over_the_window_only(block_size, window):
     value_cache = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=generator)
     q = torch.randn(len(lens), heads, head_dim, generator=generator)
     scale = head_dim**-0.5
-    got = kernel.decode(q, key_cache, value_cache, table, torch.tensor(lens), block_size, scale, window)
+    got = kernel.decode(q, key_cache, value_cache, table, torch.tensor(lens), block_size, scale, window, softcap)
     for row, length in enumerate(lens):
         positions = torch.arange(max(0, length - window), length)
         slots = table[row][positions // block_size] * block_size + positions % block_size
         keys = key_cache[:, slots].repeat_interleave(heads // kv_heads, 0)  # [heads, ctx, d]
         values = value_cache[:, slots].repeat_interleave(heads // kv_heads, 0)
-        weights = (torch.einsum("hd,htd->ht", q[row], keys) * scale).softmax(-1)
+        scores = torch.einsum("hd,htd->ht", q[row], keys) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        weights = scores.softmax(-1)
         want = torch.einsum("ht,htd->hd", weights, values)
         torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-5)
 

@@ -29,6 +29,7 @@ class Case:
     index_dtype: str = "int32"
     atol: float = 1e-4
     window: int = 0  # > 0: a sliding-window layer's last `window` positions only
+    softcap: float = 0.0  # > 0: scores pass through softcap * tanh(score / softcap)
 
 
 CASES = [
@@ -45,6 +46,9 @@ CASES = [
     Case("window_mid_block", 6, 2, 32, 16, (5, 23, 100), window=21),
     Case("window_split", 8, 2, 32, 16, (150, 1, 64, 300), partition_size=64, window=70),
     Case("window_1_bf16", 8, 2, 64, 4, (9, 50), dtype="bfloat16", atol=2e-2, window=1),
+    # Gemma 2's softcap, small enough to bind on these scores, with and without a split and a window.
+    Case("softcap", 6, 2, 32, 16, (5, 23, 100), softcap=1.5),
+    Case("softcap_split_window", 8, 2, 32, 16, (150, 1, 300), partition_size=64, window=70, softcap=2.0),
 ]
 
 
@@ -73,9 +77,10 @@ def _reference(
     block_size: int,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Gather each sequence's context slot by slot (its last `window` positions when > 0) and run an fp64 softmax
-    over it."""
+    over it (of softcapped scores when softcap > 0)."""
     group = q.shape[1] // key_cache.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for seq, length in enumerate(context_lens.tolist()):
@@ -84,6 +89,8 @@ def _reference(
         keys = key_cache[slots].double().repeat_interleave(group, dim=1)  # [ctx, H, D]
         values = value_cache[slots].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,thd->ht", q[seq].double(), keys) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         out[seq] = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), values)
     return out
 
@@ -115,10 +122,13 @@ def _max_error(case: Case, seed: int = 0) -> float:
         case.block_size,
         scale,
         case.window,
+        case.softcap,
         partition_size=case.partition_size,
     )
     assert got.dtype == dtype and got.shape == q.shape
-    want = _reference(q, key_cache, value_cache, block_tables, context_lens, case.block_size, scale, case.window)
+    want = _reference(
+        q, key_cache, value_cache, block_tables, context_lens, case.block_size, scale, case.window, case.softcap
+    )
     return (got.double() - want).abs().max().item()
 
 

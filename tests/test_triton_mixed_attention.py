@@ -33,6 +33,7 @@ class Case:
     index_dtype: str = "int32"
     atol: float = 1e-5
     window: int = 0  # > 0: the query at p sees keys p - window + 1 .. p only
+    softcap: float = 0.0  # > 0: scores pass through softcap * tanh(score / softcap)
 
 
 CASES = [
@@ -51,6 +52,8 @@ CASES = [
     # Sliding windows: shorter than a chunk, starting mid-block and mid-tile, and 1 (each query sees itself).
     Case("window_chunks", 4, 2, 32, 16, ((90, 77), (37, 13), (200, 1), (5, 5)), window=19),
     Case("window_1_fp16", 8, 2, 64, 4, ((9, 1), (75, 30), (33, 33)), dtype="float16", atol=3e-3, window=1),
+    Case("softcap_window", 4, 2, 32, 16, ((90, 77), (37, 13), (200, 1)), window=19, softcap=1.5),
+    Case("softcap_full", 6, 2, 64, 4, ((9, 1), (75, 30), (33, 33)), softcap=2.0),
 ]
 
 
@@ -80,9 +83,10 @@ def reference_attention(
     block_size: int,
     scale: float,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Gather each sequence's context slot by slot; fp64 causal softmax of its queries over it (over the last
-    `window` positions up to each query when > 0)."""
+    `window` positions up to each query when > 0, of softcapped scores when softcap > 0)."""
     group = q.shape[1] // key_cache.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
     starts = query_starts.tolist()
@@ -95,6 +99,8 @@ def reference_attention(
         keys = key_cache[slots].double().repeat_interleave(group, dim=1)  # [ctx, H, D]
         values = value_cache[slots].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[first:last].double(), keys) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         query_positions = torch.arange(length - (last - first), length)
         hidden = positions[None, :] > query_positions[:, None]  # [q, ctx]: keys after the query
         if window:
@@ -124,13 +130,10 @@ def _max_error(case: Case, seed: int = 0) -> float:
     block_tables = block_tables.to(index_dtype)
     scale = case.head_dim**-0.5
 
-    got = paged_mixed_attention(
-        q, key_cache, value_cache, block_tables, query_starts, context_lens, case.block_size, scale, case.window
-    )
+    args = (q, key_cache, value_cache, block_tables, query_starts, context_lens, case.block_size, scale)
+    got = paged_mixed_attention(*args, case.window, case.softcap)
     assert got.dtype == dtype and got.shape == q.shape
-    want = reference_attention(
-        q, key_cache, value_cache, block_tables, query_starts, context_lens, case.block_size, scale, case.window
-    )
+    want = reference_attention(*args, case.window, case.softcap)
     return (got.double() - want).abs().max().item()
 
 

@@ -21,3 +21,11 @@ class SiluAndMul(nn.Module):
                 return kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # in place: one fewer activation-sized temporary
+
+
+class GeluTanhAndMul(nn.Module):
+    """[..., 2*d] holding [gate | up] → gelu_tanh(gate) * up of shape [..., d] (Gemma's gelu_pytorch_tanh)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)

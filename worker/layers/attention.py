@@ -81,11 +81,22 @@ class Attention(nn.Module):
     """
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        if logit_softcap is not None and logit_softcap <= 0:
+            raise ValueError(f"logit_softcap must be > 0 or None, got {logit_softcap}")
+        # Gemma 2: scores become cap * tanh(scores / cap) before the softmax. 0.0 in the kernels' spelling.
+        self.logit_softcap = logit_softcap
+        self._softcap = logit_softcap or 0.0
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -123,6 +134,7 @@ class Attention(nn.Module):
                 meta.block_size,
                 self.scale,
                 self._window,
+                self._softcap,
             )
             return out.view(num_tokens, self.num_heads * self.head_dim)
 
@@ -139,6 +151,7 @@ class Attention(nn.Module):
                     meta.block_size,
                     self.scale,
                     self._window,
+                    self._softcap,
                 )
                 return out.reshape(num_tokens, self.num_heads * self.head_dim)
         n = meta.num_decodes
@@ -157,15 +170,28 @@ class Attention(nn.Module):
                 keys = self._gather(key_cache, span.context_blocks, meta.block_size)[:, : span.context_len]
                 values = self._gather(value_cache, span.context_blocks, meta.block_size)[:, : span.context_len]
             mask = span.mask if self.sliding_window is None else self._windowed_span_mask(span, meta)
-            attended = F.scaled_dot_product_attention(
-                queries,
-                keys.unsqueeze(0),
-                values.unsqueeze(0),
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=self.scale,
-                enable_gqa=True,
-            )
+            if self.logit_softcap is not None:
+                if mask is None:
+                    mask = torch.ones(keys.shape[1], keys.shape[1], dtype=torch.bool, device=keys.device).tril()
+                group = self.num_heads // self.num_kv_heads
+                attended = softcapped_attention(
+                    queries,
+                    keys.repeat_interleave(group, 0).unsqueeze(0),
+                    values.repeat_interleave(group, 0).unsqueeze(0),
+                    mask,
+                    self.scale,
+                    self.logit_softcap,
+                )
+            else:
+                attended = F.scaled_dot_product_attention(
+                    queries,
+                    keys.unsqueeze(0),
+                    values.unsqueeze(0),
+                    attn_mask=mask,
+                    is_causal=mask is None,
+                    scale=self.scale,
+                    enable_gqa=True,
+                )
             out[span.start : span.end] = attended.squeeze(0).transpose(0, 1)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
@@ -212,6 +238,7 @@ class Attention(nn.Module):
                 meta.block_size,
                 self.scale,
                 self._window,
+                self._softcap,
             )
         if path == "native":
             return native_kernel().decode(
@@ -223,6 +250,7 @@ class Attention(nn.Module):
                 meta.block_size,
                 self.scale,
                 self._window,
+                self._softcap,
             )
         n = q.shape[0]
         group = self.num_heads // self.num_kv_heads
@@ -243,8 +271,26 @@ class Attention(nn.Module):
                 # Built once per step, by the first layer that needs it, from the context lengths on the device.
                 meta.decode_mask = decode_key_mask(meta.decode_context_lens, keys.shape[2])
             mask = meta.decode_mask
-        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
+        if self.logit_softcap is not None:
+            attended = softcapped_attention(queries, keys, values, mask, self.scale, self.logit_softcap)
+        else:
+            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
         return attended.reshape(n, self.num_heads, self.head_dim)
+
+
+def softcapped_attention(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, cap: float
+) -> torch.Tensor:
+    """softmax(cap * tanh(q k^T * scale / cap), masked) v, in the order transformers' eager Gemma 2 computes it.
+
+    q [..., q_len, d], k/v [..., k_len, d] broadcastable to q's leading dimensions, mask [..., q_len, k_len] True
+    where a key is visible. SDPA has no softcap, so this is the torch paths' attention for such layers.
+    """
+    scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.matmul(weights, values)
 
 
 def decode_path(device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str:

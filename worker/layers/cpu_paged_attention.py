@@ -32,7 +32,9 @@ class NativeKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fn = library.paged_decode_attention_f32
         self._fn.restype = None
-        self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int64]
+        # 6 pointers, 7 sizes, the scale, the sliding window and the softcap.
+        self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+        self._fn.argtypes += [ctypes.c_int64, ctypes.c_float]
         max_group, max_head_dim = ctypes.c_int64(), ctypes.c_int64()
         library.paged_attention_limits(ctypes.byref(max_group), ctypes.byref(max_head_dim))
         self.max_group = max_group.value
@@ -55,10 +57,12 @@ class NativeKernel:
         block_size: int,
         scale: float,
         sliding_window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """q [n, heads, d]; caches [kv_heads, slots, d]; block_table [n, max_blocks] int64 → [n, heads, d].
 
-        With `sliding_window` > 0 each query attends only to the last that many positions of its context."""
+        With `sliding_window` > 0 each query attends only to the last that many positions of its context; with
+        `softcap` > 0 its scores pass through softcap * tanh(score / softcap) first."""
         q = q.contiguous()
         out = torch.empty_like(q)
         n, num_heads, head_dim = q.shape
@@ -79,6 +83,7 @@ class NativeKernel:
             block_size,
             scale,
             sliding_window,
+            softcap,
         )
         return out
 

@@ -55,3 +55,30 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + weight), all in float32 and cast back once at the end.
+
+    The checkpoint stores weight - 1, and the product is taken before the cast (Llama casts first), so
+    half-precision results agree with transformers' Gemma bit for bit.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: object = None) -> None:
+        if tuple(full.shape) != tuple(param.shape):
+            raise ValueError(f"checkpoint norm weight has shape {tuple(full.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_(full)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"

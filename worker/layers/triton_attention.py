@@ -52,6 +52,13 @@ _DECODE_DYNAMIC = ("partition_size", "window", "num_partitions", "stride_table_s
 
 if triton is not None:
 
+    @triton.jit
+    def softcapped(scores, softcap):
+        """cap * tanh(s / cap) for scores s in the exp2 domain (qk_scale carries log2(e)); `softcap` is the cap
+        times log2(e), so the cap applies to the natural-log score. tanh(x) = 1 - 2 / (exp(2x) + 1), from exp
+        alone, which every backend and the interpreter have."""
+        return softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+
     @triton.jit(do_not_specialize=_DECODE_DYNAMIC)
     def _paged_decode_kernel(
         out_ptr,
@@ -64,6 +71,7 @@ if triton is not None:
         part_sum_ptr,
         part_acc_ptr,
         qk_scale,
+        softcap,
         partition_size,
         window,
         num_heads,
@@ -84,6 +92,7 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         TILE: tl.constexpr,
         SPLIT: tl.constexpr,
+        SOFTCAP: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
@@ -141,6 +150,8 @@ if triton is not None:
                 other=0.0,
             ).to(DOT_DTYPE)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            if SOFTCAP:
+                scores = softcapped(scores, softcap)
             scores = tl.where(valid[None, :], scores, float("-inf"))
 
             # The first tile always holds a real token, so new_max is finite from then on.
@@ -255,6 +266,7 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
     *,
     partition_size: int | None = None,
 ) -> torch.Tensor:
@@ -332,6 +344,7 @@ def paged_decode_attention(
         part_sum,
         part_acc,
         scale * math.log2(math.e),
+        softcap * math.log2(math.e),
         partition_size or 0,
         sliding_window,
         num_heads,
@@ -352,6 +365,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         TILE=tile,
         SPLIT=split,
+        SOFTCAP=softcap > 0,
         **dot_operands(key_cache.dtype),
     )
     if split:

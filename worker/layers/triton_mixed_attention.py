@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from worker.layers.triton_attention import TL_DTYPES, dot_operands, triton, triton_available
+from worker.layers.triton_attention import TL_DTYPES, dot_operands, softcapped, triton, triton_available
 
 if triton is not None:
     import triton.language as tl
@@ -31,6 +31,7 @@ if triton is not None:
         value_base,
         block_tables_ptr,
         qk_scale,
+        softcap,
         stride_k_slot,
         stride_v_slot,
         stride_table_seq,
@@ -40,6 +41,7 @@ if triton is not None:
         TILE_N: tl.constexpr,
         MASKED: tl.constexpr,
         WINDOWED: tl.constexpr,
+        SOFTCAP: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
@@ -63,6 +65,8 @@ if triton is not None:
             other=0.0,
         ).to(DOT_DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            scores = softcapped(scores, softcap)
         if MASKED:
             # Causal within the chunk: the query at position p sees keys 0..p (and never past the context).
             visible = (positions[None, :] <= query_pos[:, None]) & valid[None, :]
@@ -95,6 +99,7 @@ if triton is not None:
         query_starts_ptr,
         context_lens_ptr,
         qk_scale,
+        softcap,
         num_seqs,
         window,
         stride_q_tok,
@@ -114,6 +119,7 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         TILE_N: tl.constexpr,
         WINDOWED: tl.constexpr,
+        SOFTCAP: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
@@ -175,21 +181,21 @@ if triton is not None:
             for tile_start in range(window_start, kv_end, TILE_N):
                 acc, row_max, row_sum = _attend_tile(
                     q, acc, row_max, row_sum, tile_start, kv_end, query_pos, window, seq, key_base, value_base,
-                    block_tables_ptr, qk_scale, stride_k_slot, stride_v_slot, stride_table_seq,
-                    dims, dim_mask, BLOCK_SIZE, TILE_N, True, True, DOT_DTYPE, DOT_PRECISION,
+                    block_tables_ptr, qk_scale, softcap, stride_k_slot, stride_v_slot, stride_table_seq,
+                    dims, dim_mask, BLOCK_SIZE, TILE_N, True, True, SOFTCAP, DOT_DTYPE, DOT_PRECISION,
                 )  # fmt: skip
         else:
             for tile_start in range(0, full_end, TILE_N):
                 acc, row_max, row_sum = _attend_tile(
                     q, acc, row_max, row_sum, tile_start, kv_end, query_pos, window, seq, key_base, value_base,
-                    block_tables_ptr, qk_scale, stride_k_slot, stride_v_slot, stride_table_seq,
-                    dims, dim_mask, BLOCK_SIZE, TILE_N, False, False, DOT_DTYPE, DOT_PRECISION,
+                    block_tables_ptr, qk_scale, softcap, stride_k_slot, stride_v_slot, stride_table_seq,
+                    dims, dim_mask, BLOCK_SIZE, TILE_N, False, False, SOFTCAP, DOT_DTYPE, DOT_PRECISION,
                 )  # fmt: skip
             for tile_start in range(full_end, kv_end, TILE_N):
                 acc, row_max, row_sum = _attend_tile(
                     q, acc, row_max, row_sum, tile_start, kv_end, query_pos, window, seq, key_base, value_base,
-                    block_tables_ptr, qk_scale, stride_k_slot, stride_v_slot, stride_table_seq,
-                    dims, dim_mask, BLOCK_SIZE, TILE_N, True, False, DOT_DTYPE, DOT_PRECISION,
+                    block_tables_ptr, qk_scale, softcap, stride_k_slot, stride_v_slot, stride_table_seq,
+                    dims, dim_mask, BLOCK_SIZE, TILE_N, True, False, SOFTCAP, DOT_DTYPE, DOT_PRECISION,
                 )  # fmt: skip
 
         out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
@@ -287,9 +293,11 @@ def paged_mixed_attention(
     block_size: int,
     scale: float,
     sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q [T, H, D] of every sequence of a step attends causally over its paged context → [T, H, D]; with
-    `sliding_window` > 0 the query at position p sees only keys p - sliding_window + 1 .. p.
+    `sliding_window` > 0 the query at position p sees only keys p - sliding_window + 1 .. p; with `softcap` > 0
+    scores pass through softcap * tanh(score / softcap).
 
     Sequence s owns query rows query_starts[s]:query_starts[s + 1]; they are the last positions of its
     context_lens[s] tokens, whose K/V (this step's included) are already in the cache. key_cache/value_cache
@@ -331,6 +339,7 @@ def paged_mixed_attention(
         query_starts,
         context_lens,
         scale * math.log2(math.e),
+        softcap * math.log2(math.e),
         num_seqs,
         sliding_window,
         q.stride(0),
@@ -350,6 +359,7 @@ def paged_mixed_attention(
         BLOCK_SIZE=block_size,
         TILE_N=tile_n,
         WINDOWED=sliding_window > 0,
+        SOFTCAP=softcap > 0,
         **dot_operands(key_cache.dtype),
         num_warps=num_warps,
         # Double-buffered K/V tiles fit shared memory for every dtype and head size up to 256.

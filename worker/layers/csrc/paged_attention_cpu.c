@@ -207,7 +207,8 @@ void paged_decode_attention_f32(
     float *out,                   /* [n, num_heads, head_dim] */
     int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t num_slots, int64_t max_blocks, int64_t block_size, float scale,
-    int64_t window)               /* > 0: each query sees only the last `window` positions of its context */
+    int64_t window,               /* > 0: each query sees only the last `window` positions of its context */
+    float softcap)                /* > 0: scores become softcap * tanh(score / softcap) (Gemma 2) */
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t items = n * num_kv_heads;
@@ -229,7 +230,8 @@ void paged_decode_attention_f32(
         const float *queries = q + (seq * num_heads + kv_head * group) * head_dim;
         float *scores = (float *)malloc(sizeof(float) * group * ctx);
 #if HAVE_AVX512
-        if (item_specialised(head_dim, group, queries, keys, values, blocks, ctx, first, block_size, scale, scores,
+        /* The specialised paths have no softcap: such layers take the generic loop. */
+        if (softcap <= 0.0f && item_specialised(head_dim, group, queries, keys, values, blocks, ctx, first, block_size, scale, scores,
                              out + (seq * num_heads + kv_head * group) * head_dim, block_bytes)) {
             free(scores);
             continue;
@@ -252,6 +254,7 @@ void paged_decode_attention_f32(
 #pragma omp simd reduction(+ : dot)
                     for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * k[d];
                     dot *= scale;
+                    if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
                     scores[g * ctx + t0 + r] = dot;
                     if (dot > max_score[g]) max_score[g] = dot;
                 }
