@@ -1,5 +1,6 @@
 """pagerail's head side: scheduler, global KV block table, engine loop and the public Python API."""
 
+import importlib
 from typing import TYPE_CHECKING
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput"]
@@ -10,23 +11,17 @@ if TYPE_CHECKING:
     from cluster.core.structured_outputs import StructuredOutputs
     from cluster.entrypoints.llm import LLM
 
+# Imported lazily so the plain-Python scheduler modules load without torch or transformers.
+_HOMES = {
+    "LLM": "cluster.entrypoints.llm",
+    "RequestOutput": "cluster.core.outputs",
+    "CompletionOutput": "cluster.core.outputs",
+    "SamplingParams": "cluster.core.sampling_params",
+    "StructuredOutputs": "cluster.core.structured_outputs",
+}
+
 
 def __getattr__(name: str):
-    # Imported lazily so the plain-Python scheduler modules load without torch or transformers.
-    if name == "LLM":
-        from cluster.entrypoints.llm import LLM
-
-        return LLM
-    if name in ("RequestOutput", "CompletionOutput"):
-        from cluster.core import outputs
-
-        return getattr(outputs, name)
-    if name == "SamplingParams":
-        from cluster.core.sampling_params import SamplingParams
-
-        return SamplingParams
-    if name == "StructuredOutputs":
-        from cluster.core.structured_outputs import StructuredOutputs
-
-        return StructuredOutputs
-    raise AttributeError(f"module 'cluster' has no attribute {name!r}")
+    if name not in _HOMES:
+        raise AttributeError(f"module 'cluster' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)
