@@ -110,21 +110,13 @@ async def _sweep(
 
 
 def _csv_row(load: float, result: dict[str, Any]) -> list[object]:
-    ttft, tpot, itl, e2e = (result[key] for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"))
-    figures = [
-        result["output_throughput"],
-        result["request_throughput"],
-        ttft["mean"],
-        ttft["p50"],
-        ttft["p90"],
-        ttft["p99"],
-        tpot["p50"],
-        tpot["p99"],
-        itl["p50"],
-        itl["p99"],
-        e2e["p50"],
-        e2e["p99"],
-    ]
+    figures = []
+    for column in CSV_HEADER[3:]:
+        if column.endswith("_ms"):  # "ttft_p50_ms": the p50 of results["ttft_ms"]
+            metric, statistic, unit = column.rsplit("_", 2)
+            figures.append(result[f"{metric}_{unit}"][statistic])
+        else:
+            figures.append(result[column])
     return [_load_text(load), result["completed"], result["failed"], *(f"{x:.3f}" for x in figures)]
 
 
