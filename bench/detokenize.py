@@ -27,10 +27,9 @@ def stream_seconds(tokenizer, ids: list[int], through_tokenizer: bool) -> tuple[
     """Seconds per token to stream `ids` one at a time, and the text streamed."""
     detokenizer = IncrementalDetokenizer(_as_given(tokenizer, through_tokenizer), ids[:5])
     started = time.perf_counter()
-    for token in ids:
-        detokenizer.add([token])
-    detokenizer.flush()
-    return (time.perf_counter() - started) / len(ids), detokenizer.text
+    pieces = [detokenizer.add([token]) for token in ids]
+    pieces.append(detokenizer.flush())
+    return (time.perf_counter() - started) / len(ids), "".join(pieces)
 
 
 def match_seconds(tokenizer, ids: list[int], through_tokenizer: bool) -> float:

@@ -44,16 +44,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._num_output_tokens = 0
         self._pending = ""  # decoded, but held back because it may be the start of a stop string
-        self._emitted: list[str] = []
         self.stopped = False
-        self.stop_reason: str | None = None  # the stop string that matched
-
-    @property
-    def text(self) -> str:
-        """All text returned so far."""
-        if len(self._emitted) > 1:
-            self._emitted = ["".join(self._emitted)]
-        return self._emitted[0] if self._emitted else ""
 
     @property
     def num_output_tokens(self) -> int:
@@ -70,7 +61,7 @@ class IncrementalDetokenizer:
             # token), holding back only what ends inside a character however many tokens came with it.
             self._ids.extend(token_ids)
             self._num_output_tokens += len(token_ids)
-            return self._emit(self._decode_step(force=False, max_held=len(token_ids) - 1 + _MAX_HELD_TOKENS))
+            return self._decode_step(force=False, max_held=len(token_ids) - 1 + _MAX_HELD_TOKENS)
         delta: list[str] = []
         for token_id in token_ids:
             if self.stopped:
@@ -80,19 +71,14 @@ class IncrementalDetokenizer:
             piece = self._decode_step(force=False)
             if piece:
                 delta.append(self._scan(piece, final=False))
-        return self._emit("".join(delta))
+        return "".join(delta)
 
     def flush(self) -> str:
         """At the end of the sequence: release what was held back (a partial character, a stop-string prefix)."""
         if self.stopped:
             return ""
         piece = self._decode_step(force=True)
-        return self._emit(self._scan(piece, final=True))
-
-    def finish(self, token_ids_remaining: list[int] | tuple[int, ...] = ()) -> str:
-        """Add the last tokens and flush; the text still to stream."""
-        text = self.add(list(token_ids_remaining))
-        return text + self.flush()
+        return self._scan(piece, final=True)
 
     def _decode_step(self, force: bool, max_held: int = _MAX_HELD_TOKENS) -> str:
         """Text that the tokens past read_offset add; "" while they end inside a multi-byte character."""
@@ -126,7 +112,6 @@ class IncrementalDetokenizer:
             if match is not None:
                 start, stop = match
                 self.stopped = True
-                self.stop_reason = stop
                 self._pending = ""
                 return text[: start + len(stop)] if self._include_stop else text[:start]
         keep = 0 if final else _partial_stop_len(text, self._stop, self._max_stop_len)
@@ -142,11 +127,6 @@ class IncrementalDetokenizer:
             if index != -1 and (best is None or index < best[0]):
                 best = (index, stop)
         return best
-
-    def _emit(self, text: str) -> str:
-        if text:
-            self._emitted.append(text)
-        return text
 
 
 def _partial_stop_len(text: str, stops: tuple[str, ...], max_stop_len: int) -> int:
