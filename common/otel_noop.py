@@ -32,17 +32,11 @@ class SpanContext:
 
 
 class StatusCode(enum.Enum):
-    UNSET = 0
-    OK = 1
     ERROR = 2
 
 
 class SpanKind(enum.Enum):
-    INTERNAL = 0
     SERVER = 1
-    CLIENT = 2
-    PRODUCER = 3
-    CONSUMER = 4
 
 
 class Link:
@@ -66,22 +60,13 @@ class NonRecordingSpan:
     def set_attribute(self, key: str, value: Any) -> None:
         pass
 
-    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
-        pass
-
     def add_event(self, name: str, attributes: Mapping[str, Any] | None = None, timestamp: int | None = None) -> None:
-        pass
-
-    def add_link(self, context: SpanContext, attributes: Mapping[str, Any] | None = None) -> None:
         pass
 
     def record_exception(self, exception: BaseException, *args: Any, **kwargs: Any) -> None:
         pass
 
     def set_status(self, status: Any, description: str | None = None) -> None:
-        pass
-
-    def update_name(self, name: str) -> None:
         pass
 
     def end(self, end_time: int | None = None) -> None:
