@@ -67,9 +67,41 @@ class _Prefetched:
 
 
 async def _first_then_rest(stream: AsyncIterator[ChoiceDelta]) -> _Prefetched:
-    """Pull the first delta before the response starts, so bad input and a full queue become real errors."""
-    first = await anext(stream, None)
+    """Pull the first delta before the response starts, so bad input (a 400) and a full queue become real errors."""
+    try:
+        first = await anext(stream, None)
+    except ValueError as error:
+        raise from_value_error(error) from None
     return _Prefetched(first, stream)
+
+
+async def _collect(streams: list[tuple[int, _Prefetched]]) -> dict[int, list[ChoiceDelta]]:
+    """Every choice's deltas by its index in the response (each stream's choices start at its offset)."""
+    collected: dict[int, list[ChoiceDelta]] = {}
+    try:
+        for offset, stream in streams:
+            async for delta in stream:
+                collected.setdefault(offset + delta.index, []).append(delta)
+    finally:
+        # Cancelled (the client hung up) while reading one stream: every engine request is aborted now.
+        for _, stream in streams:
+            await stream.aclose()
+    return collected
+
+
+def _whole_response(
+    response_id: str, kind: str, created: int, served: str, choices: list, usage: Usage
+) -> JSONResponse:
+    return JSONResponse(
+        {
+            "id": response_id,
+            "object": kind,
+            "created": created,
+            "model": served,
+            "choices": choices,
+            "usage": _usage_json(usage),
+        }
+    )
 
 
 # -- completions -----------------------------------------------------------------------------------
@@ -106,10 +138,7 @@ async def completions(
     usage = Usage()
     streams = []
     for number, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
-        try:
-            stream = await _first_then_rest(stream_choices(engine, tokenizer, f"{engine_id}-{number}", ids, sp, usage))
-        except ValueError as error:
-            raise from_value_error(error) from None
+        stream = await _first_then_rest(stream_choices(engine, tokenizer, f"{engine_id}-{number}", ids, sp, usage))
         streams.append((number * sp.n, stream))
 
     if body.stream:
@@ -133,15 +162,7 @@ async def completions(
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    collected: dict[int, list[ChoiceDelta]] = {}
-    try:
-        for offset, stream in streams:
-            async for delta in stream:
-                collected.setdefault(offset + delta.index, []).append(delta)
-    finally:
-        # Cancelled (the client hung up) while reading one prompt: the later prompts' streams are aborted too.
-        for _, stream in streams:
-            await stream.aclose()
+    collected = await _collect(streams)
     choices = []
     for index in sorted(collected):
         deltas = collected[index]
@@ -154,16 +175,7 @@ async def completions(
         if body.logprobs is not None:
             choice["logprobs"] = _completion_logprobs(tokenizer, deltas)
         choices.append(choice)
-    return JSONResponse(
-        {
-            "id": completion_id,
-            "object": "text_completion",
-            "created": created,
-            "model": served,
-            "choices": choices,
-            "usage": _usage_json(usage),
-        }
-    )
+    return _whole_response(completion_id, "text_completion", created, served, choices, usage)
 
 
 # -- chat ------------------------------------------------------------------------------------------
@@ -214,12 +226,9 @@ async def chat_completions(
     chat_id = f"chatcmpl-{label or request_id}"
     annotate_request(trace.get_current_span(), chat_id, body.model or served, params)
     usage = Usage()
-    try:
-        stream = await _first_then_rest(
-            stream_choices(engine, tokenizer, f"chatcmpl-{request_id}", prompt_ids, params, usage)
-        )
-    except ValueError as error:
-        raise from_value_error(error) from None
+    stream = await _first_then_rest(
+        stream_choices(engine, tokenizer, f"chatcmpl-{request_id}", prompt_ids, params, usage)
+    )
 
     if body.stream:
         chunks = ChunkEvents(chat_id, "chat.completion.chunk", created, served)
@@ -252,12 +261,7 @@ async def chat_completions(
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    collected: dict[int, list[ChoiceDelta]] = {}
-    try:
-        async for delta in stream:
-            collected.setdefault(delta.index, []).append(delta)
-    finally:
-        await stream.aclose()  # cancelled (the client hung up): its engine requests are aborted now
+    collected = await _collect([(0, stream)])
     choices = []
     for index in sorted(collected):
         deltas = collected[index]
@@ -270,16 +274,7 @@ async def chat_completions(
                 "finish_reason": out.finish_reason(deltas[-1].finish_reason),
             }
         )
-    return JSONResponse(
-        {
-            "id": chat_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": served,
-            "choices": choices,
-            "usage": _usage_json(usage),
-        }
-    )
+    return _whole_response(chat_id, "chat.completion", created, served, choices, usage)
 
 
 def new_request_id() -> str:
