@@ -10,7 +10,7 @@ from torch import nn
 
 from worker.layers import cpu_fused, triton_fused
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -23,17 +23,30 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type") or params.pop("type", None) or "default"
     params.pop("type", None)
-    if params["rope_type"] == "llama3":
-        params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
+    if params["rope_type"] in ("llama3", "longrope"):
+        original = getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings
+        params.setdefault("original_max_position_embeddings", original)
+    partial = float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None) or 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported; only 1.0 (RoPE over the whole head) is")
     return params
 
 
-def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
-    """Per-pair rotation frequencies [head_dim // 2] in float32 for the given rope parameters."""
+def inverse_frequencies(head_dim: int, params: dict[str, Any], long: bool = False) -> torch.Tensor:
+    """Per-pair rotation frequencies [head_dim // 2] in float32 for the given rope parameters (LongRoPE: its long
+    factors with `long`, else its short ones)."""
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     base = float(params["rope_theta"])
+    if rope_type == "longrope":
+        key = "long_factor" if long else "short_factor"
+        factors = params.get(key)
+        if factors is None or len(factors) != head_dim // 2:
+            count = "missing" if factors is None else f"{len(factors)} values"
+            raise ValueError(f"rope_parameters.{key} must hold head_dim / 2 = {head_dim // 2} values, got {count}")
+        shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**shape)
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope_type == "linear":
         # Scaling positions by 1/factor is the same as scaling the frequencies.
@@ -41,6 +54,17 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
     if rope_type == "llama3":
         return _llama3_scaled(inv_freq, params)
     return inv_freq
+
+
+def attention_scaling(params: dict[str, Any], max_position: int) -> float:
+    """LongRoPE's factor on cos and sin, sqrt(1 + ln(scale) / ln(original context)); 1.0 for other kinds."""
+    if params["rope_type"] != "longrope":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    original = int(params["original_max_position_embeddings"])
+    factor = float(params.get("factor") or max_position / original)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -76,11 +100,18 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"max_position_embeddings must be positive, got {max_position}")
         self.head_dim = head_dim
         self.max_position = max_position
-        inv_freq = inverse_frequencies(head_dim, params)
-        freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        positions = torch.arange(max_position, dtype=torch.int64).float()[:, None]
+        freqs = positions * inverse_frequencies(head_dim, params)[None, :]
+        if params["rope_type"] == "longrope":
+            # Positions past the original context rotate by the long factors. transformers switches a whole
+            # sequence to them once it passes that length (recomputing the cache); per position, a sequence's
+            # earlier keys keep the rotation they were written with.
+            original = int(params["original_max_position_embeddings"])
+            freqs[original:] = positions[original:] * inverse_frequencies(head_dim, params, long=True)[None, :]
+        scaling = attention_scaling(params, max_position)
         # Not persistent: it is derived from the config, never part of a checkpoint.
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.register_buffer("cos_cache", freqs.cos() * scaling, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * scaling, persistent=False)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, D/2] for one step's positions; computed once per step and shared by every layer."""

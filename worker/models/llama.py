@@ -1,4 +1,6 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) written once for any tensor-parallel size."""
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3) written once for any tensor-parallel size.
+
+Phi-3's checkpoints fuse q/k/v and gate/up already (the fused layers split them on load) and may use LongRoPE."""
 
 from __future__ import annotations
 

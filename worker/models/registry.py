@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from worker.models.gemma import GemmaForCausalLM
 from worker.models.llama import LlamaForCausalLM
 from worker.models.mixtral import MixtralForCausalLM
 from worker.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -17,6 +18,9 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
@@ -28,6 +32,9 @@ _MODEL_TYPES: dict[str, type[nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "mixtral": MixtralForCausalLM,
+    "phi3": LlamaForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3_text": GemmaForCausalLM,
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
 }
