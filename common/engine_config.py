@@ -10,11 +10,6 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
 @dataclass(frozen=True)
 class CacheConfig:
     """KV cache geometry and memory budget."""
@@ -28,22 +23,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        _require(
-            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
-            f"block_size must be a power of two <= 128, got {self.block_size}",
-        )
-        _require(
-            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
-            f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}",
-        )
-        _require(
-            0.0 < self.gpu_memory_utilization <= 1.0,
-            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
-        )
-        _require(
-            self.num_gpu_blocks is None or self.num_gpu_blocks >= 1,
-            f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}",
-        )
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}")
+        if not (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0):
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not (self.num_gpu_blocks is None or self.num_gpu_blocks >= 1):
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
 
 
 @dataclass(frozen=True)
@@ -72,24 +59,18 @@ class SchedulerConfig:
         return self.max_sessions if self.max_sessions is not None else self.max_num_seqs
 
     def __post_init__(self) -> None:
-        _require(
-            self.max_waiting_requests is None or self.max_waiting_requests >= 1,
-            f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}",
-        )
-        _require(
-            self.max_num_batched_tokens >= 1, f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-        )
-        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        _require(
-            self.session_idle_timeout_s > 0, f"session_idle_timeout_s must be > 0, got {self.session_idle_timeout_s}"
-        )
-        _require(
-            self.max_sessions is None or self.max_sessions >= 1, f"max_sessions must be >= 1, got {self.max_sessions}"
-        )
-        _require(
-            self.max_model_len is None or self.max_model_len >= 1,
-            f"max_model_len must be >= 1, got {self.max_model_len}",
-        )
+        if not (self.max_waiting_requests is None or self.max_waiting_requests >= 1):
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if not self.max_num_batched_tokens >= 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not self.max_num_seqs >= 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not self.session_idle_timeout_s > 0:
+            raise ValueError(f"session_idle_timeout_s must be > 0, got {self.session_idle_timeout_s}")
+        if not (self.max_sessions is None or self.max_sessions >= 1):
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
+        if not (self.max_model_len is None or self.max_model_len >= 1):
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
 @dataclass(frozen=True)
@@ -101,17 +82,13 @@ class ObservabilityConfig:
     trace_sampling_ratio: float = 1.0
 
     def __post_init__(self) -> None:
-        _require(
-            self.otlp_traces_endpoint is None
-            or (isinstance(self.otlp_traces_endpoint, str) and bool(self.otlp_traces_endpoint.strip())),
-            "otlp_traces_endpoint must be a collector address such as 'http://localhost:4317', or None",
-        )
-        _require(
-            not isinstance(self.trace_sampling_ratio, bool)
-            and isinstance(self.trace_sampling_ratio, int | float)
-            and 0.0 <= self.trace_sampling_ratio <= 1.0,
-            f"trace_sampling_ratio must be in [0, 1], got {self.trace_sampling_ratio!r}",
-        )
+        endpoint, ratio = self.otlp_traces_endpoint, self.trace_sampling_ratio
+        if endpoint is not None and not (isinstance(endpoint, str) and endpoint.strip()):
+            raise ValueError(
+                "otlp_traces_endpoint must be a collector address such as 'http://localhost:4317', or None"
+            )
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"trace_sampling_ratio must be in [0, 1], got {ratio!r}")
 
 
 @dataclass(frozen=True)
@@ -141,9 +118,11 @@ class EngineConfig:
         return (self.model or "SmolLM2-135M-Instruct").rstrip("/").split("/")[-1]
 
     def __post_init__(self) -> None:
-        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        _require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
-        _require(
-            self.load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}"
-        )
-        _require(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if not self.tensor_parallel_size >= 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
