@@ -75,7 +75,6 @@ class SchedulerStats:
     num_prefix_query_tokens: int = 0
     num_computed_tokens: int = 0
     num_mixed_steps: int = 0  # steps with a partial prefill chunk next to decodes
-    peak_live_tokens: int = 0
     peak_used_slots: int = 0
     peak_utilisation: float = 0.0
     peak_running: int = 0  # most sequences holding KV blocks at once
@@ -94,5 +93,4 @@ class SchedulerStats:
             if slots > self.peak_used_slots:
                 self.peak_utilisation = 0.0
             self.peak_used_slots = slots
-            self.peak_live_tokens = max(self.peak_live_tokens, live)
             self.peak_utilisation = max(self.peak_utilisation, live / slots)

@@ -47,7 +47,6 @@ class RoutedEngineClient:
         model_name: str | None = None,
         max_model_len: int | None = None,
         vocab_size: int | None = None,
-        router: Router | None = None,
     ) -> None:
         if not isinstance(replicas, dict) or not replicas:
             raise ValueError("replicas must be a non-empty dict of name -> EngineClient")
@@ -55,7 +54,7 @@ class RoutedEngineClient:
         self.model_name = model_name if model_name is not None else first.model_name
         self.max_model_len = max_model_len if max_model_len is not None else first.max_model_len
         self.vocab_size = vocab_size if vocab_size is not None else first.vocab_size
-        self.router = router if router is not None else Router(policy, block_size=block_size)
+        self.router = Router(policy, block_size=block_size)
         self.metrics_registry = RouterMetrics(self.model_name)
         self._clients: dict[str, EngineClient] = {}
         self._open: dict[str, OpenRequest] = {}
