@@ -116,12 +116,14 @@ def engine_config(values: Mapping[str, Any] | None = None, /, **kwargs: Any) -> 
 
 
 def add_engine_arguments(
-    parser: argparse.ArgumentParser | argparse._ArgumentGroup, exclude: tuple[str, ...] = ()
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    exclude: tuple[str, ...] = (),
+    only: tuple[str, ...] | None = None,
 ) -> None:
-    """One flag per engine argument, with its EngineConfig default; `exclude` names those the command's own flags
-    of the same spelling stand for (they then keep their defaults)."""
+    """One flag per engine argument (or per one of `only`), with its EngineConfig default; `exclude` names those the
+    command's own flags of the same spelling stand for (they then keep their defaults)."""
     for arg in ENGINE_ARGS:
-        if arg.name in exclude:
+        if arg.name in exclude or (only is not None and arg.name not in only):
             continue
         default = arg.default
         if arg.type is bool:

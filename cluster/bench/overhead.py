@@ -20,6 +20,7 @@ from cluster.bench.overhead_report import build_report, format_report
 from cluster.bench.step_phases import counter_total, outside_forward, totals_from_registry, totals_from_text
 from cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
 from cluster.bench.workload import BenchRequest, describe, random_workload, throughput
+from common.engine_args import add_engine_arguments
 
 WARMUP_REQUESTS = 16
 WARMUP_OUTPUT_LEN = 4
@@ -42,18 +43,8 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--num-kv-heads", type=int, default=defaults.num_kv_heads)
     model.add_argument("--intermediate-size", type=int, default=defaults.intermediate_size)
     model.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    engine.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"))
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    engine.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="overlapped steps on or off (offline and serve); default: the engine's (on for GPUs and for worker "
-        "processes, off for an in-process CPU rank)",
-    )
+    engine = parser.add_argument_group("engine", "the offline LLM's and each pagerail serve's")
+    add_engine_arguments(engine, only=("device", "dtype", "block_size", "max_num_batched_tokens", "async_scheduling"))
     engine.add_argument(
         "--cpus-per-worker", type=float, default=None, help="passed to each pagerail serve (default: the server's)"
     )
