@@ -54,11 +54,15 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("load_format", "", str, "dummy: random weights of the model's shape", LOAD_FORMATS),
     EngineArg("seed", "", int, "seed of the ranks' random state (unseeded sampling, dummy weights)"),
     EngineArg("tensor_parallel_size", "", int, "ranks that share each layer of one replica"),
+    EngineArg(
+        "enable_expert_parallel",
+        "",
+        bool,
+        "MoE models: each tensor-parallel rank holds whole experts instead of a slice of every expert",
+    ),
     EngineArg("enforce_eager", "", bool, "run every step eagerly: no CUDA graphs for decode steps on GPU ranks"),
     EngineArg("block_size", "cache", int, "tokens per KV-cache block (a power of two <= 128)"),
-    EngineArg(
-        "kv_cache_memory_bytes", "cache", int, "bytes of KV cache per rank (default: from free memory on GPUs)"
-    ),
+    EngineArg("kv_cache_memory_bytes", "cache", int, "bytes of KV cache per rank (default: from free memory on GPUs)"),
     EngineArg("gpu_memory_utilization", "cache", float, "share of a GPU's memory the rank may use, in (0, 1]"),
     EngineArg("num_gpu_blocks", "cache", int, "a fixed KV-cache size in blocks, overriding the memory budget"),
     EngineArg("enable_prefix_caching", "cache", bool, "reuse KV blocks of prompts that share a prefix"),

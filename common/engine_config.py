@@ -104,6 +104,9 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     tensor_parallel_size: int = 1
+    # Mixture-of-experts models: each tensor-parallel rank holds whole experts (a 1/size share of them) instead of
+    # a 1/size slice of every expert.
+    enable_expert_parallel: bool = False
     # Run every step eagerly; False lets CUDA ranks replay captured CUDA graphs for decode-only steps.
     enforce_eager: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -13,6 +13,7 @@ from tests.parity import compare, engine_greedy, reference_greedy  # noqa: E402
 from tests.ray_start import start_ray  # noqa: E402
 from tests.test_moe_engine import NEW_TOKENS, PROMPTS  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
+from worker.model_loader import load_hf_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -24,13 +25,32 @@ def local_ray():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
-def test_tp2_matches_transformers(local_ray, kind, tmp_path):
+def _moe_bytes(metrics_text: str) -> float:
+    lines = [line for line in metrics_text.splitlines() if line.startswith("pagerail_moe_collective_bytes_total")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+# Experts split by columns, and (with the shared expert) whole experts per rank.
+@pytest.mark.parametrize(("kind", "expert_parallel"), [("qwen3_moe", False), ("qwen2_moe", True)])
+def test_tp2_matches_transformers(local_ray, kind, expert_parallel, tmp_path):
     model_dir = make_tiny_model(kind, tmp_path / kind)
-    llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=128, tensor_parallel_size=2)
+    llm = LLM(
+        str(model_dir),
+        block_size=4,
+        num_gpu_blocks=128,
+        tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    )
     try:
         ours = engine_greedy(llm, PROMPTS, NEW_TOKENS)
+        metrics = ray.get(llm._cluster.heads[0].metrics.remote())
     finally:
         llm.shutdown()
     report = compare(ours, reference_greedy(model_dir, PROMPTS, NEW_TOKENS))
     assert report.identical == report.total, report.divergences
+    # The step telemetry counts what every rank put into the MoE all-reduces: whole [tokens, hidden] fp32 rows,
+    # one per MoE layer, at least one per generated token.
+    config = load_hf_config(model_dir)
+    row = config.hidden_size * 4 * config.num_hidden_layers
+    moe_bytes = _moe_bytes(metrics)
+    assert moe_bytes >= row * NEW_TOKENS * len(PROMPTS) and moe_bytes % row == 0

@@ -23,6 +23,7 @@ from worker.host_readback import HostReadback, to_host
 from worker.input_batch import FlatBatch
 from worker.input_buffers import InputBuffers
 from worker.layers.attention import decode_path
+from worker.layers.moe import moe_comm_bytes
 from worker.parallel_state import TensorParallelGroup
 from worker.penalty_state import PenaltyState
 from worker.request_state import RequestState, RequestStates, sampling_row
@@ -92,6 +93,8 @@ class ModelRunner:
         # from `tokenizer_dir` on first use.
         self.constraints = ConstraintMatchers(tokenizer_dir, model.config.vocab_size) if tp.rank == 0 else None
         dtype = next(model.parameters()).dtype
+        # What the MoE layers' all-reduces move per token of a step, from the shapes (CUDA-graph replays too).
+        self.moe_bytes_per_token = moe_comm_bytes(model, 1)
         # Which attention runs here is fixed now; each step picks its backend from it (worker/attention_backends/).
         self.attention = AttentionSettings.for_model(model, device, dtype, block_size)
         self.inputs = InputBuffers(
@@ -208,6 +211,8 @@ class ModelRunner:
                 events[1].synchronize()
                 result.forward_seconds = events[0].elapsed_time(events[1]) / 1000.0
         result.compute_seconds = time.perf_counter() - started
+        if self.moe_bytes_per_token and flat is not None:
+            result.moe_collective_bytes = self.moe_bytes_per_token * flat.input_ids.shape[0]
         return result
 
     def _forward(self, flat: FlatBatch) -> torch.Tensor:

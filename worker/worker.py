@@ -67,7 +67,13 @@ class Worker:
             # Another node resolved the model; fetch or convert it on this one the same way.
             model_dir = resolve_model_dir(config.engine.model)
         self.model = load_model(
-            model_dir, tp, self.dtype, self.device, load_format=config.engine.load_format, seed=config.engine.seed
+            model_dir,
+            tp,
+            self.dtype,
+            self.device,
+            load_format=config.engine.load_format,
+            seed=config.engine.seed,
+            enable_expert_parallel=config.engine.enable_expert_parallel,
         )
         engine = config.engine
         cache, scheduler = engine.cache, engine.scheduler

@@ -248,7 +248,7 @@ class EngineCore:
         sampled, logprobs = unpack_result(result)
         changed = self.scheduler.update_from_output(step.out, sampled, frozenset(result.constraint_done), logprobs)
         self.metrics.observe_step(self, step.out, result, step.dispatched - step.started, waited, changed)
-        end_step_span(step.span)
+        end_step_span(step.span, result=result)
         return changed
 
     def _abandon_inflight(self) -> None:

@@ -86,6 +86,10 @@ class EngineMetrics:
         self.dispatch_bytes = counter(
             "dispatch_bytes", "Bytes of step messages between head and ranks.", ("direction", "rank")
         )
+        self.moe_collective_bytes = counter(
+            "moe_collective_bytes",
+            "Bytes each rank put into the mixture-of-experts all-reduces (expert or tensor parallel experts).",
+        )
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
@@ -107,6 +111,7 @@ class EngineMetrics:
         self._seen_preemptions = 0
         self._seen_prefix = (0, 0)
         self._seen_restarts = 0
+        self._moe_bytes = self.moe_collective_bytes.labels(name)
 
     # -- per step (engine loop thread) ----------------------------------------------------------
 
@@ -137,6 +142,8 @@ class EngineMetrics:
         phases["sample"].observe(max(0.0, compute - forward - constrain))
         if constrain:
             phases["constrain"].observe(constrain)
+        if result.moe_collective_bytes:
+            self._moe_bytes.inc(result.moe_collective_bytes)
         self._observe_tokens(changed, now)
         self._observe_dispatch(engine)
 

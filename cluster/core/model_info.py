@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.attention_windows import uniform_sliding_window
+from common.engine_config import EngineConfig
+from common.expert_parallel import check_expert_parallel, num_routed_experts
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,15 @@ class ModelInfo:
     # The window when every layer attends over the same sliding window: the block table can then release blocks
     # that left it. None when any layer attends over the whole context.
     sliding_window: int | None = None
+    model_type: str | None = None
+    num_routed_experts: int = 0  # experts per MoE layer; 0 for a dense model
+
+    def check_engine(self, config: EngineConfig) -> None:
+        """Refuse, before any rank starts, engine settings this model cannot run (expert parallelism without
+        experts, or over ranks its experts do not divide among)."""
+        if config.enable_expert_parallel:
+            fields = {"model_type": self.model_type, "num_experts": self.num_routed_experts}
+            check_expert_parallel(fields, config.tensor_parallel_size)
 
     def context_limit(self, max_model_len: int | None) -> int:
         """The context the model is served with: what was asked for (None: all it has), never beyond its own."""
@@ -67,4 +78,6 @@ def read_model_info(model_dir: Path) -> ModelInfo:
         vocab_size=int(text_config["vocab_size"]),
         eos_token_ids=eos,
         sliding_window=uniform_sliding_window(text_config),
+        model_type=text_config.get("model_type"),
+        num_routed_experts=num_routed_experts(text_config),
     )

@@ -94,7 +94,11 @@ def dispatch_span(step: trace.Span, batch: step_pb2.StepBatch) -> AbstractContex
     )
 
 
-def end_step_span(step: trace.Span, error: BaseException | None = None) -> None:
+def end_step_span(
+    step: trace.Span, error: BaseException | None = None, result: step_pb2.StepResult | None = None
+) -> None:
+    if result is not None and result.moe_collective_bytes and step.is_recording():
+        step.set_attribute("pagerail.moe_collective_bytes", result.moe_collective_bytes)
     if error is not None and step.is_recording():
         step.record_exception(error)
         step.set_status(trace.StatusCode.ERROR, str(error))

@@ -46,6 +46,7 @@ class HeadActor:
         )
         model_dir = locate_model(config)
         info = read_model_info(model_dir)
+        info.check_engine(config)
         self.group = WorkerGroup(
             worker_config(config, model_dir),
             config.tensor_parallel_size,

@@ -52,6 +52,7 @@ class LLM:
         self.config = engine_config(engine_args, model=model)
         self.model_dir = locate_model(self.config)
         info = read_model_info(self.model_dir)
+        info.check_engine(self.config)
         self._vocab_size = info.vocab_size
         self.tokenizer = _load_tokenizer(self.config.tokenizer or self.model_dir)
         self._ids = itertools.count()
