@@ -27,36 +27,24 @@ from pathlib import Path
 import ray
 
 from cluster import LLM, SamplingParams
+from cluster.bench.tiny_llama import TinyLlamaShape, hf_config
 from cluster.core.engine_request import EngineRequest
 
-TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 1024,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "eos_token_id": 2,
-    "tie_word_embeddings": True,
-}
+# Dummy weights of a tiny Llama: the step's compute is small next to its dispatch.
+TINY_SHAPE = TinyLlamaShape(hidden_size=64, intermediate_size=128)
 
 
 def dispatch_figures(tp: int, sizes: list[int], max_tokens: int, async_scheduling: bool | None = None) -> list[dict]:
     model_dir = Path(tempfile.mkdtemp()) / "tiny"
     model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(TINY_CONFIG))
+    (model_dir / "config.json").write_text(json.dumps(hf_config(TINY_SHAPE)))
     ray.init(num_cpus=tp + 2, include_dashboard=False, log_to_driver=False)
     # ray_address: a head actor and worker ranks over gRPC even at tensor-parallel size 1.
     llm = LLM(
         str(model_dir), load_format="dummy", tensor_parallel_size=tp, num_gpu_blocks=8192, max_num_seqs=512,
         ray_address="auto", async_scheduling=async_scheduling,
     )
-    head = llm._remote.head
+    head = llm._cluster.heads[0]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rows = []
     try:
