@@ -51,12 +51,10 @@ class TlsConfig:
             root_certificates=_read_pem(ca, "CA certificate"),
         )
 
-    def server_credentials(self, require_client_auth: bool = False) -> grpc.ServerCredentials:
-        """Credentials for a worker's server; clients authenticate with the bearer token unless asked for certs."""
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Credentials for a worker's server; its clients authenticate with the bearer token."""
         return grpc.ssl_server_credentials(
-            [(self.private_key, self.cert_chain)],
-            root_certificates=self.root_certificates,
-            require_client_auth=require_client_auth,
+            [(self.private_key, self.cert_chain)], root_certificates=self.root_certificates
         )
 
     def channel_credentials(self) -> grpc.ChannelCredentials:

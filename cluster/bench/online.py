@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -164,12 +165,9 @@ async def _run_closed_loop(run_one, count: int, concurrency: int, ramp_up: float
 
 async def _run_poisson(run_one, count: int, rate: float, limit: int | None, seed: int) -> None:
     rng = random.Random(seed)
-    gate = asyncio.Semaphore(limit) if limit else None
+    gate = asyncio.Semaphore(limit) if limit else contextlib.nullcontext()
 
     async def gated(index: int) -> None:
-        if gate is None:
-            await run_one(index)
-            return
         async with gate:
             await run_one(index)
 

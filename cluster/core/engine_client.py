@@ -8,9 +8,6 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from cluster.core.engine_request import EngineRequest
-from cluster.core.errors import QueueFullError
-
-__all__ = ["EngineClient", "EngineRequest", "QueueFullError", "RequestDelta", "merge_deltas", "read_deltas"]
 
 
 @dataclass

@@ -60,7 +60,6 @@ class Request:
     # scheduled before then no longer advances it.
     epoch: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    num_preemptions: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit on the latest admission
     error: str | None = None  # why the engine gave up on it, when it did
     # What kind of failure `error` is: "worker_failure" (retriable), "session_idle_timeout", "quarantined".

@@ -361,7 +361,6 @@ class Scheduler:
         request.num_inflight_tokens = 0
         request.epoch += 1
         request.needs_resync = False
-        request.num_preemptions += 1
         self.stats.num_preemptions += 1
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:

@@ -68,7 +68,6 @@ class RemoteExecutor:
         step_timeout_s: float = 300.0,
         dead_ranks: Callable[[], list[int]] | None = None,
         liveness_interval_s: float = 1.0,
-        open_timeout_s: float = 30.0,
     ) -> None:
         """`dead_ranks`: asked every `liveness_interval_s` while a step runs, the ranks whose process is known dead
         (a rank on a lost node may leave its connection open until the deadline); it must not block.
@@ -85,7 +84,7 @@ class RemoteExecutor:
         self.stats = DispatchStats()
         self._streams: StepStreams | None = None
         try:
-            streams = StepStreams(addresses, auth_metadata(token), tls, self._on_reply, self._on_end, open_timeout_s)
+            streams = StepStreams(addresses, auth_metadata(token), tls, self._on_reply, self._on_end)
         except StepStreamError as error:
             raise WorkerGroupError(str(error)) from error
         with self._lock:

@@ -10,7 +10,8 @@ from typing import Any
 
 import grpc
 
-from cluster.core.engine_client import QueueFullError, RequestDelta
+from cluster.core.engine_client import RequestDelta
+from cluster.core.errors import QueueFullError
 from cluster.core.sampling_params import SamplingParams
 from cluster.core.structured_outputs import StructuredOutputs
 from cluster.frontend.output_processor import ChoiceDelta
