@@ -162,9 +162,11 @@ class LLM:
     # -- internals -----------------------------------------------------------------------------
 
     def _encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self._require_tokenizer().encode(prompt))
-        return list(prompt)
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError(f"the model at {self.model_dir} has no tokenizer; pass prompts as token id lists")
+        return list(self.tokenizer.encode(prompt))
 
     def _check_constraints(self, params_list: list[SamplingParams]) -> None:
         """Compile every distinct output constraint before anything is queued; GrammarError names the field."""
@@ -172,11 +174,6 @@ class LLM:
             if self.tokenizer is None:
                 raise GrammarError("structured_outputs", f"{self.model_dir} has no tokenizer to compile with")
             check_constraint(constraint.kind, constraint.spec, TOKENIZERS.for_hf(self.tokenizer, self._vocab_size))
-
-    def _require_tokenizer(self):
-        if self.tokenizer is None:
-            raise ValueError(f"the model at {self.model_dir} has no tokenizer; pass prompts as token id lists")
-        return self.tokenizer
 
     def _run_in_process(self, outputs: list[RequestOutput], params_list: list[SamplingParams]) -> None:
         """Submit every choice to the engine loop and fold its deltas in as each step hands them over."""

@@ -308,20 +308,19 @@ def build_grpc_server(
     host: str = "127.0.0.1",
     port: int = 0,
     api_key: str | None = None,
-    ready: Callable[[], Awaitable[bool]] | None = None,
     health: EngineHealth | None = None,
     tls: ServerTls | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """An unstarted grpc.aio server with Generation, Health and reflection, and the port it bound (port=0: any).
 
-    Health follows `ready` (default: engine.is_ready); pass your own `health` to flip it with set_serving().
+    Health follows engine.is_ready; pass your own `health` to flip it with set_serving().
     With `tls` the port speaks TLS only (and asks for client certificates when tls.client_ca is set).
     Call from inside the event loop that will run the server.
     """
     interceptors = [ApiKeyInterceptor(api_key)] if api_key is not None else []
     server = grpc.aio.server(interceptors=interceptors)
     api_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, tokenizer), server)
-    health = health or EngineHealth(ready or engine.is_ready, (GENERATION_SERVICE,))
+    health = health or EngineHealth(engine.is_ready, (GENERATION_SERVICE,))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -68,7 +68,7 @@ class ServerState:
             )
 
 
-def create_app(state: ServerState, ready: Callable[[], Awaitable[bool]] | None = None) -> FastAPI:
+def create_app(state: ServerState) -> FastAPI:
     # FastAPI's own request spans would duplicate the request span GuardMiddleware opens (with gen_ai attributes).
     app = FastAPI(title="pagerail", version=VERSION, docs_url=None, redoc_url=None, telemetry={"tracing": False})
     app.state.server = state
@@ -97,8 +97,7 @@ def create_app(state: ServerState, ready: Callable[[], Awaitable[bool]] | None =
 
     @app.get("/ready")
     async def is_ready():
-        engine_ready = await (ready() if ready is not None else state.engine.is_ready())
-        if state.draining or not engine_ready:
+        if state.draining or not await state.engine.is_ready():
             return _error_response(unavailable("not ready" if not state.draining else "draining", 1))
         return {"status": "ready"}
 
