@@ -30,6 +30,7 @@ class Case:
     atol: float = 1e-4
     window: int = 0  # > 0: a sliding-window layer's last `window` positions only
     softcap: float = 0.0  # > 0: scores pass through softcap * tanh(score / softcap)
+    sinks: bool = False  # a random per-head sink logit joins each softmax's denominator (gpt-oss)
 
 
 CASES = [
@@ -49,6 +50,12 @@ CASES = [
     # Gemma 2's softcap, small enough to bind on these scores, with and without a split and a window.
     Case("softcap", 6, 2, 32, 16, (5, 23, 100), softcap=1.5),
     Case("softcap_split_window", 8, 2, 32, 16, (150, 1, 300), partition_size=64, window=70, softcap=2.0),
+    # gpt-oss's sinks: whole contexts, split ones (the reduce counts the sink once; partitions before the window
+    # are empty), with a window and in bf16.
+    Case("sinks", 6, 2, 32, 16, (1, 23, 100), sinks=True),
+    Case("sinks_split", 8, 2, 32, 16, (150, 1, 64, 129), partition_size=64, sinks=True),
+    Case("sinks_split_window", 8, 2, 64, 16, (150, 1, 300), partition_size=64, window=70, sinks=True),
+    Case("sinks_window_bf16", 8, 2, 64, 4, (9, 50), dtype="bfloat16", atol=2e-2, window=12, sinks=True),
 ]
 
 
@@ -78,9 +85,10 @@ def _reference(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather each sequence's context slot by slot (its last `window` positions when > 0) and run an fp64 softmax
-    over it (of softcapped scores when softcap > 0)."""
+    over it (of softcapped scores when softcap > 0, with each head's sink logit in the denominator when given)."""
     group = q.shape[1] // key_cache.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for seq, length in enumerate(context_lens.tolist()):
@@ -91,7 +99,11 @@ def _reference(
         scores = torch.einsum("hd,thd->ht", q[seq].double(), keys) * scale
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
-        out[seq] = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), values)
+        if sinks is not None:
+            weights = torch.cat([scores, sinks.double()[:, None]], dim=-1).softmax(dim=-1)[:, :-1]
+        else:
+            weights = scores.softmax(dim=-1)
+        out[seq] = torch.einsum("ht,thd->hd", weights, values)
     return out
 
 
@@ -112,6 +124,8 @@ def _max_error(case: Case, seed: int = 0) -> float:
     block_tables = block_tables.to(index_dtype)
     context_lens = torch.tensor(case.context_lens, dtype=index_dtype)
     scale = case.head_dim**-0.5
+    # Sinks of the scores' size, so they take a real share of each softmax.
+    sinks = torch.randn(case.num_heads, generator=generator) * 2.0 if case.sinks else None
 
     got = paged_decode_attention(
         q,
@@ -123,11 +137,12 @@ def _max_error(case: Case, seed: int = 0) -> float:
         scale,
         case.window,
         case.softcap,
+        sinks,
         partition_size=case.partition_size,
     )
     assert got.dtype == dtype and got.shape == q.shape
     want = _reference(
-        q, key_cache, value_cache, block_tables, context_lens, case.block_size, scale, case.window, case.softcap
+        q, key_cache, value_cache, block_tables, context_lens, case.block_size, scale, case.window, case.softcap, sinks
     )
     return (got.double() - want).abs().max().item()
 

@@ -34,6 +34,7 @@ class Case:
     atol: float = 1e-5
     window: int = 0  # > 0: the query at p sees keys p - window + 1 .. p only
     softcap: float = 0.0  # > 0: scores pass through softcap * tanh(score / softcap)
+    sinks: bool = False  # a random per-head sink logit joins each softmax's denominator (gpt-oss)
 
 
 CASES = [
@@ -54,6 +55,10 @@ CASES = [
     Case("window_1_fp16", 8, 2, 64, 4, ((9, 1), (75, 30), (33, 33)), dtype="float16", atol=3e-3, window=1),
     Case("softcap_window", 4, 2, 32, 16, ((90, 77), (37, 13), (200, 1)), window=19, softcap=1.5),
     Case("softcap_full", 6, 2, 64, 4, ((9, 1), (75, 30), (33, 33)), softcap=2.0),
+    # gpt-oss's sinks: with a window (alternating layers), without, in fp16, and beside an empty query range.
+    Case("sinks_window", 4, 2, 32, 16, ((90, 77), (37, 13), (200, 1), (5, 5)), window=19, sinks=True),
+    Case("sinks_full_gqa3", 6, 2, 64, 4, ((9, 1), (75, 30), (33, 33), (10, 0)), sinks=True),
+    Case("sinks_fp16", 8, 2, 64, 16, ((9, 1), (150, 40), (33, 33)), dtype="float16", atol=3e-3, sinks=True),
 ]
 
 
@@ -84,9 +89,11 @@ def reference_attention(
     scale: float,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gather each sequence's context slot by slot; fp64 causal softmax of its queries over it (over the last
-    `window` positions up to each query when > 0, of softcapped scores when softcap > 0)."""
+    `window` positions up to each query when > 0, of softcapped scores when softcap > 0, with each head's sink
+    logit in the denominator when given)."""
     group = q.shape[1] // key_cache.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
     starts = query_starts.tolist()
@@ -106,7 +113,12 @@ def reference_attention(
         if window:
             hidden |= positions[None, :] <= query_positions[:, None] - window
         scores = scores.masked_fill(hidden[None], float("-inf"))
-        out[first:last] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
+        if sinks is not None:
+            column = sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)
+            weights = torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            weights = scores.softmax(dim=-1)
+        out[first:last] = torch.einsum("hqk,khd->qhd", weights, values)
     return out
 
 
@@ -130,10 +142,13 @@ def _max_error(case: Case, seed: int = 0) -> float:
     block_tables = block_tables.to(index_dtype)
     scale = case.head_dim**-0.5
 
+    # Sinks of the scores' size, so they take a real share of each softmax.
+    sinks = torch.randn(case.num_heads, generator=generator) * 2.0 if case.sinks else None
+
     args = (q, key_cache, value_cache, block_tables, query_starts, context_lens, case.block_size, scale)
-    got = paged_mixed_attention(*args, case.window, case.softcap)
+    got = paged_mixed_attention(*args, case.window, case.softcap, sinks)
     assert got.dtype == dtype and got.shape == q.shape
-    want = reference_attention(*args, case.window, case.softcap)
+    want = reference_attention(*args, case.window, case.softcap, sinks)
     return (got.double() - want).abs().max().item()
 
 
@@ -180,6 +195,7 @@ BAD_INPUTS = [
     ("query_starts", torch.tensor([0, 1, 3], dtype=torch.int32), "run from 0 to the 4 query tokens"),
     ("context_lens", torch.tensor([5, 2], dtype=torch.int32), "sequence 1"),
     ("block_tables", torch.zeros(2, 1, dtype=torch.int32), "exceeds the block table's 4 slots"),
+    ("sinks", torch.zeros(3), r"sinks must be float \[num_heads=4\], got torch.float32 \(3,\)"),
 ]
 
 

@@ -107,8 +107,19 @@ class Attention(nn.Module):
         self._window = sliding_window or 0
         self.kv_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, heads*head_dim], k/v: [T, kv_heads*head_dim] → [T, heads*head_dim]."""
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """q: [T, heads*head_dim], k/v: [T, kv_heads*head_dim] → [T, heads*head_dim].
+
+        `sinks` [heads] float32 (gpt-oss): a learned logit per head that joins each query's softmax denominator
+        and carries no value, so a head can attend to nothing. This rank's heads only.
+        """
         num_tokens = q.shape[0]
         key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
         kernels = cpu_fused.fused_kernels() if key_cache.device.type == "cpu" else None
@@ -135,6 +146,7 @@ class Attention(nn.Module):
                 self.scale,
                 self._window,
                 self._softcap,
+                sinks,
             )
             return out.view(num_tokens, self.num_heads * self.head_dim)
 
@@ -152,15 +164,17 @@ class Attention(nn.Module):
                     self.scale,
                     self._window,
                     self._softcap,
+                    sinks,
                 )
                 return out.reshape(num_tokens, self.num_heads * self.head_dim)
         n = meta.num_decodes
         if n == num_tokens:
             # A decode-only step: the kernel's output is the whole answer, no copy into a larger one.
-            return self._decode(q, key_cache, value_cache, meta).reshape(num_tokens, self.num_heads * self.head_dim)
+            out = self._decode(q, key_cache, value_cache, meta, sinks)
+            return out.reshape(num_tokens, self.num_heads * self.head_dim)
         out = torch.empty_like(q)
         if n:
-            out[:n] = self._decode(q[:n], key_cache, value_cache, meta)
+            out[:n] = self._decode(q[:n], key_cache, value_cache, meta, sinks)
         for span in meta.prefills:
             queries = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
             if span.context_blocks is None:
@@ -170,17 +184,18 @@ class Attention(nn.Module):
                 keys = self._gather(key_cache, span.context_blocks, meta.block_size)[:, : span.context_len]
                 values = self._gather(value_cache, span.context_blocks, meta.block_size)[:, : span.context_len]
             mask = span.mask if self.sliding_window is None else self._windowed_span_mask(span, meta)
-            if self.logit_softcap is not None:
+            if self.logit_softcap is not None or sinks is not None:
                 if mask is None:
                     mask = torch.ones(keys.shape[1], keys.shape[1], dtype=torch.bool, device=keys.device).tril()
                 group = self.num_heads // self.num_kv_heads
-                attended = softcapped_attention(
+                attended = explicit_attention(
                     queries,
                     keys.repeat_interleave(group, 0).unsqueeze(0),
                     values.repeat_interleave(group, 0).unsqueeze(0),
                     mask,
                     self.scale,
                     self.logit_softcap,
+                    None if sinks is None else sinks.view(1, self.num_heads, 1, 1),
                 )
             else:
                 attended = F.scaled_dot_product_attention(
@@ -223,7 +238,12 @@ class Attention(nn.Module):
         return gathered.view(self.num_kv_heads, -1, self.head_dim)
 
     def _decode(
-        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One query token per sequence, batched over every decode in the step."""
         path = decode_path(q.device, self.num_heads, self.num_kv_heads, self.head_dim, q.dtype)
@@ -239,6 +259,7 @@ class Attention(nn.Module):
                 self.scale,
                 self._window,
                 self._softcap,
+                sinks,
             )
         if path == "native":
             return native_kernel().decode(
@@ -251,6 +272,7 @@ class Attention(nn.Module):
                 self.scale,
                 self._window,
                 self._softcap,
+                sinks,
             )
         n = q.shape[0]
         group = self.num_heads // self.num_kv_heads
@@ -271,26 +293,42 @@ class Attention(nn.Module):
                 # Built once per step, by the first layer that needs it, from the context lengths on the device.
                 meta.decode_mask = decode_key_mask(meta.decode_context_lens, keys.shape[2])
             mask = meta.decode_mask
-        if self.logit_softcap is not None:
-            attended = softcapped_attention(queries, keys, values, mask, self.scale, self.logit_softcap)
+        if self.logit_softcap is not None or sinks is not None:
+            # Scores are [n, kv_heads, group, ctx]: query head h is (h // group, h % group).
+            head_sinks = None if sinks is None else sinks.view(1, self.num_kv_heads, -1, 1)
+            attended = explicit_attention(queries, keys, values, mask, self.scale, self.logit_softcap, head_sinks)
         else:
             attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=self.scale)
         return attended.reshape(n, self.num_heads, self.head_dim)
 
 
-def softcapped_attention(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, cap: float
+def explicit_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax(cap * tanh(q k^T * scale / cap), masked) v, in the order transformers' eager Gemma 2 computes it.
+    """softmax(cap * tanh(q k^T * scale / cap), masked) v, in the order transformers' eager Gemma 2 computes it;
+    with `sinks`, each row's softmax runs over its scores and its head's sink, whose weight is then dropped
+    (transformers' eager gpt-oss).
 
     q [..., q_len, d], k/v [..., k_len, d] broadcastable to q's leading dimensions, mask [..., q_len, k_len] True
-    where a key is visible. SDPA has no softcap, so this is the torch paths' attention for such layers.
+    where a key is visible, sinks broadcastable to [..., q_len, 1]. SDPA has neither softcap nor sinks, so this is
+    the torch paths' attention for such layers.
     """
     scores = torch.matmul(queries, keys.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / cap) * cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    return torch.matmul(weights, values)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(weights.to(values.dtype), values)
 
 
 def decode_path(device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> str:

@@ -32,9 +32,9 @@ class NativeKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fn = library.paged_decode_attention_f32
         self._fn.restype = None
-        # 6 pointers, 7 sizes, the scale, the sliding window and the softcap.
+        # 6 pointers, 7 sizes, the scale, the sliding window, the softcap and the sinks (a nullable pointer).
         self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
-        self._fn.argtypes += [ctypes.c_int64, ctypes.c_float]
+        self._fn.argtypes += [ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
         max_group, max_head_dim = ctypes.c_int64(), ctypes.c_int64()
         library.paged_attention_limits(ctypes.byref(max_group), ctypes.byref(max_head_dim))
         self.max_group = max_group.value
@@ -58,15 +58,21 @@ class NativeKernel:
         scale: float,
         sliding_window: int = 0,
         softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [n, heads, d]; caches [kv_heads, slots, d]; block_table [n, max_blocks] int64 → [n, heads, d].
 
         With `sliding_window` > 0 each query attends only to the last that many positions of its context; with
-        `softcap` > 0 its scores pass through softcap * tanh(score / softcap) first."""
+        `softcap` > 0 its scores pass through softcap * tanh(score / softcap) first; `sinks` [heads] adds
+        exp(sinks[h]) to head h's softmax denominator (a logit with no value)."""
         q = q.contiguous()
         out = torch.empty_like(q)
         n, num_heads, head_dim = q.shape
         num_kv_heads, num_slots, _ = key_cache.shape
+        if sinks is not None:
+            if sinks.shape != (num_heads,):
+                raise ValueError(f"sinks must be [num_heads={num_heads}], got shape {tuple(sinks.shape)}")
+            sinks = sinks.to(torch.float32).contiguous()
         self._fn(
             q.data_ptr(),
             key_cache.data_ptr(),
@@ -84,6 +90,7 @@ class NativeKernel:
             scale,
             sliding_window,
             softcap,
+            None if sinks is None else sinks.data_ptr(),
         )
         return out
 

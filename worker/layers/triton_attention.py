@@ -4,45 +4,28 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs never reach this path; the SDPA gather covers them.
-    triton = None
-    tl = None
+from worker.layers.triton_common import (
+    INTERPRETED,
+    LOG2E,
+    TL_DTYPES,
+    check_sinks,
+    dot_operands,
+    softcapped,
+    tl,
+    triton,
+    triton_available,
+)
 
-# triton decides at decoration time whether a kernel is compiled or interpreted, so record it once, here.
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+# Imported from here by tests and the attention layer.
+__all__ = ["INTERPRETED", "paged_decode_attention", "triton_available"]
 
 # Context tokens one split program covers before its partial result is merged by the reduce kernel.
 _DEFAULT_PARTITION_SIZE = 512
 # More partitions than this would make the reduce kernel hold too large a [partitions, head_dim] tile.
 _MAX_PARTITIONS = 64
-
-TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if tl else {}
-
-
-def triton_available(device: torch.device | str) -> bool:
-    """True when the kernel can run on `device`: triton imports and the device is CUDA, or the interpreter is on."""
-    if triton is None:
-        return False
-    return INTERPRETED or torch.device(device).type == "cuda"
-
-
-def dot_operands(cache_dtype: torch.dtype) -> dict[str, object]:
-    """The DOT_DTYPE and DOT_PRECISION kernel arguments for K/V stored as `cache_dtype`.
-
-    tl.dot wants both operands in one dtype, so K/V feed it as stored. The interpreter keeps bf16 as raw uint16
-    bits and its tl.dot multiplies those bits, so there bf16 goes through fp32. fp32 operands ask for full
-    precision instead of silently dropping to TF32 on tensor cores.
-    """
-    dot_dtype = torch.float32 if INTERPRETED and cache_dtype == torch.bfloat16 else cache_dtype
-    return {"DOT_DTYPE": TL_DTYPES[dot_dtype], "DOT_PRECISION": "ieee" if dot_dtype == torch.float32 else None}
-
 
 # Plain int arguments that change from step to step are not specialised: Triton would otherwise compile a variant
 # per "== 1" / "divisible by 16" pattern of them (a step with one partition, a table 16 blocks wide, ...), each
@@ -51,13 +34,6 @@ def dot_operands(cache_dtype: torch.dtype) -> dict[str, object]:
 _DECODE_DYNAMIC = ("partition_size", "window", "num_partitions", "stride_table_seq")
 
 if triton is not None:
-
-    @triton.jit
-    def softcapped(scores, softcap):
-        """cap * tanh(s / cap) for scores s in the exp2 domain (qk_scale carries log2(e)); `softcap` is the cap
-        times log2(e), so the cap applies to the natural-log score. tanh(x) = 1 - 2 / (exp(2x) + 1), from exp
-        alone, which every backend and the interpreter have."""
-        return softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
 
     @triton.jit(do_not_specialize=_DECODE_DYNAMIC)
     def _paged_decode_kernel(
@@ -70,6 +46,7 @@ if triton is not None:
         part_max_ptr,
         part_sum_ptr,
         part_acc_ptr,
+        sinks_ptr,
         qk_scale,
         softcap,
         partition_size,
@@ -93,6 +70,7 @@ if triton is not None:
         TILE: tl.constexpr,
         SPLIT: tl.constexpr,
         SOFTCAP: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
@@ -127,6 +105,11 @@ if triton is not None:
         # Online softmax state in the exp2 domain (qk_scale already carries log2(e)).
         row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         row_sum = tl.zeros([GROUP_PAD], tl.float32)
+        if HAS_SINKS and not SPLIT:
+            # The sink is a score with no value: it starts the online softmax as its first term, exp2(0) = 1 at
+            # its own max. Split partials leave it to the reduce kernel, which counts it once.
+            row_max = tl.load(sinks_ptr + heads, mask=group_mask, other=0.0).to(tl.float32) * LOG2E
+            row_sum = tl.full([GROUP_PAD], 1.0, tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
 
         # A KV head's offset in a cache of more than 2**31 elements overflows int32.
@@ -190,6 +173,7 @@ if triton is not None:
         part_sum_ptr,
         part_acc_ptr,
         context_lens_ptr,
+        sinks_ptr,
         partition_size,
         num_heads,
         num_partitions,
@@ -199,6 +183,7 @@ if triton is not None:
         HEAD_DIM_PAD: tl.constexpr,
         PARTITIONS_PAD: tl.constexpr,
         PARTITION_CHUNK: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):
         # One program per (sequence, query head): merge the partial softmax results of its partitions.
         seq = tl.program_id(0)
@@ -215,7 +200,13 @@ if triton is not None:
         part_max = tl.load(part_max_ptr + part_index, mask=part_mask, other=float("-inf"))
         part_sum = tl.load(part_sum_ptr + part_index, mask=part_mask, other=0.0)
         top = tl.max(part_max, axis=0)
+        if HAS_SINKS:
+            # The head's sink joins the merge as one more partial: its max, a sum of 1, no output.
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
+            top = tl.maximum(top, sink)
         total = tl.sum(part_sum * tl.where(part_mask, tl.exp2(part_max - top), 0.0), axis=0)
+        if HAS_SINKS:
+            total += tl.exp2(sink - top)
 
         # The partial outputs are summed a chunk of partitions at a time: all 64 rows of a wide head at once
         # would not fit the registers of four warps.
@@ -267,10 +258,13 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     *,
     partition_size: int | None = None,
 ) -> torch.Tensor:
     """q [n, H, D] attends over its paged context (its last `sliding_window` positions when > 0) → [n, H, D].
+
+    `sinks` [H] (any float dtype) adds exp(sinks[h]) to head h's softmax denominator: a logit with no value.
 
     key_cache/value_cache are [num_slots, KVH, D] with slot = block_id * block_size + offset. block_tables
     [n, max_blocks] and context_lens [n] are int32 (int64 is accepted too); context_lens counts the token
@@ -298,6 +292,7 @@ def paged_decode_attention(
     # The kernels index the last dimension with unit stride.
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError("key/value cache must be contiguous in head_dim")
+    check_sinks(sinks, num_heads, q.device)
 
     out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
@@ -343,6 +338,7 @@ def paged_decode_attention(
         part_max,
         part_sum,
         part_acc,
+        out if sinks is None else sinks.contiguous(),  # never read without sinks
         scale * math.log2(math.e),
         softcap * math.log2(math.e),
         partition_size or 0,
@@ -366,6 +362,7 @@ def paged_decode_attention(
         TILE=tile,
         SPLIT=split,
         SOFTCAP=softcap > 0,
+        HAS_SINKS=sinks is not None,
         **dot_operands(key_cache.dtype),
     )
     if split:
@@ -375,6 +372,7 @@ def paged_decode_attention(
             part_sum,
             part_acc,
             context_lens,
+            out if sinks is None else sinks.contiguous(),
             partition_size,
             num_heads,
             num_partitions,
@@ -385,5 +383,6 @@ def paged_decode_attention(
             # One width for every split, so the split count never selects another compiled variant.
             PARTITIONS_PAD=_MAX_PARTITIONS,
             PARTITION_CHUNK=16,
+            HAS_SINKS=sinks is not None,
         )
     return out

@@ -19,7 +19,7 @@ import torch
 
 # One triton import guard, availability rule and dtype table for every kernel module: CPU-only installs have no
 # triton, and the modules then keep their torch code.
-from worker.layers.triton_attention import TL_DTYPES, tl, triton, triton_available
+from worker.layers.triton_common import TL_DTYPES, tl, triton, triton_available
 
 ENABLED = os.environ.get("PAGERAIL_FUSED_OPS", "1").strip().lower() not in ("0", "false", "off", "no")
 

@@ -6,7 +6,15 @@ import math
 
 import torch
 
-from worker.layers.triton_attention import TL_DTYPES, dot_operands, softcapped, triton, triton_available
+from worker.layers.triton_common import (
+    LOG2E,
+    TL_DTYPES,
+    check_sinks,
+    dot_operands,
+    softcapped,
+    triton,
+    triton_available,
+)
 
 if triton is not None:
     import triton.language as tl
@@ -98,6 +106,7 @@ if triton is not None:
         block_tables_ptr,
         query_starts_ptr,
         context_lens_ptr,
+        sinks_ptr,
         qk_scale,
         softcap,
         num_seqs,
@@ -120,6 +129,7 @@ if triton is not None:
         TILE_N: tl.constexpr,
         WINDOWED: tl.constexpr,
         SOFTCAP: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
@@ -173,6 +183,10 @@ if triton is not None:
         value_base = value_cache_ptr + kv_head.to(tl.int64) * stride_v_head
         row_max = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
         row_sum = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+        if HAS_SINKS:
+            # Each row's head sink is a score with no value: the online softmax starts from it, exp2(0) = 1.
+            row_max = tl.load(sinks_ptr + heads, mask=member < GROUP, other=0.0).to(tl.float32) * LOG2E
+            row_sum = tl.full([BLOCK_Q * GROUP_PAD], 1.0, tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], tl.float32)
         if WINDOWED:
             # Every tile from the first query's window start on is masked per row: the window's lower edge moves
@@ -294,10 +308,12 @@ def paged_mixed_attention(
     scale: float,
     sliding_window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] of every sequence of a step attends causally over its paged context → [T, H, D]; with
     `sliding_window` > 0 the query at position p sees only keys p - sliding_window + 1 .. p; with `softcap` > 0
-    scores pass through softcap * tanh(score / softcap).
+    scores pass through softcap * tanh(score / softcap); `sinks` [H] adds exp(sinks[h]) to head h's softmax
+    denominator (a logit with no value).
 
     Sequence s owns query rows query_starts[s]:query_starts[s + 1]; they are the last positions of its
     context_lens[s] tokens, whose K/V (this step's included) are already in the cache. key_cache/value_cache
@@ -308,6 +324,7 @@ def paged_mixed_attention(
     if triton is None:
         raise RuntimeError("paged_mixed_attention needs triton")
     _check_inputs(q, key_cache, value_cache, block_tables, query_starts, context_lens, block_size)
+    check_sinks(sinks, q.shape[1], q.device)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[1]
     num_seqs = context_lens.shape[0]
@@ -338,6 +355,7 @@ def paged_mixed_attention(
         block_tables,
         query_starts,
         context_lens,
+        out if sinks is None else sinks.contiguous(),  # never read without sinks
         scale * math.log2(math.e),
         softcap * math.log2(math.e),
         num_seqs,
@@ -360,6 +378,7 @@ def paged_mixed_attention(
         TILE_N=tile_n,
         WINDOWED=sliding_window > 0,
         SOFTCAP=softcap > 0,
+        HAS_SINKS=sinks is not None,
         **dot_operands(key_cache.dtype),
         num_warps=num_warps,
         # Double-buffered K/V tiles fit shared memory for every dtype and head size up to 256.

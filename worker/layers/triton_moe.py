@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.layers.triton_attention import dot_operands, tl, triton, triton_available
+from worker.layers.triton_common import dot_operands, tl, triton, triton_available
 
 # Entries of the per-block expert table that are not expert ids.
 NON_LOCAL_BLOCK = -1  # slots routed to another rank: the down kernel writes their zeros

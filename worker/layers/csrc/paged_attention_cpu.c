@@ -208,7 +208,9 @@ void paged_decode_attention_f32(
     int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t num_slots, int64_t max_blocks, int64_t block_size, float scale,
     int64_t window,               /* > 0: each query sees only the last `window` positions of its context */
-    float softcap)                /* > 0: scores become softcap * tanh(score / softcap) (Gemma 2) */
+    float softcap,                /* > 0: scores become softcap * tanh(score / softcap) (Gemma 2) */
+    const float *sinks)           /* [num_heads] or NULL: a per-head logit that joins the softmax's denominator
+                                   * only, with no value (gpt-oss); last, so a caller may leave it out */
 {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t items = n * num_kv_heads;
@@ -230,8 +232,8 @@ void paged_decode_attention_f32(
         const float *queries = q + (seq * num_heads + kv_head * group) * head_dim;
         float *scores = (float *)malloc(sizeof(float) * group * ctx);
 #if HAVE_AVX512
-        /* The specialised paths have no softcap: such layers take the generic loop. */
-        if (softcap <= 0.0f && item_specialised(head_dim, group, queries, keys, values, blocks, ctx, first, block_size, scale, scores,
+        /* The specialised paths have no softcap and no sinks: such layers take the generic loop. */
+        if (softcap <= 0.0f && sinks == NULL && item_specialised(head_dim, group, queries, keys, values, blocks, ctx, first, block_size, scale, scores,
                              out + (seq * num_heads + kv_head * group) * head_dim, block_bytes)) {
             free(scores);
             continue;
@@ -241,7 +243,9 @@ void paged_decode_attention_f32(
         float max_score[MAX_GROUP];
         float denom[MAX_GROUP];
 
-        for (int64_t g = 0; g < group; g++) max_score[g] = -1e30f;
+        /* A sink takes part in the max too, so exp(sink - max) cannot overflow. */
+        const float *head_sinks = sinks != NULL ? sinks + kv_head * group : NULL;
+        for (int64_t g = 0; g < group; g++) max_score[g] = head_sinks != NULL ? head_sinks[g] : -1e30f;
         prefetch_first_blocks(keys, blocks + t_begin / block_size, ctx - t_begin, block_size, head_dim, block_bytes);
         for (int64_t t0 = t_begin; t0 < ctx; t0 += block_size) {
             int64_t rows;
@@ -267,7 +271,7 @@ void paged_decode_attention_f32(
                 row[t] = expf(row[t] - max_score[g]);
                 sum += row[t];
             }
-            denom[g] = sum;
+            denom[g] = head_sinks != NULL ? sum + expf(head_sinks[g] - max_score[g]) : sum;
             for (int64_t d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
         }
         prefetch_first_blocks(values, blocks + t_begin / block_size, ctx - t_begin, block_size, head_dim,
