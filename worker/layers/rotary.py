@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from worker.layers import cpu_fused, triton_fused
+from worker.layers.yarn import yarn_attention_factor, yarn_inverse_frequencies
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -23,7 +24,7 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     params.setdefault("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type") or params.pop("type", None) or "default"
     params.pop("type", None)
-    if params["rope_type"] in ("llama3", "longrope"):
+    if params["rope_type"] in ("llama3", "longrope", "yarn"):
         original = getattr(hf_config, "original_max_position_embeddings", None) or hf_config.max_position_embeddings
         params.setdefault("original_max_position_embeddings", original)
     partial = float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None) or 1.0))
@@ -32,9 +33,11 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     return params
 
 
-def inverse_frequencies(head_dim: int, params: dict[str, Any], long: bool = False) -> torch.Tensor:
+def inverse_frequencies(
+    head_dim: int, params: dict[str, Any], long: bool = False, max_position: int | None = None
+) -> torch.Tensor:
     """Per-pair rotation frequencies [head_dim // 2] in float32 for the given rope parameters (LongRoPE: its long
-    factors with `long`, else its short ones)."""
+    factors with `long`, else its short ones; YaRN without a `factor`: max_position / the original context)."""
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
@@ -53,11 +56,16 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any], long: bool = Fals
         return inv_freq / float(params["factor"])
     if rope_type == "llama3":
         return _llama3_scaled(inv_freq, params)
+    if rope_type == "yarn":
+        return yarn_inverse_frequencies(head_dim, params, max_position)
     return inv_freq
 
 
 def attention_scaling(params: dict[str, Any], max_position: int) -> float:
-    """LongRoPE's factor on cos and sin, sqrt(1 + ln(scale) / ln(original context)); 1.0 for other kinds."""
+    """The factor on cos and sin: LongRoPE's sqrt(1 + ln(scale) / ln(original context)), YaRN's mscale; 1.0 for
+    other kinds."""
+    if params["rope_type"] == "yarn":
+        return yarn_attention_factor(params, max_position)
     if params["rope_type"] != "longrope":
         return 1.0
     if params.get("attention_factor") is not None:
@@ -101,7 +109,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_position = max_position
         positions = torch.arange(max_position, dtype=torch.int64).float()[:, None]
-        freqs = positions * inverse_frequencies(head_dim, params)[None, :]
+        freqs = positions * inverse_frequencies(head_dim, params, max_position=max_position)[None, :]
         if params["rope_type"] == "longrope":
             # Positions past the original context rotate by the long factors. transformers switches a whole
             # sequence to them once it passes that length (recomputing the cache); per position, a sequence's
