@@ -16,21 +16,26 @@ def grouped_experts(
     dtype. Same contract as `triton_fused_experts`.
 
     The T*k (token, slot) pairs are sorted by expert, and each expert with tokens runs one gate/up matmul and one
-    down matmul over all of its tokens: E small GEMMs instead of T*k matrix-vector products. Experts are summed
-    in ascending order into a float32 buffer, the order transformers' loop adds them, so fp32 results agree.
+    down matmul over all of its tokens: E small GEMMs instead of T*k matrix-vector products. Each result row is
+    copied to its own slot of a float32 [T, k, H] buffer (no two experts write the same row, so no scattered add,
+    which on the CPU costs more than the matmuls), then each token's k slots are added one after another in
+    ascending expert order: the order transformers' loop adds them, so fp32 results agree.
     """
     tokens, top_k = topk_ids.shape
-    num_experts, inter = w13.shape[0], w2.shape[2]
-    out = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    num_experts, inter, hidden_size = w13.shape[0], w2.shape[2], hidden.shape[1]
     if tokens == 0:
-        return out.to(hidden.dtype)
-    flat_ids = topk_ids.reshape(-1).to(torch.int64)
+        return torch.zeros(0, hidden_size, dtype=hidden.dtype, device=hidden.device)
     # Slots for other ranks' experts go to an extra bucket E after the local ones and are never computed.
-    buckets = torch.where(flat_ids < 0, num_experts, flat_ids)
+    ids = topk_ids.to(torch.int64)
+    buckets = torch.where(ids < 0, num_experts, ids)
+    # Each token's slots in ascending expert order, so the final per-token sum adds them in that order.
+    buckets, by_expert = torch.sort(buckets, dim=1)
+    flat_weights = topk_weights.gather(1, by_expert).reshape(-1)
+    flat_buckets = buckets.reshape(-1)
     # Stable: an expert's slots stay in token order.
-    order = torch.argsort(buckets, stable=True)
-    counts = torch.bincount(buckets, minlength=num_experts + 1)[:num_experts].tolist()
-    flat_weights = topk_weights.reshape(-1)
+    order = torch.argsort(flat_buckets, stable=True)
+    counts = torch.bincount(flat_buckets, minlength=num_experts + 1)[:num_experts].tolist()
+    slots_out = torch.zeros(tokens * top_k, hidden_size, dtype=torch.float32, device=hidden.device)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
@@ -41,5 +46,9 @@ def grouped_experts(
         gate_up = F.linear(hidden.index_select(0, token_ids), w13[expert])
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         expert_out = F.linear(act, w2[expert]) * flat_weights[slots, None]
-        out.index_add_(0, token_ids, expert_out.to(torch.float32))
+        slots_out.index_copy_(0, slots, expert_out.to(torch.float32))
+    per_token = slots_out.view(tokens, top_k, hidden_size)
+    out = per_token[:, 0].clone()
+    for slot in range(1, top_k):
+        out += per_token[:, slot]
     return out.to(hidden.dtype)
