@@ -14,7 +14,7 @@ import worker.default_model as default_model
 import worker.model_loader as model_loader
 from tests.tiny_models import make_tiny_model
 from worker.layers.rotary import inverse_frequencies, rope_parameters
-from worker.model_loader import iter_safetensors, load_model, resolve_model_dir
+from worker.model_loader import iter_lazy_safetensors, load_model, resolve_model_dir
 from worker.models.llama import LlamaForCausalLM
 from worker.models.registry import model_class
 
@@ -116,7 +116,7 @@ def test_invalid_load_format_is_refused(tiny_llama):
 
 def test_checkpoint_missing_or_extra_tensors_is_refused(tiny_llama):
     config = model_loader.load_hf_config(tiny_llama)
-    weights = dict(iter_safetensors(tiny_llama))
+    weights = {name: lazy.full() for name, lazy in iter_lazy_safetensors(tiny_llama)}
     model = LlamaForCausalLM(config, model_loader.SINGLE_RANK, torch.float32)
     incomplete = {k: v for k, v in weights.items() if k != "model.norm.weight"}
     with pytest.raises(ValueError, match="missing 1 tensors: model.norm.weight"):

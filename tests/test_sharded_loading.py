@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from tests.tiny_models import make_tiny_model
 from worker.layers.lazy_tensor import LazyTensor
-from worker.model_loader import checkpoint_files, iter_safetensors, load_hf_config, load_model
+from worker.model_loader import checkpoint_files, iter_lazy_safetensors, load_hf_config, load_model
 from worker.models.llama import LlamaForCausalLM
 from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
@@ -60,7 +60,7 @@ def is_replicated(name: str) -> bool:
 def full_read_model(model_dir, tp: TensorParallelGroup, dtype: torch.dtype) -> LlamaForCausalLM:
     """The reference: every full tensor handed to the weight loaders, which slice it afterwards."""
     model = LlamaForCausalLM(load_hf_config(model_dir), tp, dtype)
-    model.load_weights(iter_safetensors(model_dir))
+    model.load_weights((name, lazy.full()) for name, lazy in iter_lazy_safetensors(model_dir))
     return model
 
 

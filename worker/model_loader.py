@@ -137,12 +137,6 @@ def checkpoint_files(model_dir: str | os.PathLike[str]) -> list[Path]:
     return files
 
 
-def iter_safetensors(model_dir: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) pairs read one tensor at a time, so the checkpoint is never held in memory twice."""
-    for name, lazy in iter_lazy_safetensors(model_dir):
-        yield name, lazy.full()
-
-
 def iter_lazy_safetensors(model_dir: str | os.PathLike[str]) -> Iterator[tuple[str, LazyTensor]]:
     """(name, lazy tensor) pairs: nothing is read until a weight loader asks for its slice."""
     from safetensors import safe_open
