@@ -16,25 +16,19 @@ PhaseTotals = dict[str, tuple[float, float]]
 
 def totals_from_registry(registry: Any) -> PhaseTotals:
     """Totals read from an in-process engine's Prometheus registry (`engine.metrics.registry`)."""
-    totals: PhaseTotals = {phase: (0.0, 0.0) for phase in PHASES}
-    for family in registry.collect():
-        if family.name == _METRIC:
-            _add(totals, family.samples)
-    return totals
+    return _totals(registry.collect())
 
 
 def totals_from_text(text: str) -> PhaseTotals:
     """Totals read from a server's /metrics exposition (every model replica's series added up)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    return _totals(text_string_to_metric_families(text))
+
+
+def _totals(families) -> PhaseTotals:
     totals: PhaseTotals = {phase: (0.0, 0.0) for phase in PHASES}
-    for family in text_string_to_metric_families(text):
-        if family.name == _METRIC:
-            _add(totals, family.samples)
-    return totals
-
-
-def _add(totals: PhaseTotals, samples) -> None:
+    samples = [sample for family in families if family.name == _METRIC for sample in family.samples]
     for sample in samples:
         phase = sample.labels.get("phase")
         if phase not in totals:
@@ -44,6 +38,7 @@ def _add(totals: PhaseTotals, samples) -> None:
             totals[phase] = (seconds + sample.value, steps)
         elif sample.name == _METRIC + "_count":
             totals[phase] = (seconds, steps + sample.value)
+    return totals
 
 
 def outside_forward(before: PhaseTotals, after: PhaseTotals, wall_seconds: float) -> dict[str, float]:
