@@ -6,7 +6,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from cluster.core.sampling_params import SamplingParams
+from cluster.core.sampling_params import SamplingParams, check_int
 
 __all__ = ["EngineRequest", "SiblingGroup"]
 
@@ -22,8 +22,8 @@ class SiblingGroup:
     def __post_init__(self) -> None:
         if not isinstance(self.parent_id, str) or not self.parent_id:
             raise ValueError(f"group.parent_id must be a non-empty str, got {self.parent_id!r}")
-        _check_count("group.size", self.size, low=1)
-        _check_count("group.index", self.index, low=0)
+        check_int("group.size", self.size, low=1)
+        check_int("group.index", self.index, low=0)
         if self.index >= self.size:
             raise ValueError(f"group.index must be < group.size ({self.size}), got {self.index}")
 
@@ -97,8 +97,3 @@ def _token_tuple(name: str, token_ids: object) -> tuple[int, ...]:
         bad = next(token for token in tokens if type(token) is not int or token < 0)
         raise ValueError(f"{name} must be ints >= 0, got {bad!r}")
     return tokens
-
-
-def _check_count(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")

@@ -67,17 +67,17 @@ class SamplingParams:
             raise ValueError(f"structured_outputs must be a StructuredOutputs or a dict, got {type(value).__name__}")
 
     def _validate_counts(self) -> None:
-        _check_int("n", self.n, low=1, high=MAX_N)
-        _check_int("top_k", self.top_k, low=-1)  # -1 is vLLM's spelling of "off", accepted as is
+        check_int("n", self.n, low=1, high=MAX_N)
+        check_int("top_k", self.top_k, low=-1)  # -1 is vLLM's spelling of "off", accepted as is
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, low=1)
-        _check_int("min_tokens", self.min_tokens, low=0)
+            check_int("max_tokens", self.max_tokens, low=1)
+        check_int("min_tokens", self.min_tokens, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+            check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if self.seed is not None:
-            _check_int("seed", self.seed, low=_SEED_MIN, high=_SEED_MAX)
+            check_int("seed", self.seed, low=_SEED_MIN, high=_SEED_MAX)
 
     def _validate_probabilities(self) -> None:
         temperature = _check_float("temperature", self.temperature)
@@ -125,7 +125,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop))
 
 
-def _check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
+def check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
     """Raise ValueError unless `value` is an int (not a bool) within [low, high]."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {value!r}")
