@@ -167,9 +167,3 @@ def flush(timeout_s: float = 10.0) -> bool:
     if _provider is None:
         return True
     return _provider.force_flush(int(timeout_s * 1000))
-
-
-def shutdown() -> None:
-    """Flush and stop the exporter; later spans are dropped."""
-    if _provider is not None:
-        _provider.shutdown()

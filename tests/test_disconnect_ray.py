@@ -32,7 +32,7 @@ def test_dropped_streams_are_aborted_through_the_head_actor(tmp_path, smollm2_di
         config = EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=4, num_gpu_blocks=1024))
         head = start_heads(config, ClusterOptions(), [f"drop-head-{uuid.uuid4().hex[:8]}"])[0]
         info = ray.get(head.model_info.remote())
-        engine = HeadEngineClient(head, "tiny", info["max_model_len"], info["vocab_size"])
+        engine = HeadEngineClient(head, "tiny", info)
         # The tiny model has no tokenizer: prompts go in as token ids, and any tokenizer can show ids below 250.
         tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
         with BackgroundServer(create_app(ServerState(engine, tokenizer, "tiny"))) as base_url:

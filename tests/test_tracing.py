@@ -38,7 +38,7 @@ def receiver():
     receiver.start()
     assert telemetry.configure_tracing("frontend", endpoint=receiver.endpoint)
     yield receiver
-    telemetry.shutdown()
+    trace.get_tracer_provider().shutdown()  # flushes, then drops later spans
     receiver.stop()
 
 
@@ -218,7 +218,7 @@ def test_one_trace_from_http_through_head_to_both_ranks(receiver, tmp_path):
         )
         head = start_heads(config, ClusterOptions(), [f"trace-head-{uuid.uuid4().hex[:8]}"])[0]
         info = ray.get(head.model_info.remote())
-        engine = HeadEngineClient(head, "tiny", info["max_model_len"], info["vocab_size"])
+        engine = HeadEngineClient(head, "tiny", info)
         with BackgroundServer(create_app(ServerState(engine, tokenizer, "tiny"))) as base_url:
             reply = httpx.post(
                 f"{base_url}/v1/chat/completions",

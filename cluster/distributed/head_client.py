@@ -62,11 +62,12 @@ class HeadEngineClient:
     """A model replica's head actor on Ray. Requests are submitted with one actor call each; their deltas arrive
     together, one message per engine step, on one stream per head."""
 
-    def __init__(self, head, model_name: str, max_model_len: int, vocab_size: int) -> None:
+    def __init__(self, head, model_name: str, model_info: dict) -> None:
+        """`model_info`: the head's model_info() (max_model_len, vocab_size)."""
         self._head = head
         self.model_name = model_name
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
+        self.max_model_len = model_info["max_model_len"]
+        self.vocab_size = model_info["vocab_size"]
         self._reader: _OutputReader | None = None
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:

@@ -73,7 +73,7 @@ class ClusterClient:
         self._loop = _LoopThread()
         self.pool: ReplicaPool | None = None
         if data_parallel_size == 1:
-            self.client = HeadEngineClient(self.heads[0], config.model_name, info["max_model_len"], info["vocab_size"])
+            self.client = HeadEngineClient(self.heads[0], config.model_name, info)
         else:
             settings = ReplicaSettings(block_size=config.cache.block_size)
             self.pool = ReplicaPool(names, config.model_name, info, settings)

@@ -33,9 +33,7 @@ class FrontendActor:
         self.pool: ReplicaPool | None = None
         if len(names) == 1 and replicas is None:
             head = ray.get_actor(names[0], namespace=NAMESPACE)
-            engine = HeadEngineClient(
-                head, settings.served_model_name, model_info["max_model_len"], model_info["vocab_size"]
-            )
+            engine = HeadEngineClient(head, settings.served_model_name, model_info)
         else:
             self.pool = ReplicaPool(names, settings.served_model_name, model_info, replicas or ReplicaSettings())
             engine = self.pool.engine

@@ -58,7 +58,7 @@ class ReplicaPool:
         self.model_info = model_info
         self.settings = settings
         self.engine = RoutedEngineClient(
-            {name: self._client(find_head(name)) for name in head_names},
+            {name: HeadEngineClient(find_head(name), model_name, model_info) for name in head_names},
             policy=settings.routing_policy,
             block_size=settings.block_size,
             model_name=model_name,
@@ -72,9 +72,6 @@ class ReplicaPool:
             ReplicaScaler(self.engine, policy, self._start_replica, self._stop_replica) if policy is not None else None
         )
         self._task: asyncio.Task | None = None
-
-    def _client(self, head) -> HeadEngineClient:
-        return HeadEngineClient(head, self.model_name, self.model_info["max_model_len"], self.model_info["vocab_size"])
 
     def start(self) -> None:
         if self._task is None:
@@ -93,7 +90,7 @@ class ReplicaPool:
     async def _start_replica(self) -> tuple[str, HeadEngineClient]:
         name = f"{self.settings.name_prefix}-{next(self._next_index)}"
         head = await asyncio.to_thread(self.settings.launcher.start, name)
-        client = self._heads[name] = self._client(head)
+        client = self._heads[name] = HeadEngineClient(head, self.model_name, self.model_info)
         return name, client
 
     async def _stop_replica(self, name: str) -> None:
