@@ -35,6 +35,8 @@ class Case:
     routing: str = "random"  # or "skewed": expert 0 in every token, expert 1 in one, the upper half in none
     remote_experts: int = 0  # routed to, but on another rank: their ids arrive as -1
     strided_hidden: bool = False  # hidden is a column slice of a wider buffer, as a fused projection leaves it
+    bias: bool = False  # per-expert biases on both projections (gpt-oss)
+    activation: str = "silu"  # or "swiglu_clamped": gpt-oss's, with gate/up large enough to hit its clamps
 
 
 CASES = [
@@ -50,7 +52,13 @@ CASES = [
     Case("t20_top2_e8_wide_fp16", 20, 8, 2, 200, 150, "float16"),
     Case("t48_top8_e8_bf16", 48, 8, 8, 72, 40, "bfloat16"),  # 32-row blocks
     Case("t96_top8_e8_remote_fp32", 96, 8, 8, 40, 24, "float32", remote_experts=2),  # 64-row blocks
-]
+    # gpt-oss's experts: biases and the clamped SwiGLU, alone, beside remote experts, over several blocks.
+    Case("t24_top4_e32_swiglu_bias_fp32", 24, 32, 4, 64, 48, "float32", bias=True, activation="swiglu_clamped"),
+    Case("t17_top4_e16_swiglu_bias_remote_bf16", 17, 16, 4, 72, 40, "bfloat16", remote_experts=16, bias=True,
+         activation="swiglu_clamped"),
+    Case("t80_top4_e8_swiglu_bias_fp16", 80, 8, 4, 200, 150, "float16", bias=True, activation="swiglu_clamped"),
+    Case("t9_top2_e8_bias_silu_fp32", 9, 8, 2, 40, 24, "float32", bias=True),
+]  # fmt: skip
 # Largest |got - want| over a token's row, relative to the row's largest |want|. The GEMMs accumulate in fp32;
 # the intermediate and the result are rounded to the dtype (bf16 truncated, not rounded, by the interpreter):
 # about one unit in the last place for fp16, two for bf16 (units 4.9e-4 and 3.9e-3); fp32 sums in another order.
@@ -58,7 +66,14 @@ TOLERANCE = {"float32": 2e-6, "float16": 2e-3, "bfloat16": 2e-2}
 
 
 def fused_experts_reference(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """The same sum as triton_fused_experts, one expert at a time in float64; returns float64 [T, H]."""
     inter = w13.shape[1] // 2
@@ -70,7 +85,16 @@ def fused_experts_reference(
             continue
         gate = x[tokens] @ w13[expert, :inter].double().T
         up = x[tokens] @ w13[expert, inter:].double().T
-        down = (torch.nn.functional.silu(gate) * up) @ w2[expert].double().T
+        if w13_bias is not None:
+            gate, up = gate + w13_bias[expert, :inter].double(), up + w13_bias[expert, inter:].double()
+        if activation == "swiglu_clamped":
+            gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
+            act = (up + 1) * gate * torch.sigmoid(1.702 * gate)
+        else:
+            act = torch.nn.functional.silu(gate) * up
+        down = act @ w2[expert].double().T
+        if w2_bias is not None:
+            down = down + w2_bias[expert].double()
         out.index_add_(0, tokens, down * topk_weights[tokens, slots].double()[:, None])
     return out
 
@@ -121,20 +145,27 @@ def _poisoned_empty() -> Iterator[None]:
 
 def _run_case(case: Case, seed: int = 0) -> dict[str, object]:
     """One case through the kernels; needs TRITON_INTERPRET=1 set before triton was imported."""
+    from worker.layers.moe_activation import ExpertActivation
     from worker.layers.triton_moe import _launch_config, fused_moe_available, triton_fused_experts
 
     generator = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, case.dtype)
     hidden = torch.randn((case.tokens, case.hidden + 8), generator=generator).to(dtype)
     hidden = hidden[:, : case.hidden] if case.strided_hidden else hidden[:, 8:].contiguous()
-    w13 = (torch.randn((case.experts, 2 * case.inter, case.hidden), generator=generator) * case.hidden**-0.5).to(dtype)
+    # The clamped SwiGLU's gate and up spread over about ±16, so its clamps at ±7 bind on many entries.
+    spread = 4.0 if case.activation == "swiglu_clamped" else 1.0
+    w13 = torch.randn((case.experts, 2 * case.inter, case.hidden), generator=generator) * spread * case.hidden**-0.5
+    w13 = w13.to(dtype)
     w2 = (torch.randn((case.experts, case.hidden, case.inter), generator=generator) * case.inter**-0.5).to(dtype)
+    biases = (None, None)
+    if case.bias:
+        biases = tuple(torch.randn(shape, generator=generator).to(dtype) for shape in (w13.shape[:2], w2.shape[:2]))
     topk_ids, topk_weights = _routing(case, generator)
     assert fused_moe_available(hidden, w13, w2), "the interpreter must be on for CPU tensors"
     with _poisoned_empty():
-        got = triton_fused_experts(hidden, w13, w2, topk_weights, topk_ids)
+        got = triton_fused_experts(hidden, w13, w2, topk_weights, topk_ids, *biases, ExpertActivation(case.activation))
     assert got.dtype == dtype and got.shape == hidden.shape
-    want = fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids)
+    want = fused_experts_reference(hidden, w13, w2, topk_weights, topk_ids, *biases, case.activation)
     counts = torch.bincount(topk_ids[topk_ids >= 0].long(), minlength=case.experts)
     remote_rows = (topk_ids < 0).all(dim=1)
     return {
@@ -221,6 +252,10 @@ def test_shapes_are_checked() -> None:
         triton_fused_experts(hidden, w13, w2, weights[:2], ids)
     with pytest.raises(ValueError, match="dtype"):
         triton_fused_experts(hidden.half(), w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="give both or neither"):
+        triton_fused_experts(hidden, w13, w2, weights, ids, torch.zeros(4, 12))
+    with pytest.raises(ValueError, match=r"w13_bias / w2_bias \(4, 12\) / \(4, 7\) are not \[E, 2\*I\] / \[E, H\]"):
+        triton_fused_experts(hidden, w13, w2, weights, ids, torch.zeros(4, 12), torch.zeros(4, 7))
 
 
 # (name, experts, hidden, intermediate, top_k, dtypes): the MoE layers of Qwen3-30B-A3B, Mixtral-8x7B and
@@ -230,6 +265,7 @@ HOPPER_SHAPES = [
     ("mixtral-8x7b", 8, 4096, 14336, 2, ("bfloat16",)),
     ("deepseek-v2-lite", 64, 2048, 1408, 6, ("bfloat16",)),
     ("odd", 8, 72, 40, 2, ("bfloat16",)),
+    ("gpt-oss-20b", 32, 2880, 2880, 4, ("bfloat16",)),  # biases and the clamped SwiGLU
 ]
 
 
@@ -239,6 +275,7 @@ def _hopper_report() -> None:
 
     from tests.triton_launches import LaunchRecorder, _Recording, build_for_hopper
     from worker.layers import triton_moe
+    from worker.layers.moe_activation import SILU, ExpertActivation
 
     builds, failures, built = [], [], set()
     for shape, experts, hidden, inter, top_k, dtypes in HOPPER_SHAPES:
@@ -252,11 +289,18 @@ def _hopper_report() -> None:
                 # zero stride specialises as any multiple of 16 does), without gigabytes of CPU memory.
                 w13 = torch.empty((1, 2 * inter, hidden), dtype=dtype).expand(experts, -1, -1)
                 w2 = torch.empty((1, hidden, inter), dtype=dtype).expand(experts, -1, -1)
+                extras = (None, None, SILU)
+                if shape.startswith("gpt-oss"):
+                    biases = (
+                        torch.empty((experts, 2 * inter), dtype=dtype),
+                        torch.empty((experts, hidden), dtype=dtype),
+                    )
+                    extras = (*biases, ExpertActivation("swiglu_clamped"))
                 # Token counts that pick each row-block size: decode, prefills of 32 and 128 slots per expert.
                 for tokens in (1, -(-32 * experts // top_k), -(-128 * experts // top_k)):
                     ids = torch.arange(tokens * top_k).view(tokens, top_k) % experts
                     x = torch.empty((tokens, hidden), dtype=dtype)
-                    triton_moe.triton_fused_experts(x, w13, w2, torch.ones(tokens, top_k), ids)
+                    triton_moe.triton_fused_experts(x, w13, w2, torch.ones(tokens, top_k), ids, *extras)
         finally:
             for attr, kernel in kernels.items():
                 setattr(triton_moe, attr, kernel)

@@ -25,12 +25,16 @@ import torch
 from torch import nn
 
 from common.expert_parallel import check_expert_parallel
-from worker.layers.lazy_tensor import LazyTensor
+from worker.layers.lazy_tensor import LazyTensor, materialize
+from worker.layers.moe_activation import SILU, ExpertActivation
 from worker.layers.moe_grouped import grouped_experts
 from worker.layers.moe_routing import localize_expert_ids, select_experts
 from worker.parallel_state import TensorParallelGroup
 
 EXPERT_PARTS = ("gate", "up", "down")
+# Checkpoint layouts a stacked tensor of all experts may come in besides ours (shard_id None):
+# gpt-oss's gate_up_proj [E, H, 2*I] with gate/up columns interleaved (and its bias [E, 2*I]), down_proj [E, I, H].
+STACKED_LAYOUTS = ("interleaved_transposed", "transposed")
 
 
 @functools.cache
@@ -55,7 +59,11 @@ class FusedMoE(nn.Module):
     w2 [E_local, H, I_local]. forward(hidden, router_logits) routes, computes and (with reduce_results) all-reduces.
 
     Checkpoints give one tensor per expert and projection: the weight loader takes shard_id (expert, part) with
-    part in EXPERT_PARTS, or None for a tensor of all experts stacked (w13 [E, 2*I, H], w2 [E, H, I]).
+    part in EXPERT_PARTS, or None for a tensor of all experts stacked (w13 [E, 2*I, H], w2 [E, H, I]), or one of
+    STACKED_LAYOUTS for gpt-oss's stacked tensors.
+
+    With `has_bias` (gpt-oss) each projection adds a per-expert bias: w13_bias [E_local, 2*I_local] and w2_bias
+    [E_local, H]; `activation` replaces silu(gate) * up; `softmax_after_topk` routes as gpt-oss does.
     """
 
     def __init__(
@@ -69,6 +77,9 @@ class FusedMoE(nn.Module):
         renormalize: bool,
         enable_expert_parallel: bool = False,
         reduce_results: bool = True,
+        has_bias: bool = False,
+        activation: ExpertActivation = SILU,
+        softmax_after_topk: bool = False,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -81,6 +92,8 @@ class FusedMoE(nn.Module):
         self.renormalize = renormalize
         self.expert_parallel = enable_expert_parallel
         self.reduce_results = reduce_results
+        self.activation = activation
+        self.softmax_after_topk = softmax_after_topk
         if enable_expert_parallel:
             check_expert_parallel({"num_experts": num_experts}, tp.size)
             self.num_local_experts = num_experts // tp.size
@@ -94,6 +107,11 @@ class FusedMoE(nn.Module):
             "w13_weight": (self.num_local_experts, 2 * self.inter_local, hidden_size),
             "w2_weight": (self.num_local_experts, hidden_size, self.inter_local),
         }
+        if has_bias:
+            shapes["w13_bias"] = (self.num_local_experts, 2 * self.inter_local)
+            shapes["w2_bias"] = (self.num_local_experts, hidden_size)
+        else:
+            self.w13_bias = self.w2_bias = None
         for name, shape in shapes.items():
             param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
             param.weight_loader = self.weight_loader
@@ -110,9 +128,15 @@ class FusedMoE(nn.Module):
         return [(e, p) for e in self.local_experts for p in EXPERT_PARTS if (e, p) not in self.loaded_parts]
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor | LazyTensor, shard_id: object = None) -> None:
+        if param is self.w13_bias or param is self.w2_bias:
+            self._load_bias(param, full, shard_id)
+            return
         is_w13 = param is self.w13_weight
         if shard_id is None:
             self._load_stacked(param, full, is_w13)
+            return
+        if shard_id in STACKED_LAYOUTS:
+            self._load_transposed(param, full, is_w13, shard_id)
             return
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2 and shard_id[1] in EXPERT_PARTS):
             raise ValueError(f"shard_id must be (expert, one of {', '.join(EXPERT_PARTS)}), got {shard_id!r}")
@@ -153,12 +177,55 @@ class FusedMoE(nn.Module):
             parts = ("down",)
         self.loaded_parts.update((e, p) for e in self.local_experts for p in parts)
 
+    def _load_transposed(self, param: nn.Parameter, full: torch.Tensor | LazyTensor, is_w13: bool, layout: str) -> None:
+        # gpt-oss: x @ w layouts, gate_up [E, H, 2*I] with gate column j at 2j and up column j at 2j + 1.
+        size, hidden, cols = self.intermediate_size, self.hidden_size, self.inter_local
+        if (layout == "interleaved_transposed") != is_w13:
+            raise ValueError(f"a {layout} tensor cannot load into {'w13' if is_w13 else 'w2'}")
+        expected = (self.num_experts, hidden, 2 * size) if is_w13 else (self.num_experts, size, hidden)
+        if tuple(full.shape) != expected:
+            name = "gate_up_proj" if is_w13 else "down_proj"
+            raise ValueError(f"stacked {name} of all experts has shape {tuple(full.shape)}, expected {expected}")
+        mine = _window(full, 0, self.first_expert, self.num_local_experts)
+        if is_w13:
+            # This rank's gate/up columns [start, start + cols) interleave into one contiguous run of 2 * cols.
+            pairs = materialize(_window(mine, 2, 2 * self.inter_start, 2 * cols))
+            param.data[:, :cols].copy_(pairs[..., 0::2].transpose(1, 2))
+            param.data[:, cols:].copy_(pairs[..., 1::2].transpose(1, 2))
+            parts = ("gate", "up")
+        else:
+            param.data.copy_(materialize(_window(mine, 1, self.inter_start, cols)).transpose(1, 2))
+            parts = ("down",)
+        self.loaded_parts.update((e, p) for e in self.local_experts for p in parts)
+
+    def _load_bias(self, param: nn.Parameter, full: torch.Tensor | LazyTensor, shard_id: object) -> None:
+        is_w13 = param is self.w13_bias
+        if shard_id not in (None, "interleaved"):
+            raise ValueError(f"an expert bias loads stacked, as None or 'interleaved', got shard_id {shard_id!r}")
+        expected = (self.num_experts, 2 * self.intermediate_size if is_w13 else self.hidden_size)
+        if tuple(full.shape) != expected:
+            name = "gate_up" if is_w13 else "down"
+            raise ValueError(f"stacked {name} bias of all experts has shape {tuple(full.shape)}, expected {expected}")
+        mine = materialize(_window(full, 0, self.first_expert, self.num_local_experts))
+        if not is_w13:
+            # Each rank's part of a token's output is summed by the all-reduce: under the column split every rank
+            # holds every expert, so only rank 0 adds the down bias. A rank of whole experts adds its own.
+            if self.expert_parallel or self.tp.rank == 0:
+                param.data.copy_(mine)
+            else:
+                param.data.zero_()
+            return
+        size, start, cols = self.intermediate_size, self.inter_start, self.inter_local
+        gate, up = (mine[:, 0::2], mine[:, 1::2]) if shard_id == "interleaved" else (mine[:, :size], mine[:, size:])
+        param.data[:, :cols].copy_(gate[:, start : start + cols])
+        param.data[:, cols:].copy_(up[:, start : start + cols])
+
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] (the same on every rank), router_logits [T, E] → the experts' weighted sum [T, H].
 
         Without reduce_results each rank returns its own part, for a caller that adds more before one reduce.
         """
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize, self.softmax_after_topk)
         if self.expert_parallel and self.tp.size > 1:
             ids = localize_expert_ids(ids, self.first_expert, self.num_local_experts)
         out = self.compute(hidden, weights, ids)
@@ -166,11 +233,14 @@ class FusedMoE(nn.Module):
 
     def compute(self, hidden: torch.Tensor, weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """This rank's part for routed (weights, ids into its local experts, -1 for none): Triton on CUDA."""
+        extras = (self.w13_bias, self.w2_bias, self.activation)
         if hidden.device.type == "cuda":
             kernels = _triton_moe()
             if kernels is not None and kernels.fused_moe_available(hidden, self.w13_weight, self.w2_weight):
-                return kernels.triton_fused_experts(hidden, self.w13_weight, self.w2_weight, weights, local_ids)
-        return grouped_experts(hidden, self.w13_weight, self.w2_weight, weights, local_ids)
+                return kernels.triton_fused_experts(
+                    hidden, self.w13_weight, self.w2_weight, weights, local_ids, *extras
+                )
+        return grouped_experts(hidden, self.w13_weight, self.w2_weight, weights, local_ids, *extras)
 
     def comm_bytes(self, num_tokens: int) -> int:
         """Bytes each rank puts into this layer's all-reduce for a step of `num_tokens`: [T, H] in the weights' dtype.

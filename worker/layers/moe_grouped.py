@@ -5,15 +5,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from worker.layers.moe_activation import SILU, ExpertActivation
+
 
 def grouped_experts(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: ExpertActivation = SILU,
 ) -> torch.Tensor:
     """Sum over each token's k routed experts of weight * w2[e] @ (silu(gate) * up), gate/up = w13[e] @ x.
 
     hidden [T, H]; w13 [E, 2*I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights [T, k] float32;
     topk_ids [T, k] in [0, E), or -1 for an expert on another rank (adds nothing). Returns [T, H] in hidden's
-    dtype. Same contract as `triton_fused_experts`.
+    dtype. gpt-oss: w13_bias [E, 2*I] and w2_bias [E, H] add to each projection, and `activation` may be its
+    clamped SwiGLU. Same contract as `triton_fused_experts`.
 
     The T*k (token, slot) pairs are sorted by expert, and each expert with tokens runs one gate/up matmul and one
     down matmul over all of its tokens: E small GEMMs instead of T*k matrix-vector products. Each result row is
@@ -43,12 +53,16 @@ def grouped_experts(
         slots = order[start : start + count]
         start += count
         token_ids = torch.div(slots, top_k, rounding_mode="floor")
-        gate_up = F.linear(hidden.index_select(0, token_ids), w13[expert])
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        expert_out = F.linear(act, w2[expert]) * flat_weights[slots, None]
+        gate_up = F.linear(hidden.index_select(0, token_ids), w13[expert], _row(w13_bias, expert))
+        act = activation(gate_up[:, :inter], gate_up[:, inter:])
+        expert_out = F.linear(act, w2[expert], _row(w2_bias, expert)) * flat_weights[slots, None]
         slots_out.index_copy_(0, slots, expert_out.to(torch.float32))
     per_token = slots_out.view(tokens, top_k, hidden_size)
     out = per_token[:, 0].clone()
     for slot in range(1, top_k):
         out += per_token[:, slot]
     return out.to(hidden.dtype)
+
+
+def _row(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+    return None if bias is None else bias[expert]

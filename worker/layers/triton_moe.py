@@ -5,8 +5,9 @@ every row block of the grouped GEMMs belongs to exactly one expert (the layout o
 
 1. `moe_align` (torch ops on the device, no host sync): the sorted, padded slot list and one expert id per block.
 2. `_gate_up_kernel`, one launch for all experts: x @ w13[e].T for the gate and the up half at once, SiLU(gate) * up
-   in the epilogue, written as the [T*k, I] intermediate.
-3. `_down_kernel`, one launch for all experts: intermediate @ w2[e].T times the slot's routing weight, in fp32.
+   (or gpt-oss's clamped SwiGLU, after its biases) in the epilogue, written as the [T*k, I] intermediate.
+3. `_down_kernel`, one launch for all experts: intermediate @ w2[e].T (plus its bias) times the slot's routing
+   weight, in fp32.
 4. A torch sum over the k slots of each token, back in token order.
 
 A slot whose expert id is -1 (the expert lives on another expert-parallel rank) contributes zeros. Expert ids are
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from worker.layers.moe_activation import SILU, ExpertActivation
 from worker.layers.triton_common import dot_operands, tl, triton, triton_available
 
 # Entries of the per-block expert table that are not expert ids.
@@ -97,19 +99,25 @@ if triton is not None:
         out_ptr,
         x_ptr,
         w_ptr,
+        bias_ptr,
         sorted_slots_ptr,
         block_experts_ptr,
         inter_size,
         hidden_size,
+        alpha,
+        limit,
         stride_x,
         stride_we,
         stride_wn,
         stride_wk,
+        stride_be,
         stride_out,
         TOP_K: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        CLAMPED_SWIGLU: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
@@ -146,8 +154,18 @@ if triton is not None:
             gate_ptrs += BLOCK_K * stride_wk
             up_ptrs += BLOCK_K * stride_wk
 
-        # SiLU-and-mul on the fp32 accumulators; only the product is rounded, once, to the activation dtype.
-        activated = gate / (1.0 + tl.exp(-gate)) * up
+        if HAS_BIAS:
+            bias = bias_ptr + expert.to(tl.int64) * stride_be + cols
+            gate += tl.load(bias, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            up += tl.load(bias + inter_size, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        # The activation on the fp32 accumulators; only its result is rounded, once, to the activation dtype.
+        if CLAMPED_SWIGLU:
+            # gpt-oss: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            activated = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        else:
+            activated = gate / (1.0 + tl.exp(-gate)) * up
         out_ptrs = out_ptr + slots[:, None] * stride_out + cols[None, :]
         tl.store(out_ptrs, activated.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & col_ok[None, :])
 
@@ -156,6 +174,7 @@ if triton is not None:
         out_ptr,
         a_ptr,
         w_ptr,
+        bias_ptr,
         topk_weights_ptr,
         sorted_slots_ptr,
         block_experts_ptr,
@@ -165,10 +184,12 @@ if triton is not None:
         stride_we,
         stride_wn,
         stride_wk,
+        stride_be,
         stride_out,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
@@ -201,8 +222,24 @@ if triton is not None:
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wk
 
+        if HAS_BIAS:
+            # The bias belongs to the expert's output, before the routing weight scales it.
+            bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
         weights = tl.load(topk_weights_ptr + rows, mask=slot_ok, other=0.0)
         tl.store(out_ptrs, acc * weights[:, None], mask=out_mask)
+
+
+def _check_biases(w13: torch.Tensor, w2: torch.Tensor, w13_bias, w2_bias) -> None:
+    if (w13_bias is None) != (w2_bias is None):
+        raise ValueError("w13_bias and w2_bias come together: give both or neither")
+    if w13_bias is None:
+        return
+    if tuple(w13_bias.shape) != tuple(w13.shape[:2]) or tuple(w2_bias.shape) != tuple(w2.shape[:2]):
+        shapes = f"{tuple(w13_bias.shape)} / {tuple(w2_bias.shape)}"
+        raise ValueError(f"w13_bias / w2_bias {shapes} are not [E, 2*I] / [E, H] for w13 {tuple(w13.shape)}")
+    if w13_bias.stride(-1) != 1 or w2_bias.stride(-1) != 1:
+        raise ValueError("w13_bias and w2_bias must be contiguous in their last dimension")
 
 
 def _check_shapes(hidden, w13, w2, topk_weights, topk_ids) -> None:
@@ -224,16 +261,26 @@ def _check_shapes(hidden, w13, w2, topk_weights, topk_ids) -> None:
 
 
 def triton_fused_experts(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: ExpertActivation = SILU,
 ) -> torch.Tensor:
     """Sum over each token's k routed experts of weight * w2[e] @ (silu(gate) * up), gate/up = w13[e] @ x.
 
     hidden [T, H]; w13 [E, 2*I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights [T, k] (normalised
     by the caller); topk_ids [T, k] int32/int64 in [0, E), or -1 for an expert on another rank (adds nothing).
+    gpt-oss: w13_bias [E, 2*I] and w2_bias [E, H] add to each projection, and `activation` may be its clamped
+    SwiGLU instead of silu(gate) * up.
     GEMMs accumulate in fp32; the intermediate is stored in hidden's dtype, each slot's output and the sum
     over k in fp32. Returns [T, H] in hidden's dtype. Launches no host sync, so it can be captured in a graph.
     """
     _check_shapes(hidden, w13, w2, topk_weights, topk_ids)
+    _check_biases(w13, w2, w13_bias, w2_bias)
     tokens, hidden_size = hidden.shape
     num_experts, inter_size = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
@@ -250,6 +297,9 @@ def triton_fused_experts(
     num_blocks = block_experts.shape[0]
     dot = dot_operands(hidden.dtype)
     common = {"BLOCK_M": block_m, "BLOCK_K": block_k, "num_warps": config["num_warps"], "num_stages": _NUM_STAGES}
+    has_bias = w13_bias is not None
+    # Without biases the weights stand in for the bias pointers: never read.
+    b13, b2 = (w13_bias, w2_bias) if has_bias else (w13, w2)
 
     # Rows of non-local slots are never written nor read.
     intermediate = torch.empty((num_slots, inter_size), dtype=hidden.dtype, device=hidden.device)
@@ -258,17 +308,23 @@ def triton_fused_experts(
         intermediate,
         hidden,
         w13,
+        b13,
         sorted_slots,
         block_experts,
         inter_size,
         hidden_size,
+        activation.alpha,
+        activation.limit,
         hidden.stride(0),
         w13.stride(0),
         w13.stride(1),
         w13.stride(2),
+        b13.stride(0),
         intermediate.stride(0),
         TOP_K=top_k,
         BLOCK_N=block_n,
+        HAS_BIAS=has_bias,
+        CLAMPED_SWIGLU=activation.clamped,
         **dot,
         **common,
     )
@@ -280,6 +336,7 @@ def triton_fused_experts(
         slot_out,
         intermediate,
         w2,
+        b2,
         weights,
         sorted_slots,
         block_experts,
@@ -289,8 +346,10 @@ def triton_fused_experts(
         w2.stride(0),
         w2.stride(1),
         w2.stride(2),
+        b2.stride(0),
         slot_out.stride(0),
         BLOCK_N=block_n,
+        HAS_BIAS=has_bias,
         **dot,
         **common,
     )
