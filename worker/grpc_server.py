@@ -14,15 +14,13 @@ import grpc
 from common.auth import AUTH_METADATA_KEY, bearer_matches, check_token, refusing_handler
 from common.telemetry import RANK_ATTRIBUTE, extract_carrier, get_tracer, trace, tracing_enabled
 from common.tls import TlsConfig
-from proto import step_pb2, worker_pb2_grpc
+from proto import STEP_LINK_OPTIONS, step_pb2, worker_pb2_grpc
 from worker.step_stream import serve_step_stream
 from worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 _tracer = get_tracer("pagerail.worker")
 
-# A step carrying a few thousand new prompts (token ids plus block ids) runs to tens of MiB.
-MAX_MESSAGE_BYTES = 256 << 20
 # The head's step stream holds one thread for its lifetime; the spare ones refuse bad calls.
 _NUM_THREADS = 4
 
@@ -109,12 +107,8 @@ def start_worker_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=_NUM_THREADS, thread_name_prefix="worker-grpc"),
         interceptors=[TokenAuthInterceptor(token)],
-        options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            # Without this a second server could silently share a fixed port and steal half the calls.
-            ("grpc.so_reuseport", 0),
-        ],
+        # Without so_reuseport off a second server could silently share a fixed port and steal half the calls.
+        options=[*STEP_LINK_OPTIONS, ("grpc.so_reuseport", 0)],
     )
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(worker), server)
     try:

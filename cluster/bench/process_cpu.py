@@ -19,10 +19,6 @@ class ProcessCpu(NamedTuple):
     started: int  # clock ticks after boot at which it started: a reused pid shows another value
 
 
-def _ticks_per_second() -> int:
-    return os.sysconf("SC_CLK_TCK")
-
-
 def usable_cores() -> int:
     """Cores this process may run on (its affinity where the OS tells it, else every core)."""
     try:
@@ -66,7 +62,7 @@ def _read_process(pid: str) -> tuple[int, ProcessCpu] | None:
     cmdline = [part.decode(errors="replace") for part in raw.split(b"\0") if part]
     if not cmdline:  # a kernel thread or a zombie: its name in parentheses
         cmdline = [stat[stat.index("(") + 1 : stat.rindex(")")]]
-    return session, ProcessCpu(process_label(cmdline), (utime + stime) / _ticks_per_second(), started)
+    return session, ProcessCpu(process_label(cmdline), (utime + stime) / os.sysconf("SC_CLK_TCK"), started)
 
 
 def session_cpu(session_id: int) -> dict[int, ProcessCpu]:

@@ -11,11 +11,11 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from common.tls import TlsConfig
+from proto import STEP_LINK_OPTIONS
 
 logger = logging.getLogger(__name__)
 
 STEP_STREAM = "/pagerail.worker.WorkerService/StepStream"
-MAX_MESSAGE_BYTES = 256 << 20
 # How long closing waits for the loop to cancel the calls and stop; it only runs short callbacks.
 _CLOSE_TIMEOUT_S = 5.0
 
@@ -90,15 +90,11 @@ class StepStreams:
     # -- on the loop's thread -------------------------------------------------------------------
 
     async def _open(self, addresses: Sequence[str], metadata: tuple, tls: TlsConfig | None) -> None:
-        options = [
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ]
         for address in addresses:
             if tls is None:
-                channel = grpc.aio.insecure_channel(address, options=options)
+                channel = grpc.aio.insecure_channel(address, options=STEP_LINK_OPTIONS)
             else:
-                channel = grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
+                channel = grpc.aio.secure_channel(address, tls.channel_credentials(), options=STEP_LINK_OPTIONS)
             self._channels.append(channel)
             # Raw bytes both ways: the head serializes a step once for every rank.
             method = channel.stream_stream(STEP_STREAM, request_serializer=None, response_deserializer=None)
