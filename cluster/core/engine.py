@@ -301,7 +301,7 @@ class EngineCore:
             self.num_restarts += 1
             if num_blocks != self.block_table.num_blocks:
                 self.block_table = self._new_block_table(num_blocks)
-                self.scheduler.replace_block_table(self.block_table)
+                self.scheduler.block_table = self.block_table  # a restarted group may hold another count
             self.quarantine.arrange()  # suspects of repeated failures rejoin one at a time
             return failed
 

@@ -98,14 +98,6 @@ class Scheduler:
         self.block_table.reset()
         self._finished_handles.clear()
 
-    def expire_idle_sessions(self) -> list[Request]:
-        """Close sessions that waited longer than session_idle_timeout_s for their next chunk."""
-        return session_inputs.expire_idle(self)
-
-    def replace_block_table(self, block_table: BlockTable) -> None:
-        """A restarted worker group may hold a different number of blocks."""
-        self.block_table = block_table
-
     def pause(self, mode: PauseMode) -> None:
         self.pause_mode = mode
 
@@ -125,7 +117,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Spend this step's token budget: running requests first, then waiting ones."""
-        expired = self.expire_idle_sessions() if self.idle_sessions else []
+        expired = session_inputs.expire_idle(self) if self.idle_sessions else []
         out = SchedulerOutput(finished_handles=self._finished_handles, expired=expired)
         self._finished_handles = []
         if self.pause_mode is PauseMode.ALL:
