@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
@@ -188,7 +189,7 @@ class GuardMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         # The engine's id is always made here; the client's X-Request-Id is only a label (logs, spans, the
         # response header), so no client can name, join or abort another client's request.
-        engine_request_id = openai_routes.new_request_id()
+        engine_request_id = uuid.uuid4().hex
         request_id = client_request_label(headers.get("x-request-id")) or engine_request_id
         scope.setdefault("state", {}).update(request_id=engine_request_id, client_request_id=request_id)
 

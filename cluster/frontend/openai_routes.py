@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -275,7 +274,3 @@ async def chat_completions(
             }
         )
     return _whole_response(chat_id, "chat.completion", created, served, choices, usage)
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
