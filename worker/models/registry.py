@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from worker.models.gemma import GemmaForCausalLM
+from worker.models.gpt_oss import GptOssForCausalLM
 from worker.models.llama import LlamaForCausalLM
 from worker.models.mixtral import MixtralForCausalLM
 from worker.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -23,6 +24,7 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 # Configs converted from GGUF or written by hand may lack `architectures`; their model_type still identifies them.
@@ -37,6 +39,7 @@ _MODEL_TYPES: dict[str, type[nn.Module]] = {
     "gemma3_text": GemmaForCausalLM,
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 
