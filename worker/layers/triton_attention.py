@@ -87,10 +87,10 @@ if triton is not None:
         else:
             start = 0
             end = context_len
-        if window > 0:
-            # A sliding-window layer: keys before the last `window` positions are never read. A partition wholly
-            # before them runs no tile and leaves a -inf max, which the reduce kernel weighs as zero.
-            start = tl.maximum(start, context_len - window)
+        # A sliding-window layer (window > 0): keys before the last `window` positions are never read. A partition
+        # wholly before them runs no tile and leaves a -inf max, which the reduce kernel weighs as zero. Taken
+        # without a branch: a runtime `if` may not change `start` from a constant to a tensor.
+        start = tl.maximum(start, tl.where(window > 0, context_len - window, 0))
 
         group = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, HEAD_DIM_PAD)
