@@ -92,17 +92,28 @@ def _variant(model_dir: Path, root: Path, **overrides) -> Path:
     return root
 
 
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=16),
+        # Overlapped steps, and a cache that holds less than the eight sequences: preemption.
+        dict(block_size=4, num_gpu_blocks=24, max_num_batched_tokens=16, async_scheduling=True),
+    ],
+    ids=["chunked", "overlapped-preempting"],
+)
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_matches_transformers_past_the_window(family_dirs, kind, tmp_path):
+def test_greedy_matches_transformers_past_the_window(family_dirs, kind, engine_args, tmp_path):
     model_dir = family_dirs[kind]
     reference = reference_greedy(model_dir, PROMPTS, NEW_TOKENS)
     # The window decides tokens here: with one wider than any context transformers continues most differently.
     unwindowed = reference_greedy(_variant(model_dir, tmp_path / "full", sliding_window=4096), PROMPTS, NEW_TOKENS)
     assert sum(a[0] != b[0] for a, b in zip(reference, unwindowed, strict=True)) >= 4
-    llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=64, max_num_batched_tokens=16)
+    llm = LLM(str(model_dir), **engine_args)
     report = compare(engine_greedy(llm, PROMPTS, NEW_TOKENS), reference)
     assert report.identical == report.total, report.divergences
     assert llm.stats.num_mixed_steps > 0
+    if engine_args.get("async_scheduling"):
+        assert llm.engine.num_overlapped_steps > 0 and llm.stats.num_preemptions > 0
 
 
 def test_gemma2_softcaps_change_the_answer(family_dirs, tmp_path):
