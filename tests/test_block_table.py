@@ -63,7 +63,7 @@ def check_lookups(table: EngineBlockTable) -> None:
     for rid, r in table._requests.items():
         due = [(r.num_hashed + 1) * bs] if table._enable_prefix_caching else []
         if window is not None:
-            due.append((r.num_released + 1) * bs + window - 1)
+            due.append((r.num_released + 1) * bs + window)
             # Released entries lead the list, and nothing but them is RELEASED.
             assert r.block_ids[: r.num_released] == [RELEASED] * r.num_released
             assert RELEASED not in r.block_ids[r.num_released :]

@@ -242,8 +242,9 @@ class BlockTable:
         if self._enable_prefix_caching and num_computed_tokens >= (req.num_hashed + 1) * self._block_size:
             self._hash_full_blocks(req, token_ids, min(num_computed_tokens, len(token_ids)))
         if self._sliding_window is not None:
-            # The next query sits at position num_computed_tokens and sees keys from window - 1 before it on.
-            self._release_before(req, num_computed_tokens - self._sliding_window + 1)
+            # The next query sits at position num_computed_tokens and sees keys from window - 1 before it on; the
+            # last computed position is kept seeing too, since a session whose input closes recomputes it.
+            self._release_before(req, num_computed_tokens - self._sliding_window)
         self._set_due(request_id, req)
 
     def free(self, request_id: str) -> None:
@@ -266,7 +267,7 @@ class BlockTable:
         if self._enable_prefix_caching:
             due.append((req.num_hashed + 1) * self._block_size)
         if self._sliding_window is not None:
-            due.append((req.num_released + 1) * self._block_size + self._sliding_window - 1)
+            due.append((req.num_released + 1) * self._block_size + self._sliding_window)
         if due:
             self._hash_due[request_id] = min(due)
 
