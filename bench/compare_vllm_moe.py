@@ -23,11 +23,16 @@ from pathlib import Path
 
 ENGINES = ("pagerail", "vllm")
 
+# Marks the vLLM child's result lines among its logs.
+_RESULT = "@@result "
 # The vLLM side, run by the other interpreter: one JSON line per timed round.
 _VLLM_SCRIPT = r"""
 import json, sys, time
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
+
+RESULT = "@@result "  # vLLM logs to stdout too: results are the lines that start with this
+
 
 def main():
     spec = json.loads(sys.argv[1])
@@ -42,7 +47,7 @@ def main():
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - started
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        print(json.dumps({"seconds": elapsed, "tokens": tokens}), flush=True)
+        print(RESULT + json.dumps({"seconds": elapsed, "tokens": tokens}), flush=True)
 
 if __name__ == "__main__":
     main()
@@ -132,10 +137,12 @@ def vllm_rounds(model: Path, prompts: list[list[int]], args: argparse.Namespace)
         for _ in range(args.rounds):
             child.stdin.write("go\n")
             child.stdin.flush()
-            line = child.stdout.readline()
-            if not line:
-                raise RuntimeError(f"vLLM exited with {child.wait()}")
-            result = json.loads(line)
+            line = ""
+            while not line.startswith(_RESULT):
+                line = child.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"vLLM exited with {child.wait()}")
+            result = json.loads(line[len(_RESULT) :])
             yield result["seconds"], result["tokens"]
     finally:
         child.stdin.close()
