@@ -41,8 +41,13 @@ def dispatch_figures(tp: int, sizes: list[int], max_tokens: int, async_schedulin
     ray.init(num_cpus=tp + 2, include_dashboard=False, log_to_driver=False)
     # ray_address: a head actor and worker ranks over gRPC even at tensor-parallel size 1.
     llm = LLM(
-        str(model_dir), load_format="dummy", tensor_parallel_size=tp, num_gpu_blocks=8192, max_num_seqs=512,
-        ray_address="auto", async_scheduling=async_scheduling,
+        str(model_dir),
+        load_format="dummy",
+        tensor_parallel_size=tp,
+        num_gpu_blocks=8192,
+        max_num_seqs=512,
+        ray_address="auto",
+        async_scheduling=async_scheduling,
     )
     head = llm._cluster.heads[0]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -121,7 +126,9 @@ def main() -> None:
     parser.add_argument("--embedded-steps", type=int, default=20)
     parser.add_argument("--skip-embedded", action="store_true", help="only part 1 (dispatch over gRPC)")
     parser.add_argument(
-        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="overlapped steps on or off (default: the engine's, off on CPUs)",
     )
     parser.add_argument("--json", action="store_true")

@@ -39,7 +39,10 @@ class FakeEngineClient:
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
         self.requests.append(request)
         request_id, prompt_token_ids, params, final = (
-            request.request_id, request.prompt_token_ids, request.params, request.final
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            request.final,
         )
         max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
         if len(prompt_token_ids) + max_tokens > self.max_model_len:

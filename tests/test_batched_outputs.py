@@ -139,8 +139,7 @@ def test_in_process_streams_get_every_token_once_with_one_handoff_per_step():
         async def abort(request_id: str) -> None:
             engine.abort(request_id)
 
-        await drive(plans, lambda p: engine.stream(EngineRequest(p.request_id, p.prompt, params_of(p))),
-                    abort)
+        await drive(plans, lambda p: engine.stream(EngineRequest(p.request_id, p.prompt, params_of(p))), abort)
 
     try:
         asyncio.run(scenario())
@@ -207,10 +206,10 @@ def test_head_streams_get_every_token_once_in_one_message_per_step(tmp_path):
             scheduler=SchedulerConfig(max_num_seqs=NUM_STREAMS, max_num_batched_tokens=4096),
         )
         name = f"batched-head-{uuid.uuid4().hex[:8]}"
-        head = ray.remote(RecordingHead).options(
-            name=name, namespace=NAMESPACE, num_cpus=0, max_concurrency=10_000, max_restarts=-1
-        ).remote(
-            config, ClusterOptions(), secrets.token_urlsafe(16)
+        head = (
+            ray.remote(RecordingHead)
+            .options(name=name, namespace=NAMESPACE, num_cpus=0, max_concurrency=10_000, max_restarts=-1)
+            .remote(config, ClusterOptions(), secrets.token_urlsafe(16))
         )
         ray.get(head.ready.remote())
         client = HeadEngineClient(head, "tiny", {"max_model_len": 256, "vocab_size": VOCAB})

@@ -86,8 +86,10 @@ def test_session_without_max_tokens_grows_up_to_the_context_and_refuses_overflow
 def test_idle_sessions_give_their_blocks_to_waiting_requests_and_resume_exactly():
     # 12 blocks of 4: three idle sessions of 12 tokens hold 9 blocks; a 16-token request needs 5 blocks.
     engine, workers = make_engine(num_blocks=12, max_model_len=48)
-    sessions = [engine.add_request(EngineRequest(f"s{i}", [i + 1] * 6 + [7, 8, 9, 10, 11, 12], params(2), final=False))
-                for i in range(3)]
+    sessions = [
+        engine.add_request(EngineRequest(f"s{i}", [i + 1] * 6 + [7, 8, 9, 10, 11, 12], params(2), final=False))
+        for i in range(3)
+    ]
     run_until(engine, lambda: all(s.status is RequestStatus.AWAITING_INPUT for s in sessions))
     assert engine.block_table.num_free_blocks == 3
     other = engine.add_request(EngineRequest("other", list(range(30, 46)), params(4)))

@@ -58,8 +58,13 @@ def test_bad_fields_are_refused_by_name(changes, field):
 
 @pytest.mark.parametrize(
     ("args", "field"),
-    [(("", 0, 2), "group.parent_id"), (("p", -1, 2), "group.index"), (("p", 2, 2), "group.index"),
-     (("p", 0, 0), "group.size"), (("p", True, 2), "group.index")],
+    [
+        (("", 0, 2), "group.parent_id"),
+        (("p", -1, 2), "group.index"),
+        (("p", 2, 2), "group.index"),
+        (("p", 0, 0), "group.size"),
+        (("p", True, 2), "group.index"),
+    ],
 )
 def test_a_sibling_group_names_a_real_sibling(args, field):
     with pytest.raises(ValueError, match=field):

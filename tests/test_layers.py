@@ -70,8 +70,10 @@ def violations_in(path: Path, root: Path = ROOT) -> list[str]:
             continue
         if here.startswith("worker") and imported.startswith("cluster"):
             problems.append(f"{where}: worker/ never imports cluster/")
-        elif here.startswith("cluster") and imported.startswith("worker") and not any(
-            here == allowed or here.startswith(allowed + ".") for allowed in STARTS_WORKERS
+        elif (
+            here.startswith("cluster")
+            and imported.startswith("worker")
+            and not any(here == allowed or here.startswith(allowed + ".") for allowed in STARTS_WORKERS)
         ):
             problems.append(f"{where}: only {sorted(STARTS_WORKERS)} may import worker/")
         elif target[1] > own[1] and not (imported == "cluster" and here.startswith("cluster.")):

@@ -41,8 +41,15 @@ class BrokenReplica(FakeEngineClient):
 
 def test_a_lost_replica_is_a_failure_and_a_bug_is_not():
     failures = [ReplicaFailed("its workers gave up"), ConnectionError("reset"), ConnectionRefusedError(), OSError()]
-    bugs = [TypeError("bad operand"), AttributeError("no such field"), KeyError("x"), RuntimeError("oops"),
-            ValueError("bad input"), AssertionError(), ZeroDivisionError()]
+    bugs = [
+        TypeError("bad operand"),
+        AttributeError("no such field"),
+        KeyError("x"),
+        RuntimeError("oops"),
+        ValueError("bad input"),
+        AssertionError(),
+        ZeroDivisionError(),
+    ]
     assert all(is_replica_failure(error) for error in failures)
     assert not any(is_replica_failure(error) for error in bugs)
 

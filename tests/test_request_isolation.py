@@ -46,9 +46,10 @@ def test_a_reused_x_request_id_neither_fails_nor_aborts_the_first_request(served
     base_url, engine = served
     body = {"model": "fake", "prompt": "hello", "max_tokens": 60, "ignore_eos": True, "stream": True}
     headers = {"X-Request-Id": "same-id"}
-    with httpx.Client(timeout=30) as client, client.stream(
-        "POST", base_url + "/v1/completions", json=body, headers=headers
-    ) as first:
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", base_url + "/v1/completions", json=body, headers=headers) as first,
+    ):
         lines = first.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))  # the first request is running
         second = client.post(
@@ -119,8 +120,10 @@ def test_models_route_shows_the_context_capped_to_the_cache(tokenizer):
         with BackgroundServer(create_app(state)) as base_url:
             assert httpx.get(base_url + "/v1/models").json()["data"][0]["max_model_len"] == 128
             # No max_tokens: up to the capped context, never "needs more blocks than the cache holds".
-            response = httpx.post(base_url + "/v1/completions", json={"model": "fake", "prompt": "hi",
-                                                                      "max_tokens": None, "ignore_eos": True})
+            response = httpx.post(
+                base_url + "/v1/completions",
+                json={"model": "fake", "prompt": "hi", "max_tokens": None, "ignore_eos": True},
+            )
             assert response.status_code == 200, response.text
             assert response.json()["usage"]["total_tokens"] == 128
     finally:

@@ -195,9 +195,7 @@ class Soak:
                 await channel.close()
 
     async def run(self, seconds: float) -> None:
-        stranger_channel = grpc.aio.insecure_channel(
-            self.grpc_target, options=[("grpc.use_local_subchannel_pool", 1)]
-        )
+        stranger_channel = grpc.aio.insecure_channel(self.grpc_target, options=[("grpc.use_local_subchannel_pool", 1)])
         self.stranger = api_pb2_grpc.GenerationStub(stranger_channel)
         deadline = time.monotonic() + seconds
         try:

@@ -213,8 +213,11 @@ def wait_for_device_memory_to_settle(timeout_s: float = _MEMORY_SETTLE_TIMEOUT_S
         now, _ = torch.cuda.mem_get_info()
         if now <= free + total // 100:  # steady (within 1% of the device)
             return
-        logger.info("free GPU memory still rising (%.1f → %.1f GiB); waiting before sizing the KV cache",
-                    free / 2**30, now / 2**30)
+        logger.info(
+            "free GPU memory still rising (%.1f → %.1f GiB); waiting before sizing the KV cache",
+            free / 2**30,
+            now / 2**30,
+        )
         free = now
 
 

@@ -180,7 +180,12 @@ def build_workload(args: argparse.Namespace, tokenizer: Any = None) -> list[Benc
     if getattr(args, "shared_prefix", None):
         num_prefixes, prefix_len = args.shared_prefix
         return shared_prefix_workload(
-            args.num_requests, num_prefixes, prefix_len, tuple(args.prompt_len), tuple(args.output_len), vocab_size,
+            args.num_requests,
+            num_prefixes,
+            prefix_len,
+            tuple(args.prompt_len),
+            tuple(args.output_len),
+            vocab_size,
             args.seed,
         )
     return random_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), vocab_size, args.seed)

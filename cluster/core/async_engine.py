@@ -69,9 +69,7 @@ class AsyncEngine:
         self._owners: dict[str, _Owner] = {}
         self._outbox: dict[OutputSink, OutputBatch] = {}
         # One sink per event loop that called stream(): its requests share the loop's per-step hand-off.
-        self._loop_sinks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopSink] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._loop_sinks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopSink] = weakref.WeakKeyDictionary()
         self._loop_sinks_lock = threading.Lock()
         # Counted on the loop thread: iterations that delivered something, hand-offs, deltas handed off.
         self.num_deliveries = 0

@@ -44,7 +44,11 @@ class FastHistogram(Collector):
     """A labelled histogram whose children are updated without locks; only the engine thread writes them."""
 
     def __init__(
-        self, name: str, documentation: str, labelnames: Sequence[str], buckets: Sequence[float],
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        buckets: Sequence[float],
         registry: CollectorRegistry,
     ) -> None:
         if list(buckets) != sorted(buckets):

@@ -254,7 +254,9 @@ def _wait_until_gone(actors: list, local_pids: list[int], timeout_s: float = _GO
     if pending or pids:
         logger.warning(
             "%d killed rank(s) still not gone after %.0fs (processes %s); starting the new ranks anyway",
-            max(len(pending), len(pids)), timeout_s, pids,
+            max(len(pending), len(pids)),
+            timeout_s,
+            pids,
         )
 
 

@@ -223,6 +223,7 @@ class LLM:
                 engine_loop.run_once()  # the aborts take effect now: their blocks are free when this returns
             raise
 
+
 class _QueueSink:
     """Where the engine loop hands this caller's outputs: one batch per loop iteration, read by generate()."""
 

@@ -47,28 +47,37 @@ def cpus_per_worker(
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser.add_argument_group("engine", "the model replica (the same settings as LLM(...))"))
     parser.add_argument(
-        "--data-parallel-size", default="1",
+        "--data-parallel-size",
+        default="1",
         help='model replicas behind the one frontend, each with --tensor-parallel-size ranks of its own ("auto": '
         "every GPU Ray sees divided by --tensor-parallel-size; 1 on CPUs)",
     )
     parser.add_argument(
-        "--routing-policy", default="prefix-aware", choices=POLICIES,
+        "--routing-policy",
+        default="prefix-aware",
+        choices=POLICIES,
         help="how each request picks a replica: the one likely holding its prompt prefix (unless much busier), "
         "the least loaded, or in turn",
     )
     parser.add_argument(
-        "--min-replicas", type=int, default=None,
+        "--min-replicas",
+        type=int,
+        default=None,
         help="idle replicas are drained down to this many (default: data-parallel size)",
     )
     parser.add_argument(
         "--max-replicas", type=int, default=None, help="scale up to this many replicas (default: data-parallel size)"
     )
     parser.add_argument(
-        "--target-waiting-per-replica", type=float, default=8.0,
+        "--target-waiting-per-replica",
+        type=float,
+        default=8.0,
         help="a replica is added while more requests than this wait per replica",
     )
     parser.add_argument(
-        "--cpus-per-worker", type=_positive_float, default=None,
+        "--cpus-per-worker",
+        type=_positive_float,
+        default=None,
         help="CPUs Ray reserves for each rank, and on CPUs its torch thread count (default: 1 with GPUs; on CPUs "
         "the cluster's CPUs shared out among every rank of every replica)",
     )
@@ -77,7 +86,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: any free port)")
     parser.add_argument("--ray-address", default=None, help='join this Ray cluster ("auto": the local one)')
     parser.add_argument(
-        "--placement-strategy", default="PACK", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+        "--placement-strategy",
+        default="PACK",
+        choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
         help="how the ranks' bundles are placed: STRICT_SPREAD puts one rank per node",
     )
     parser.add_argument("--api-key", default=os.environ.get("PAGERAIL_API_KEY"), help="or PAGERAIL_API_KEY")
@@ -106,12 +117,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
     parser.add_argument(
-        "--step-timeout", type=float, default=300.0,
+        "--step-timeout",
+        type=float,
+        default=300.0,
         help="seconds a step may take before its ranks count as hung and are restarted (a failed or dead rank "
         "is noticed at once)",
     )
     parser.add_argument(
-        "--max-worker-restarts", type=int, default=3,
+        "--max-worker-restarts",
+        type=int,
+        default=3,
         help="worker-group restarts in a row, without a successful step between them, before in-flight requests fail",
     )
 
@@ -211,8 +226,11 @@ def serve(args: argparse.Namespace) -> int:
         max(node_cpus, default=None),
     )  # fmt: skip
     options = ClusterOptions(
-        use_gpu=use_gpu, placement_strategy=args.placement_strategy, cpus_per_worker=cpus,
-        step_timeout_s=args.step_timeout, max_restarts=args.max_worker_restarts,
+        use_gpu=use_gpu,
+        placement_strategy=args.placement_strategy,
+        cpus_per_worker=cpus,
+        step_timeout_s=args.step_timeout,
+        max_restarts=args.max_worker_restarts,
     )
     prefix = f"pagerail-head-{os.getpid()}"
     routed = size > 1 or max_replicas > 1

@@ -90,9 +90,7 @@ def unavailable(message: str, retry_after_s: float | None = None) -> APIError:
 
 def internal_error() -> APIError:
     """500 for an error the server did not expect: its details stay in the server's log."""
-    return APIError(
-        500, "The server had an error while processing the request", "server_error", code="internal_error"
-    )
+    return APIError(500, "The server had an error while processing the request", "server_error", code="internal_error")
 
 
 def from_value_error(err: ValueError) -> APIError:

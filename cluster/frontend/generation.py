@@ -102,7 +102,13 @@ async def _interleaved_choices(
         child = choice_params(params, index)
         try:
             async for delta in stream_choice(
-                engine, tokenizer, f"{request_id}-{index}", index, prompt_ids, child, usage,
+                engine,
+                tokenizer,
+                f"{request_id}-{index}",
+                index,
+                prompt_ids,
+                child,
+                usage,
                 SiblingGroup(request_id, index, params.n),
             ):
                 await queue.put(delta)
