@@ -171,3 +171,33 @@ def test_expert_parallel_refused_where_it_cannot_apply(moe_dirs):
     # Without expert parallelism the same split is refused by the experts' intermediate size instead.
     with pytest.raises(ValueError, match=r"moe_intermediate_size=32 is not divisible by tensor_parallel_size=3"):
         FusedMoE(8, 2, 64, 32, TensorParallelGroup(0, 3), None, True)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_experts_on_the_packed_cpu_kernel_match_transformers(moe_dirs, kind, monkeypatch, tmp_path):
+    from worker.layers.packed_linear import packed_linear_kernel
+
+    if packed_linear_kernel() is None:
+        pytest.skip("the packed CPU kernel cannot be built here")
+    # Every fp32 weight, each expert's included, runs on the packed kernel (tiny weights are left to MKL otherwise).
+    monkeypatch.setenv("PAGERAIL_CPU_MATMUL", "packed")
+    monkeypatch.setenv("PAGERAIL_CACHE_DIR", str(tmp_path))
+    model = load_model(moe_dirs[kind], SINGLE_RANK, torch.float32, "cpu")
+    experts = model.model.layers[0].mlp.experts
+    assert all(view.cpu_weights is not None for view in [*experts.w13_views, *experts.w2_views])
+    from worker.layers import moe_grouped
+
+    libraries = []
+    chosen = moe_grouped.linear
+
+    def counting(x, weight, cpu):
+        libraries.append(cpu.library(x.shape[0]))
+        return chosen(x, weight, cpu)
+
+    monkeypatch.setattr(moe_grouped, "linear", counting)
+    ids = random_ids()
+    reference = AutoModelForCausalLM.from_pretrained(str(moe_dirs[kind]), dtype=torch.float32)
+    with torch.inference_mode():
+        expected = reference(ids[None]).logits[0].float()
+    torch.testing.assert_close(prefill_logits(model, ids), expected, atol=1e-4, rtol=1e-4)
+    assert libraries and set(libraries) == {"packed"}

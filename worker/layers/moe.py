@@ -54,6 +54,16 @@ def _window(full: torch.Tensor | LazyTensor, dim: int, start: int, length: int) 
     return full.narrow(dim, start, length)
 
 
+class ExpertWeightView(nn.Module):
+    """One local expert's projection as a 2-D view of the stacked parameter (which owns the storage and is what
+    checkpoints load into); `cpu_weights` is the slot the CPU matmul chooser fills, as on the linear layers."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight  # a plain attribute, not a parameter: loading and the state dict go through the stack
+        self.cpu_weights = None
+
+
 class FusedMoE(nn.Module):
     """Experts' weights as two stacked parameters: w13 [E_local, 2*I_local, H] (gate rows, then up rows) and
     w2 [E_local, H, I_local]. forward(hidden, router_logits) routes, computes and (with reduce_results) all-reduces.
@@ -118,6 +128,16 @@ class FusedMoE(nn.Module):
             self.register_parameter(name, param)
         # (global expert, part) pairs loaded so far: a checkpoint missing one expert still "loads" its parameter.
         self.loaded_parts: set[tuple[int, str]] = set()
+        # On the CPU each local expert's projections also appear as 2-D weights, so that the CPU matmul chooser
+        # (cpu_matmul.attach_cpu_weights, run after loading) measures and copies them like any linear layer's.
+        self.w13_views = self.w2_views = None
+        if self.w13_weight.device.type == "cpu":
+            self.w13_views = nn.ModuleList(
+                ExpertWeightView(self.w13_weight.data[e]) for e in range(self.num_local_experts)
+            )
+            self.w2_views = nn.ModuleList(
+                ExpertWeightView(self.w2_weight.data[e]) for e in range(self.num_local_experts)
+            )
 
     @property
     def local_experts(self) -> range:
@@ -240,7 +260,10 @@ class FusedMoE(nn.Module):
                 return kernels.triton_fused_experts(
                     hidden, self.w13_weight, self.w2_weight, weights, local_ids, *extras
                 )
-        return grouped_experts(hidden, self.w13_weight, self.w2_weight, weights, local_ids, *extras)
+        cpu_weights = None
+        if self.w13_views is not None:
+            cpu_weights = ([v.cpu_weights for v in self.w13_views], [v.cpu_weights for v in self.w2_views])
+        return grouped_experts(hidden, self.w13_weight, self.w2_weight, weights, local_ids, *extras, cpu_weights)
 
     def comm_bytes(self, num_tokens: int) -> int:
         """Bytes each rank puts into this layer's all-reduce for a step of `num_tokens`: [T, H] in the weights' dtype.
