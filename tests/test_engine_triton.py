@@ -61,13 +61,13 @@ def _mixed_report(model_dir: str) -> None:
 
     mixed = attention.paged_mixed_attention
 
-    def mixed_spy(q, key_cache, value_cache, block_tables, query_starts, context_lens, block_size, scale):
+    def mixed_spy(q, key_cache, value_cache, block_tables, query_starts, context_lens, block_size, scale, *options):
         counts["mixed"] += 1
         lens = query_starts.diff().tolist()
         for query_len, context_len in zip(lens, context_lens.tolist(), strict=True):
             counts["mid_block_chunks"] += query_len > 1 and (context_len - query_len) % block_size != 0
             counts["decodes_in_mixed"] += query_len == 1
-        return mixed(q, key_cache, value_cache, block_tables, query_starts, context_lens, block_size, scale)
+        return mixed(q, key_cache, value_cache, block_tables, query_starts, context_lens, block_size, scale, *options)
 
     prepare = ModelRunner.prepare
 
