@@ -29,4 +29,7 @@ def start_ray(**kwargs) -> None:
     """`ray.init(**kwargs)` with one retry on a startup timeout of Ray's own processes."""
     import ray  # here, so a module importing this one still skips (or fails in CI) on its own check for Ray
 
+    # A private instance even where a killed Ray left its address in /tmp/ray/ray_current_cluster, which ray.init
+    # would otherwise try to join (and refuse num_cpus for).
+    kwargs.setdefault("address", "local")
     with_one_retry(lambda: ray.init(**kwargs), ray.shutdown)

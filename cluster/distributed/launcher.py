@@ -18,7 +18,9 @@ def connect(address: str | None = None, num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     if address is None:
-        ray.init(namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        # "local": a new instance even where another Ray, or the record a killed one left in /tmp/ray, is found;
+        # without it Ray would try to join that one and refuse num_cpus.
+        ray.init(address="local", namespace=NAMESPACE, num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     else:
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
 
