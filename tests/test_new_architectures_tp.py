@@ -1,6 +1,10 @@
-"""Mixture-of-experts models at tensor parallel size 2 over gloo on a local Ray: greedy parity with transformers."""
+"""The newer architectures at tensor parallel size 2 over gloo on a local Ray, through the whole engine: greedy
+parity with transformers for mixtures of experts (experts split by columns, or whole experts per rank), Gemma 2's
+windows and softcaps and gpt-oss's sinks past the window."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -9,8 +13,11 @@ from tests.requirements import require_module
 ray = require_module("ray", "needs Ray")
 
 from cluster import LLM  # noqa: E402
+from cluster.bench.random_checkpoints import save_random_weights  # noqa: E402
 from tests.parity import compare, engine_greedy, reference_greedy  # noqa: E402
 from tests.ray_start import start_ray  # noqa: E402
+from tests.test_gpt_oss import gpt_oss_config  # noqa: E402
+from tests.test_model_families import family_config  # noqa: E402
 from tests.test_moe_engine import NEW_TOKENS, PROMPTS  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 from worker.model_loader import load_hf_config  # noqa: E402
@@ -30,10 +37,20 @@ def _moe_bytes(metrics_text: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
 
-# Experts split by columns, and (with the shared expert) whole experts per rank.
-@pytest.mark.parametrize(("kind", "expert_parallel"), [("qwen3_moe", False), ("qwen2_moe", True)])
+def _model_dir(kind: str, path: Path) -> Path:
+    if kind == "gemma2":
+        return save_random_weights(family_config("gemma2"), path, 0, scale=0.08)
+    if kind == "gpt_oss":
+        return save_random_weights(gpt_oss_config(), path, 0, scale=0.08)
+    return make_tiny_model(kind, path)
+
+
+# Experts split by columns, and (with the shared expert, and gpt-oss's biased experts) whole experts per rank.
+@pytest.mark.parametrize(
+    ("kind", "expert_parallel"), [("qwen3_moe", False), ("qwen2_moe", True), ("gemma2", False), ("gpt_oss", True)]
+)
 def test_tp2_matches_transformers(local_ray, kind, expert_parallel, tmp_path):
-    model_dir = make_tiny_model(kind, tmp_path / kind)
+    model_dir = _model_dir(kind, tmp_path / kind)
     llm = LLM(
         str(model_dir),
         block_size=4,
@@ -49,8 +66,11 @@ def test_tp2_matches_transformers(local_ray, kind, expert_parallel, tmp_path):
     report = compare(ours, reference_greedy(model_dir, PROMPTS, NEW_TOKENS))
     assert report.identical == report.total, report.divergences
     # The step telemetry counts what every rank put into the MoE all-reduces: whole [tokens, hidden] fp32 rows,
-    # one per MoE layer, at least one per generated token.
+    # one per MoE layer, at least one per generated token; none for a dense model.
     config = load_hf_config(model_dir)
+    if kind == "gemma2":
+        assert _moe_bytes(metrics) == 0
+        return
     row = config.hidden_size * 4 * config.num_hidden_layers
     moe_bytes = _moe_bytes(metrics)
     assert moe_bytes >= row * NEW_TOKENS * len(PROMPTS) and moe_bytes % row == 0
