@@ -137,28 +137,46 @@ def _report() -> None:
     )
 
 
-def _run_report(extra_path: Path | None) -> dict:
+def _start_report(extra_path: Path | None, cache: str) -> subprocess.Popen:
     """`_report()` in a child process with a cold Triton cache, optionally with another Triton first on the path."""
     path = [str(extra_path)] if extra_path else []
-    with tempfile.TemporaryDirectory() as cache:
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([*path, str(ROOT)]),
-            "TRITON_CACHE_DIR": cache,
-            "TRITON_DEFAULT_FP_FUSION": "1",
-            "CUDA_VISIBLE_DEVICES": "",
-        }
-        env.pop("TRITON_INTERPRET", None)
-        done = subprocess.run(
-            [sys.executable, "-c", "from tests.test_hopper_builds import _report; _report()"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([*path, str(ROOT)]),
+        "TRITON_CACHE_DIR": cache,
+        "TRITON_DEFAULT_FP_FUSION": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.Popen(
+        [sys.executable, "-c", "from tests.test_hopper_builds import _report; _report()"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _finish_report(child: subprocess.Popen) -> dict:
+    try:
+        stdout, stderr = child.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        raise
+    assert child.returncode == 0, stderr[-4000:]
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[str, dict]:
+    """Both Tritons' reports: two child processes build at once, each compiling on one core, so the module takes
+    about as long as the longer of the two."""
+    with tempfile.TemporaryDirectory() as this_cache, tempfile.TemporaryDirectory() as image_cache:
+        children = {"this": _start_report(None, this_cache)}
+        if (IMAGE_TRITON / "triton" / "__init__.py").is_file():
+            children["image"] = _start_report(IMAGE_TRITON, image_cache)
+        return {name: _finish_report(child) for name, child in children.items()}
 
 
 def _check(report: dict) -> None:
@@ -176,15 +194,14 @@ def _check(report: dict) -> None:
             )
 
 
-def test_every_kernel_builds_for_sm90_with_this_triton():
-    report = _run_report(None)
-    _check(report)
+def test_every_kernel_builds_for_sm90_with_this_triton(reports):
+    _check(reports["this"])
 
 
-def test_every_kernel_builds_for_sm90_with_the_gpu_images_triton():
-    if not (IMAGE_TRITON / "triton" / "__init__.py").is_file():
+def test_every_kernel_builds_for_sm90_with_the_gpu_images_triton(reports):
+    if "image" not in reports:
         missing(f"the GPU image's Triton {IMAGE_TRITON_VERSION} is not installed at {IMAGE_TRITON} (make venv)")
-    report = _run_report(IMAGE_TRITON)
+    report = reports["image"]
     assert report["triton"] == IMAGE_TRITON_VERSION
     _check(report)
 
@@ -241,7 +258,8 @@ def _summary(report: dict) -> str:
 
 if __name__ == "__main__":
     which = "image" if "image" in sys.argv[1:] else "this"
-    result = _run_report(IMAGE_TRITON if which == "image" else None)
+    with tempfile.TemporaryDirectory() as cache:
+        result = _finish_report(_start_report(IMAGE_TRITON if which == "image" else None, cache))
     print(f"Triton {result['triton']}, {len(result['builds'])} builds in {result['seconds']} s")
     print(_summary(result) if "--summary" in sys.argv else _table(result))
     if result["failures"]:

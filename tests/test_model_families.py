@@ -1,5 +1,5 @@
-"""Gemma 2, Gemma 3 and Phi-3 on tiny random checkpoints: greedy parity with transformers through the engine for
-contexts longer than their windows, tensor-parallel ranks equal to one, and the configs they refuse."""
+"""Gemma 2, Gemma 3, Phi-3 and Mistral on tiny random checkpoints: greedy parity with transformers through the
+engine for contexts longer than their windows, tensor-parallel ranks equal to one, and the configs they refuse."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ NEW_TOKENS = 32
 
 def family_config(kind: str):
     """The transformers config of one tiny family member; each turns on what sets its family apart."""
-    from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config
 
     gemma = dict(_COMMON, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW)
     if kind == "gemma2":
@@ -59,6 +59,8 @@ def family_config(kind: str):
         }
         kinds = ["sliding_attention"] * 3 + ["full_attention"]
         return Gemma3TextConfig(**gemma, layer_types=kinds, rope_parameters=rope)
+    if kind == "mistral":
+        return MistralConfig(**dict(_COMMON, num_hidden_layers=2), head_dim=32, sliding_window=WINDOW)
     if kind == "phi3":
         # LongRoPE whose short factors apply below 64 positions, a window on every layer.
         rope = dict(
@@ -72,7 +74,7 @@ def family_config(kind: str):
     raise ValueError(kind)
 
 
-KINDS = ("gemma2", "gemma3", "phi3")
+KINDS = ("gemma2", "gemma3", "phi3", "mistral")
 # Phi-4-mini's RoPE over a fraction of each head, which the rotary layer does not do.
 PHI3_PARTIAL_ROPE = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
 

@@ -317,28 +317,43 @@ def _hopper_report() -> None:
     print(json.dumps({"triton": triton.__version__, "builds": builds, "failures": failures}))
 
 
+@pytest.fixture(scope="module")
+def hopper_reports() -> dict[str, dict]:
+    """The builds with this Triton and with the GPU image's, by two child processes at once (one core each)."""
+    from tests.test_hopper_builds import IMAGE_TRITON
+
+    require_module("triton", "needs Triton", required_in_ci=TRITON_REQUIRED)
+    paths = {"this": [str(REPO_ROOT)]}
+    if (IMAGE_TRITON / "triton" / "__init__.py").is_file():
+        paths["image"] = [str(IMAGE_TRITON), str(REPO_ROOT)]
+    code = "from tests.test_triton_moe import _hopper_report; _hopper_report()"
+    with tempfile.TemporaryDirectory() as caches:
+        children = {}
+        for which, path in paths.items():
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "TRITON_CACHE_DIR": f"{caches}/{which}"}
+            env.update({"TRITON_DEFAULT_FP_FUSION": "1", "CUDA_VISIBLE_DEVICES": ""})
+            env.pop("TRITON_INTERPRET", None)
+            children[which] = subprocess.Popen(
+                [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+        reports = {}
+        for which, child in children.items():
+            stdout, stderr = child.communicate(timeout=600)
+            assert child.returncode == 0, stderr[-4000:]
+            reports[which] = json.loads(stdout.strip().splitlines()[-1])
+    return reports
+
+
 @pytest.mark.parametrize("which", ["this", "image"])
-def test_kernels_build_for_sm90(which: str) -> None:
+def test_kernels_build_for_sm90(which: str, hopper_reports: dict[str, dict]) -> None:
     """Every launch variant compiles for H100/H200 (offline, no GPU), fits shared memory, and does not spill at
     model sizes."""
     from tests.test_hopper_builds import IMAGE_TRITON, IMAGE_TRITON_VERSION
 
-    require_module("triton", "needs Triton", required_in_ci=TRITON_REQUIRED)
-    path = [str(REPO_ROOT)]
-    if which == "image":
-        if not (IMAGE_TRITON / "triton" / "__init__.py").is_file():
-            missing(f"the GPU image's Triton {IMAGE_TRITON_VERSION} is not installed at {IMAGE_TRITON} (make venv)")
-        path.insert(0, str(IMAGE_TRITON))
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "TRITON_CACHE_DIR": cache}
-        env.update({"TRITON_DEFAULT_FP_FUSION": "1", "CUDA_VISIBLE_DEVICES": ""})
-        env.pop("TRITON_INTERPRET", None)
-        code = "from tests.test_triton_moe import _hopper_report; _hopper_report()"
-        done = subprocess.run(
-            [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
-        )
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    if which not in hopper_reports:
+        missing(f"the GPU image's Triton {IMAGE_TRITON_VERSION} is not installed at {IMAGE_TRITON} (make venv)")
+    report = hopper_reports[which]
     if which == "image":
         assert report["triton"] == IMAGE_TRITON_VERSION
     assert not report["failures"], json.dumps(report["failures"], indent=1)
