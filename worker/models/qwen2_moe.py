@@ -7,11 +7,10 @@ from typing import Any
 import torch
 
 from worker.layers.linear import QKVParallelLinear
-from worker.layers.moe_block import SparseMoeBlock
 from worker.layers.rotary import RotaryEmbedding
-from worker.models.llama import LlamaAttention, LlamaMLP
+from worker.models.llama import LlamaAttention
 from worker.models.moe_common import MoeCausalLM, MoeDecoderLayer
-from worker.models.qwen3_moe import is_sparse_layer
+from worker.models.qwen3_moe import qwen_moe_layer
 from worker.parallel_state import TensorParallelGroup
 
 
@@ -44,20 +43,6 @@ class Qwen2MoeForCausalLM(MoeCausalLM):
 
         def make_layer(index: int, rotary: RotaryEmbedding, window: int | None) -> MoeDecoderLayer:
             attention = QkvBiasAttention(hf_config, rotary, tp, dtype, window)
-            if not is_sparse_layer(hf_config, index):
-                return MoeDecoderLayer(hf_config, attention, LlamaMLP(hf_config, tp, dtype), dtype)
-            moe = SparseMoeBlock(
-                hf_config.hidden_size,
-                hf_config.num_experts,
-                hf_config.num_experts_per_tok,
-                hf_config.moe_intermediate_size,
-                bool(getattr(hf_config, "norm_topk_prob", False)),
-                tp,
-                dtype,
-                enable_expert_parallel,
-                shared_expert_intermediate_size=getattr(hf_config, "shared_expert_intermediate_size", 0) or 0,
-                hidden_act=getattr(hf_config, "hidden_act", "silu"),
-            )
-            return MoeDecoderLayer(hf_config, attention, moe, dtype)
+            return qwen_moe_layer(hf_config, index, attention, tp, dtype, enable_expert_parallel)
 
         self.build(hf_config, tp, dtype, make_layer)

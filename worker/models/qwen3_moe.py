@@ -39,6 +39,33 @@ def is_sparse_layer(config: Any, index: int) -> bool:
     return index not in mlp_only and config.num_experts > 0 and (index + 1) % step == 0
 
 
+def qwen_moe_layer(
+    config: Any,
+    index: int,
+    attention: LlamaAttention,
+    tp: TensorParallelGroup,
+    dtype: torch.dtype,
+    enable_expert_parallel: bool,
+) -> MoeDecoderLayer:
+    """A Qwen2/3-MoE decoder layer around `attention`: the dense MLP where is_sparse_layer says so, else the sparse
+    block (with Qwen2-MoE's shared expert where the config sizes one)."""
+    if not is_sparse_layer(config, index):
+        return MoeDecoderLayer(config, attention, LlamaMLP(config, tp, dtype), dtype)
+    moe = SparseMoeBlock(
+        config.hidden_size,
+        config.num_experts,
+        config.num_experts_per_tok,
+        config.moe_intermediate_size,
+        bool(getattr(config, "norm_topk_prob", False)),
+        tp,
+        dtype,
+        enable_expert_parallel,
+        shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0,
+        hidden_act=getattr(config, "hidden_act", "silu"),
+    )
+    return MoeDecoderLayer(config, attention, moe, dtype)
+
+
 class Qwen3MoeForCausalLM(MoeCausalLM):
     """Routed experts only (no shared expert); top-k weights renormalised when norm_topk_prob."""
 
@@ -49,19 +76,6 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
 
         def make_layer(index: int, rotary: RotaryEmbedding, window: int | None) -> MoeDecoderLayer:
             attention = QkNormAttention(hf_config, rotary, tp, dtype, window)
-            if not is_sparse_layer(hf_config, index):
-                return MoeDecoderLayer(hf_config, attention, LlamaMLP(hf_config, tp, dtype), dtype)
-            moe = SparseMoeBlock(
-                hf_config.hidden_size,
-                hf_config.num_experts,
-                hf_config.num_experts_per_tok,
-                hf_config.moe_intermediate_size,
-                bool(getattr(hf_config, "norm_topk_prob", False)),
-                tp,
-                dtype,
-                enable_expert_parallel,
-                hidden_act=getattr(hf_config, "hidden_act", "silu"),
-            )
-            return MoeDecoderLayer(hf_config, attention, moe, dtype)
+            return qwen_moe_layer(hf_config, index, attention, tp, dtype, enable_expert_parallel)
 
         self.build(hf_config, tp, dtype, make_layer)
