@@ -30,7 +30,12 @@ class LlamaAttention(nn.Module):
         tp: TensorParallelGroup,
         dtype: torch.dtype,
         sliding_window: int | None = None,
+        *,
+        qkv_bias: bool | None = None,
+        qk_norm: bool | None = None,
     ) -> None:
+        """`qkv_bias` and `qk_norm` override what the config's model_type implies (for families that reuse this
+        attention under another model_type, e.g. Qwen2-MoE's biases and Qwen3-MoE's q/k norms)."""
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -38,12 +43,13 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         # Qwen2 always has q/k/v biases (its config has no switch); others follow attention_bias.
         attention_bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = attention_bias or config.model_type == "qwen2"
+        if qkv_bias is None:
+            qkv_bias = attention_bias or config.model_type == "qwen2"
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, num_heads, num_kv_heads, qkv_bias, tp, dtype)
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, attention_bias, tp, dtype)
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
-        self.has_qk_norm = config.model_type == "qwen3"
+        self.has_qk_norm = config.model_type == "qwen3" if qk_norm is None else qk_norm
         if self.has_qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)

@@ -6,31 +6,11 @@ from typing import Any
 
 import torch
 
-from worker.layers.linear import QKVParallelLinear
 from worker.layers.rotary import RotaryEmbedding
 from worker.models.llama import LlamaAttention
 from worker.models.moe_common import MoeCausalLM, MoeDecoderLayer
 from worker.models.qwen3_moe import qwen_moe_layer
 from worker.parallel_state import TensorParallelGroup
-
-
-class QkvBiasAttention(LlamaAttention):
-    """LlamaAttention whose q/k/v projection has a bias when config.qkv_bias says so (the output one never)."""
-
-    def __init__(
-        self,
-        config: Any,
-        rotary: RotaryEmbedding,
-        tp: TensorParallelGroup,
-        dtype: torch.dtype,
-        sliding_window: int | None = None,
-    ) -> None:
-        super().__init__(config, rotary, tp, dtype, sliding_window)
-        if getattr(config, "qkv_bias", True) and self.qkv_proj.bias is None:
-            old = self.qkv_proj
-            self.qkv_proj = QKVParallelLinear(
-                config.hidden_size, old.head_dim, old.num_heads, old.num_kv_heads, True, tp, dtype
-            )
 
 
 class Qwen2MoeForCausalLM(MoeCausalLM):
@@ -42,7 +22,9 @@ class Qwen2MoeForCausalLM(MoeCausalLM):
         super().__init__()
 
         def make_layer(index: int, rotary: RotaryEmbedding, window: int | None) -> MoeDecoderLayer:
-            attention = QkvBiasAttention(hf_config, rotary, tp, dtype, window)
+            # q/k/v biases (the output projection none) whatever the config's attention_bias says.
+            qkv_bias = bool(getattr(hf_config, "qkv_bias", True) or getattr(hf_config, "attention_bias", False))
+            attention = LlamaAttention(hf_config, rotary, tp, dtype, window, qkv_bias=qkv_bias)
             return qwen_moe_layer(hf_config, index, attention, tp, dtype, enable_expert_parallel)
 
         self.build(hf_config, tp, dtype, make_layer)

@@ -7,29 +7,10 @@ from typing import Any
 import torch
 
 from worker.layers.moe_block import SparseMoeBlock
-from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding
 from worker.models.llama import LlamaAttention, LlamaMLP
 from worker.models.moe_common import MoeCausalLM, MoeDecoderLayer
 from worker.parallel_state import TensorParallelGroup
-
-
-class QkNormAttention(LlamaAttention):
-    """LlamaAttention with Qwen3's per-head RMSNorm on q and k before RoPE, whatever the config's model_type."""
-
-    def __init__(
-        self,
-        config: Any,
-        rotary: RotaryEmbedding,
-        tp: TensorParallelGroup,
-        dtype: torch.dtype,
-        sliding_window: int | None = None,
-    ) -> None:
-        super().__init__(config, rotary, tp, dtype, sliding_window)
-        if not self.has_qk_norm:
-            self.has_qk_norm = True
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
 
 
 def is_sparse_layer(config: Any, index: int) -> bool:
@@ -75,7 +56,7 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
         super().__init__()
 
         def make_layer(index: int, rotary: RotaryEmbedding, window: int | None) -> MoeDecoderLayer:
-            attention = QkNormAttention(hf_config, rotary, tp, dtype, window)
+            attention = LlamaAttention(hf_config, rotary, tp, dtype, window, qk_norm=True)
             return qwen_moe_layer(hf_config, index, attention, tp, dtype, enable_expert_parallel)
 
         self.build(hf_config, tp, dtype, make_layer)
