@@ -12,7 +12,9 @@ from typing import Any
 from common.engine_config import (
     DEVICES,
     DTYPES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
     ObservabilityConfig,
@@ -52,6 +54,14 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("dtype", "", str, "weights and activations; auto: bf16 on GPUs, fp32 on CPUs", DTYPES),
     EngineArg("device", "", str, "where the ranks compute; auto: CUDA when there is a GPU", DEVICES),
     EngineArg("load_format", "", str, "dummy: random weights of the model's shape", LOAD_FORMATS),
+    EngineArg(
+        "quantization",
+        "",
+        str,
+        "weight format; default: the checkpoint's quantization_config; fp8 also quantizes a bf16/fp32 checkpoint "
+        "on load",
+        QUANTIZATIONS,
+    ),
     EngineArg("seed", "", int, "seed of the ranks' random state (unseeded sampling, dummy weights)"),
     EngineArg("tensor_parallel_size", "", int, "ranks that share each layer of one replica"),
     EngineArg(
@@ -65,6 +75,13 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     EngineArg("kv_cache_memory_bytes", "cache", int, "bytes of KV cache per rank (default: from free memory on GPUs)"),
     EngineArg("gpu_memory_utilization", "cache", float, "share of a GPU's memory the rank may use, in (0, 1]"),
     EngineArg("num_gpu_blocks", "cache", int, "a fixed KV-cache size in blocks, overriding the memory budget"),
+    EngineArg(
+        "kv_cache_dtype",
+        "cache",
+        str,
+        "KV cache element type; fp8 (e4m3) or fp8_e5m2 store K and V in one byte with a per-layer scale",
+        KV_CACHE_DTYPES,
+    ),
     EngineArg("enable_prefix_caching", "cache", bool, "reuse KV blocks of prompts that share a prefix"),
     EngineArg("max_num_batched_tokens", "scheduler", int, "token budget of one step"),
     EngineArg("max_num_seqs", "scheduler", int, "sequences in one step"),

@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+# Weight formats: detected from the checkpoint's quantization_config, or forced (fp8 also quantizes a 16/32-bit
+# checkpoint on load).
+QUANTIZATIONS = ("fp8", "awq", "gptq", "mxfp4")
+# auto: the model's dtype; fp8 means fp8_e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -21,8 +26,11 @@ class CacheConfig:
     # Fixed block count, overriding the memory budget (tests, reproducible benchmarks).
     num_gpu_blocks: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}")
         if not (self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0):
@@ -102,6 +110,8 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     load_format: str = "auto"
+    # None: whatever the checkpoint's quantization_config says (unquantized when it has none).
+    quantization: str | None = None
     seed: int = 0
     tensor_parallel_size: int = 1
     # Mixture-of-experts models: each tensor-parallel rank holds whole experts (a 1/size share of them) instead of
@@ -127,5 +137,7 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}")
         if not self.tensor_parallel_size >= 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
