@@ -92,6 +92,7 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     enable_expert_parallel: bool = False,
+    quantization: str | None = None,
 ) -> nn.Module:
     """Build the model for `model_dir` on `device` holding this rank's shard, with checkpoint or dummy weights.
 

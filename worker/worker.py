@@ -74,6 +74,7 @@ class Worker:
             load_format=config.engine.load_format,
             seed=config.engine.seed,
             enable_expert_parallel=config.engine.enable_expert_parallel,
+            quantization=config.engine.quantization,
         )
         engine = config.engine
         cache, scheduler = engine.cache, engine.scheduler
