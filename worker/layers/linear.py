@@ -80,6 +80,16 @@ class ColumnParallelLinear(_ParallelLinear):
         return out if self.bias is None else out + self.bias
 
 
+class ReplicatedLinear(ColumnParallelLinear):
+    """A small projection every rank holds whole (MoE routers); kept in full precision under weight quantization,
+    as the routing decisions are sensitive to it."""
+
+    quantizable = False
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype | None = None) -> None:
+        super().__init__(input_size, output_size, bias, SINGLE_RANK, dtype)
+
+
 class RowParallelLinear(_ParallelLinear):
     """y = x A^T with A's input columns split across ranks; partial sums are all-reduced, then bias added once."""
 

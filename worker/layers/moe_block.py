@@ -7,9 +7,9 @@ from torch import nn
 
 from worker.layers.activation import SiluAndMul
 from worker.layers.cpu_matmul import linear
-from worker.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from worker.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from worker.layers.moe import FusedMoE
-from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
+from worker.parallel_state import TensorParallelGroup
 
 
 class SharedExpertMLP(nn.Module):
@@ -54,8 +54,7 @@ class SparseMoeBlock(nn.Module):
         if hidden_act != "silu":
             raise ValueError(f"hidden_act={hidden_act!r} is not supported for experts; only 'silu' is")
         self.tp = tp
-        # A column-parallel linear on a single rank is a replicated linear with the usual loader and CPU paths.
-        self.gate = ColumnParallelLinear(hidden_size, num_experts, False, SINGLE_RANK, dtype)
+        self.gate = ReplicatedLinear(hidden_size, num_experts, False, dtype)
         self.experts = FusedMoE(
             num_experts,
             top_k,
@@ -70,7 +69,7 @@ class SparseMoeBlock(nn.Module):
         self.has_shared_expert = shared_expert_intermediate_size > 0
         if self.has_shared_expert:
             self.shared_expert = SharedExpertMLP(hidden_size, shared_expert_intermediate_size, tp, dtype)
-            self.shared_expert_gate = ColumnParallelLinear(hidden_size, 1, False, SINGLE_RANK, dtype)
+            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, False, dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.experts(hidden, self.gate(hidden))

@@ -11,13 +11,13 @@ from torch import nn
 
 from worker.layers.attention import AttentionMetadata
 from worker.layers.lazy_tensor import LazyTensor, materialize
-from worker.layers.linear import ColumnParallelLinear
+from worker.layers.linear import ReplicatedLinear
 from worker.layers.moe import FusedMoE
 from worker.layers.moe_activation import ExpertActivation
 from worker.layers.rotary import RotaryEmbedding
 from worker.models.llama import LlamaAttention
 from worker.models.moe_common import MoeCausalLM, MoeDecoderLayer
-from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
+from worker.parallel_state import TensorParallelGroup
 
 # "model.layers.3.mlp.experts.gate_up_proj_bias" → ("model.layers.3.mlp.experts", "gate_up_proj_bias")
 _EXPERTS_TENSOR = re.compile(
@@ -73,7 +73,7 @@ class GptOssMoeBlock(nn.Module):
     ) -> None:
         super().__init__()
         hidden, num_experts = config.hidden_size, config.num_local_experts
-        self.router = ColumnParallelLinear(hidden, num_experts, True, SINGLE_RANK, dtype)
+        self.router = ReplicatedLinear(hidden, num_experts, True, dtype)
         activation = ExpertActivation("swiglu_clamped", float(config.swiglu_alpha), float(config.swiglu_limit))
         self.experts = FusedMoE(
             num_experts,
