@@ -1,0 +1,1 @@
+"""Quantized weight formats: checkpoint configs, linear methods and their kernels."""
