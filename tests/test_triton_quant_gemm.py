@@ -35,6 +35,7 @@ class Int4Case:
     dtype: str
     act_order: bool = False
     bias: bool = False
+    strided: bool = False  # x a column slice of a wider buffer, as a fused projection leaves it
 
 
 # Odd N (column tiles past N, and past the last weight-scale block), K with a partial last block or group, tiles
@@ -51,7 +52,7 @@ INT4_CASES = [
     Int4Case("m1_n72_k128_g32_fp16", 1, 72, 128, 32, "float16"),
     Int4Case("m7_n200_k192_g128_act_bf16", 7, 200, 192, 128, "bfloat16", act_order=True),
     Int4Case("m33_n200_k320_g64_act_fp32_bias", 33, 200, 320, 64, "float32", act_order=True, bias=True),
-    Int4Case("m33_n72_k256_g32_bf16", 33, 72, 256, 32, "bfloat16"),
+    Int4Case("m33_n72_k256_g32_strided_bf16", 33, 72, 256, 32, "bfloat16", strided=True),
     Int4Case("m70_n72_k136_g64_act_fp16_bias", 70, 72, 136, 64, "float16", act_order=True, bias=True),
 ]
 # Largest |got - want| over an output row relative to the row's largest |want|, against float64 references of
@@ -174,6 +175,8 @@ def _run_int4(case: Int4Case, seed: int = 0) -> dict[str, float]:
     generator = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, case.dtype)
     x = _activations(case.rows, case.in_features, dtype, generator)
+    if case.strided:
+        x = torch.cat([torch.ones(case.rows, 8, dtype=dtype), x], dim=1)[:, 8:]
     values, scales, zeros, g_idx = int4_weight(case, dtype, generator)
     bias = torch.randn(case.out_features, generator=generator).to(dtype) if case.bias else None
     assert int4_gemm_available(x), "the interpreter must be on for CPU tensors"
