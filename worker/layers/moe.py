@@ -113,31 +113,39 @@ class FusedMoE(nn.Module):
             self.num_local_experts, self.first_expert = num_experts, 0
             self.inter_local = tp.shard(intermediate_size, "moe_intermediate_size")
             self.inter_start = tp.rank * self.inter_local
-        shapes = {
-            "w13_weight": (self.num_local_experts, 2 * self.inter_local, hidden_size),
-            "w2_weight": (self.num_local_experts, hidden_size, self.inter_local),
-        }
+        shapes = self.expert_weight_shapes(dtype)
         if has_bias:
-            shapes["w13_bias"] = (self.num_local_experts, 2 * self.inter_local)
-            shapes["w2_bias"] = (self.num_local_experts, hidden_size)
+            shapes["w13_bias"] = ((self.num_local_experts, 2 * self.inter_local), dtype)
+            shapes["w2_bias"] = ((self.num_local_experts, hidden_size), dtype)
         else:
             self.w13_bias = self.w2_bias = None
-        for name, shape in shapes.items():
-            param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-            param.weight_loader = self.weight_loader
-            self.register_parameter(name, param)
+        for name, (shape, param_dtype) in shapes.items():
+            self.add_weight(name, torch.empty(shape, dtype=param_dtype))
         # (global expert, part) pairs loaded so far: a checkpoint missing one expert still "loads" its parameter.
         self.loaded_parts: set[tuple[int, str]] = set()
+        self.w13_views = self.w2_views = None
+        if "w13_weight" in self._parameters:
+            self.attach_expert_views()
+
+    def expert_weight_shapes(self, dtype: torch.dtype | None) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+        """The experts' weight parameters (name → shape, dtype); a quantized subclass holds its own."""
+        return {
+            "w13_weight": ((self.num_local_experts, 2 * self.inter_local, self.hidden_size), dtype),
+            "w2_weight": ((self.num_local_experts, self.hidden_size, self.inter_local), dtype),
+        }
+
+    def add_weight(self, name: str, data: torch.Tensor) -> None:
+        param = nn.Parameter(data, requires_grad=False)
+        param.weight_loader = self.weight_loader
+        self.register_parameter(name, param)
+
+    def attach_expert_views(self) -> None:
         # On the CPU each local expert's projections also appear as 2-D weights, so that the CPU matmul chooser
         # (cpu_matmul.attach_cpu_weights, run after loading) measures and copies them like any linear layer's.
-        self.w13_views = self.w2_views = None
-        if self.w13_weight.device.type == "cpu":
-            self.w13_views = nn.ModuleList(
-                ExpertWeightView(self.w13_weight.data[e]) for e in range(self.num_local_experts)
-            )
-            self.w2_views = nn.ModuleList(
-                ExpertWeightView(self.w2_weight.data[e]) for e in range(self.num_local_experts)
-            )
+        if self.w13_weight.device.type != "cpu":
+            return
+        self.w13_views = nn.ModuleList(ExpertWeightView(self.w13_weight.data[e]) for e in range(self.num_local_experts))
+        self.w2_views = nn.ModuleList(ExpertWeightView(self.w2_weight.data[e]) for e in range(self.num_local_experts))
 
     @property
     def local_experts(self) -> range:
