@@ -16,6 +16,9 @@ from common.expert_parallel import check_expert_parallel
 from worker.default_model import cache_root, convert_gguf, default_model_dir
 from worker.layers.cpu_matmul import attach_cpu_weights
 from worker.layers.lazy_tensor import LazyTensor
+from worker.layers.quantization.config import QuantizationConfigError, quant_config_from_hf
+from worker.layers.quantization.context import building_with
+from worker.layers.quantization.install import checkpoint_stream, finish_linear_methods, install_linear_methods
 from worker.models.registry import model_class
 from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
@@ -112,14 +115,31 @@ def load_model(
         if not getattr(cls, "supports_expert_parallel", False):
             raise ValueError(f"enable_expert_parallel=True, but {cls.__name__} has no experts to spread over ranks")
         extra["enable_expert_parallel"] = True
-    # Building under the device context allocates every weight where it will run, with no CPU copy first.
-    with device:
+    qconfig = quant_config_from_hf(config, quantization)
+    if qconfig is not None and load_format == "dummy" and not qconfig.on_load:
+        raise QuantizationConfigError(
+            f"load_format='dummy' cannot fill {qconfig.describe} weights; use the unquantized config with "
+            "quantization='fp8' for random fp8 weights"
+        )
+    # Building under the device context allocates every weight where it will run, with no CPU copy first; a
+    # quantized format's linear weights wait on the meta device until the checkpoint says which layers hold them.
+    with device, building_with(qconfig):
         model = cls(config, tp, dtype, **extra)
+    names = None
+    if qconfig is not None and not qconfig.on_load:
+        names = set(checkpoint_tensor_names(model_dir))
+    install_linear_methods(model, qconfig, names, device)
     if load_format == "dummy":
         _fill_dummy(model, cls, config, device, seed)
     else:
         # Lazy tensors: each weight loader reads only its rank's slice, so tp ranks share the file's bytes.
-        model.load_weights(iter_lazy_safetensors(model_dir))
+        model.load_weights(checkpoint_stream(model, qconfig, iter_lazy_safetensors(model_dir)))
+    finish_linear_methods(model)
+    for module in model.modules():
+        finish = getattr(module, "after_loading", None)
+        if callable(finish):
+            finish()  # formats that convert their tensors once loaded (mxfp4 experts)
+    model.quant_config = qconfig
     if device.type == "cpu":
         attach_cpu_weights(model)
     return model.eval()
@@ -136,6 +156,17 @@ def checkpoint_files(model_dir: str | os.PathLike[str]) -> list[Path]:
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}; only safetensors checkpoints and .gguf files load")
     return files
+
+
+def checkpoint_tensor_names(model_dir: str | os.PathLike[str]) -> list[str]:
+    """The names of a checkpoint's tensors, read from the files' headers only."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            names.extend(handle.keys())
+    return names
 
 
 def iter_lazy_safetensors(model_dir: str | os.PathLike[str]) -> Iterator[tuple[str, LazyTensor]]:

@@ -6,11 +6,15 @@ tensor is read just for the rows or columns this rank keeps.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from worker.layers.cpu_matmul import CpuWeights, linear
 from worker.layers.lazy_tensor import LazyTensor, materialize
+from worker.layers.quantization.context import building_config
+from worker.layers.quantization.linear_method import LINEAR_FORMATS, LinearMethod
 from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
 
@@ -21,15 +25,97 @@ def _check_shape(param: torch.Tensor, loaded: torch.Tensor | LazyTensor, name: s
         )
 
 
-def _new_param(shape: tuple[int, ...], dtype: torch.dtype | None, loader) -> nn.Parameter:
+def new_param(
+    shape: tuple[int, ...],
+    dtype: torch.dtype | None,
+    loader,
+    output_dim: int | None = 0,
+    input_dim: int | None = 1,
+    output_pack: int = 1,
+    input_pack: int = 1,
+) -> nn.Parameter:
+    """A weight-like parameter and where its output and input features lie, for the sharding loaders.
+
+    `output_dim`/`input_dim` are the dimensions indexed by output/input features (None: the tensor is not split
+    along them, so every rank holds all of it), each entry covering `output_pack`/`input_pack` features (8 for
+    int4 values packed in an int32, the group size for group scales). A quantized format's parameters keep the
+    checkpoint's layout, so one loader cuts plain, packed and grouped tensors alike.
+    """
     # torch.empty honours an enclosing `with torch.device(...)`, so weights are born on the target device.
     param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     param.weight_loader = loader
+    param.output_dim, param.input_dim = output_dim, input_dim
+    param.output_pack, param.input_pack = output_pack, input_pack
     return param
 
 
+def _span(start: int, size: int, pack: int, what: str) -> tuple[int, int]:
+    # A slice of features in entries of `pack` features: it must start on an entry; a last partial entry (a
+    # block-scale row past the end of an odd-sized weight) counts whole.
+    if start % pack:
+        raise ValueError(f"{what} starts at feature {start}, which is not a multiple of its {pack}-feature groups")
+    return start // pack, -(-size // pack)
+
+
+def store(param: nn.Parameter, target: torch.Tensor, piece: torch.Tensor | LazyTensor, row: int, name: str) -> None:
+    """Copy a checkpoint slice into `target` (a view of `param` whose first output row is `row`), through the
+    parameter's own writer when it has one (weights quantized while loading)."""
+    piece = materialize(piece)
+    if piece.numel() == 1 and target.numel() > 1 and getattr(param, "broadcast_scalar", False):
+        target.fill_(piece.reshape(()).item())  # a per-tensor scale filling its shard's per-row scales
+        return
+    if piece.shape != target.shape and piece.numel() == target.numel() and piece.dim() != target.dim():
+        piece = piece.reshape(target.shape)  # [out, 1] per-channel scales into an [out] parameter
+    _check_shape(target, piece, name)
+    writer = getattr(param, "store_rows", None)
+    if writer is not None:
+        writer(target, piece, row)
+    else:
+        target.copy_(piece)
+
+
+def load_output_slice(
+    param: nn.Parameter,
+    full: torch.Tensor | LazyTensor,
+    offset: int,
+    start: int,
+    size: int,
+    name: str,
+    expected: int,
+) -> None:
+    """Put output features [start, start+size) of a checkpoint tensor, which holds `expected` output features,
+    at local output features [offset, offset+size)."""
+    dim = param.output_dim
+    if dim is None:
+        store(param, param.data, full, 0, name)  # replicated along outputs (act-order group indices)
+        return
+    pack = param.output_pack
+    scalar = full.numel() == 1 and getattr(param, "broadcast_scalar", False)
+    if not scalar and (full.dim() <= dim or full.shape[dim] != -(-expected // pack)):
+        raise ValueError(
+            f"checkpoint tensor for {name} has shape {tuple(full.shape)}, expected {expected} output features"
+            + (f" in entries of {pack}" if pack > 1 else "")
+            + f" along dimension {dim}"
+        )
+    target_start, length = _span(offset, size, pack, f"{name}'s slice on this rank")
+    source_start, _ = _span(start, size, pack, f"{name}'s checkpoint slice")
+    target = param.data.narrow(dim, target_start, length)
+    if scalar:
+        store(param, target, full, offset, name)
+        return
+    store(param, target, full.narrow(dim, source_start, length), offset, name)
+
+
 class _ParallelLinear(nn.Module):
-    """Weight [out_per_rank, in_per_rank] plus optional bias, both carrying a `weight_loader`."""
+    """Weight [out_per_rank, in_per_rank] plus optional bias, both carrying a `weight_loader`.
+
+    Under a quantized weight format (see worker/layers/quantization) the weight is created on the meta device and
+    replaced, once the model is built and the checkpoint says which layers it quantized, by the format's
+    parameters (`quant_method.create_weights`) or by a real full-precision weight.
+    """
+
+    # False for layers kept in full precision whatever the format (MoE routers).
+    quantizable = True
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, tp: TensorParallelGroup, dtype: torch.dtype | None
@@ -38,16 +124,27 @@ class _ParallelLinear(nn.Module):
         self.tp = tp
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = _new_param((out_features, in_features), dtype, self.weight_loader)
+        self.params_dtype = dtype
+        quantized = building_config() is not None and building_config().method in LINEAR_FORMATS
+        with torch.device("meta") if quantized and self.quantizable else contextlib.nullcontext():
+            self.weight = new_param((out_features, in_features), dtype, self.weight_loader)
         if bias:
-            self.bias = _new_param((out_features,), dtype, self.weight_loader)
+            self.bias = new_param((out_features,), dtype, self.weight_loader, input_dim=None)
         else:
             self.register_parameter("bias", None)
+        # The quantized format's matmul, when this layer holds quantized weights.
+        self.quant_method: LinearMethod | None = None
         # Copies of the weight for the CPU libraries that run some batch sizes faster, made after loading (cpu_matmul).
         self.cpu_weights: CpuWeights | None = None
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor | LazyTensor, shard_id: object = None) -> None:
         raise NotImplementedError
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T for this rank's weight: no bias, no reduce."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x)
+        return linear(x, self.weight, self.cpu_weights)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, tp={self.tp.rank}/{self.tp.size}"
@@ -68,15 +165,11 @@ class ColumnParallelLinear(_ParallelLinear):
         self.output_size = output_size
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor | LazyTensor, shard_id: object = None) -> None:
-        if full.shape[0] != self.output_size:
-            raise ValueError(f"checkpoint tensor has {full.shape[0]} output rows, expected {self.output_size}")
-        rows = param.shape[0]
-        piece = full.narrow(0, self.tp.rank * rows, rows)
-        _check_shape(param, piece, "column-parallel weight")
-        param.data.copy_(piece)
+        rows = self.out_features
+        load_output_slice(param, full, 0, self.tp.rank * rows, rows, "column-parallel weight", self.output_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.cpu_weights)
+        out = self.matmul(x)
         return out if self.bias is None else out + self.bias
 
 
@@ -105,20 +198,21 @@ class RowParallelLinear(_ParallelLinear):
         self.input_size = input_size
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor | LazyTensor, shard_id: object = None) -> None:
-        if param.dim() == 1:
-            # The bias is replicated: every rank holds all of it but only adds it after the reduce.
-            _check_shape(param, full, "row-parallel bias")
-            param.data.copy_(materialize(full))
+        dim = param.input_dim
+        if dim is None:
+            # Replicated (the bias, per-row scales, act-order group scales): every rank holds all of it; the bias
+            # is added once, after the reduce.
+            store(param, param.data, full, 0, "row-parallel replicated tensor")
             return
-        if full.dim() != 2 or full.shape[1] != self.input_size:
-            raise ValueError(f"checkpoint tensor has shape {tuple(full.shape)}, expected {self.input_size} columns")
-        cols = param.shape[1]
-        piece = full.narrow(1, self.tp.rank * cols, cols)
-        _check_shape(param, piece, "row-parallel weight")
-        param.data.copy_(piece)
+        start, length = _span(self.tp.rank * self.in_features, self.in_features, param.input_pack, "row split")
+        if full.shape[dim] < start + length:
+            raise ValueError(
+                f"checkpoint tensor has shape {tuple(full.shape)}, expected {self.input_size} input features"
+            )
+        store(param, param.data, full.narrow(dim, start, length), 0, "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(linear(x, self.weight, self.cpu_weights))
+        out = self.tp.all_reduce(self.matmul(x))
         if self.bias is not None:
             out = out + self.bias
         return out
@@ -147,22 +241,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor | LazyTensor, shard_id: object = None) -> None:
         if shard_id is None:
             # An already fused checkpoint tensor: split it into its parts and load each.
-            if full.shape[0] != self.output_size:
-                raise ValueError(f"fused checkpoint tensor has {full.shape[0]} rows, expected {self.output_size}")
-            for index, part in enumerate(full.split(self.output_sizes, dim=0)):
+            dim, pack = param.output_dim, param.output_pack
+            sizes = [size // pack for size in self.output_sizes]
+            if dim is None or full.shape[dim] != sum(sizes):
+                raise ValueError(f"fused checkpoint tensor has shape {tuple(full.shape)}, expected {sum(sizes)} rows")
+            for index, part in enumerate(full.split(sizes, dim=dim)):
                 self.weight_loader(param, part, index)
             return
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be an index below {len(self.output_sizes)}, got {shard_id!r}")
         size = self.local_sizes[shard_id]
         offset = sum(self.local_sizes[:shard_id])
-        expected = self.output_sizes[shard_id]
-        if full.shape[0] != expected:
-            raise ValueError(f"checkpoint tensor for part {shard_id} has {full.shape[0]} rows, expected {expected}")
-        target = param.data.narrow(0, offset, size)
-        piece = full.narrow(0, self.tp.rank * size, size)
-        _check_shape(target, piece, f"merged part {shard_id}")
-        target.copy_(piece)
+        load_output_slice(
+            param, full, offset, self.tp.rank * size, size, f"merged part {shard_id}", self.output_sizes[shard_id]
+        )
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -211,9 +303,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_full = self.num_heads * self.head_dim
         kv_full = self.num_kv_heads * self.head_dim
         if shard_id is None:
-            if full.shape[0] != self.output_size:
-                raise ValueError(f"fused qkv checkpoint tensor has {full.shape[0]} rows, expected {self.output_size}")
-            for part_id, part in zip("qkv", full.split([q_full, kv_full, kv_full], dim=0), strict=True):
+            dim, pack = param.output_dim, param.output_pack
+            sizes = [q_full // pack, kv_full // pack, kv_full // pack]
+            if dim is None or full.shape[dim] != sum(sizes):
+                raise ValueError(
+                    f"fused qkv checkpoint tensor has shape {tuple(full.shape)}, expected {sum(sizes)} rows"
+                )
+            for part_id, part in zip("qkv", full.split(sizes, dim=dim), strict=True):
                 self.weight_loader(param, part, part_id)
             return
         if shard_id == "q":
@@ -223,9 +319,4 @@ class QKVParallelLinear(ColumnParallelLinear):
             size, start, expected = self.kv_size, self.kv_head_start * self.head_dim, kv_full
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        if full.shape[0] != expected:
-            raise ValueError(f"checkpoint tensor for {shard_id}_proj has {full.shape[0]} rows, expected {expected}")
-        target = param.data.narrow(0, offset, size)
-        piece = full.narrow(0, start, size)
-        _check_shape(target, piece, f"{shard_id}_proj")
-        target.copy_(piece)
+        load_output_slice(param, full, offset, start, size, f"{shard_id}_proj", expected)
