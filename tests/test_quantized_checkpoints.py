@@ -96,3 +96,101 @@ def test_greedy_tokens_equal_the_dequantized_model(checkpoints, kind: str) -> No
     for fmt in FORMATS:
         quantized_dir, reference_dir = checkpoints(kind, fmt)
         assert _greedy(quantized_dir, prompts) == _greedy(reference_dir, prompts), fmt
+
+
+def _edit_config(model_dir: Path, **changes) -> None:
+    import json
+
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    config["quantization_config"].update(changes)
+    path.write_text(json.dumps(config))
+
+
+def _copy(source: Path, target: Path) -> Path:
+    import shutil
+
+    shutil.copytree(source, target)
+    return target
+
+
+def _drop_tensors(model_dir: Path, suffix: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = {k: v for k, v in load_file(str(path)).items() if not k.endswith(suffix)}
+    save_file(tensors, str(path))
+
+
+def test_missing_scales_are_refused_naming_the_tensor(checkpoints, tmp_path: Path) -> None:
+    for kind in ("llama", "qwen3_moe"):  # a linear layer's scale, and an expert's
+        broken = _copy(checkpoints(kind, "fp8_block")[0], tmp_path / kind)
+        module = "layers.1.mlp." + ("experts.3.down_proj" if "moe" in kind else "down_proj")
+        _drop_tensors(broken, module + ".weight_scale_inv")
+        with pytest.raises(ValueError, match=rf"{module}' lacks .weight_scale_inv or .weight_scale") as error:
+            load_model(broken)
+        assert "supported weight formats" in str(error.value)
+
+
+def test_bad_quantization_configs_are_refused(checkpoints, tmp_path: Path) -> None:
+    cases = [
+        ("awq", {"quant_method": "squeezellm"}, r"quant_method='squeezellm' is not supported"),
+        ("gptq", {"bits": 8}, r"bits=8"),
+        ("gptq", {"group_size": 100}, r"group_size=100"),
+        ("awq", {"version": "gemv"}, r"version='gemv'"),
+        ("fp8_block", {"weight_block_size": [16]}, r"weight_block_size"),
+    ]
+    for index, (fmt, changes, message) in enumerate(cases):
+        broken = _copy(checkpoints("llama", fmt)[0], tmp_path / str(index))
+        _edit_config(broken, **changes)
+        with pytest.raises(ValueError, match=message) as error:
+            load_model(broken)
+        assert "supported weight formats: fp8" in str(error.value)
+
+
+def test_group_and_block_sizes_must_divide_each_ranks_slice(checkpoints) -> None:
+    with pytest.raises(ValueError, match=r"group_size=32 does not divide the 16 input features per rank"):
+        run_ranks(checkpoints("llama", "gptq")[0], 4, PROMPT)
+    with pytest.raises(ValueError, match=r"weight_block_size \[16, 32\] does not divide the 16 input features"):
+        run_ranks(checkpoints("llama", "fp8_block")[0], 4, PROMPT)
+
+
+def test_act_order_parts_of_a_fused_layer_must_agree(checkpoints, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    broken = _copy(checkpoints("llama", "gptq_act")[0], tmp_path / "act")
+    path = broken / "model.safetensors"
+    tensors = load_file(str(path))
+    name = "model.layers.0.self_attn.k_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, str(path))
+    with pytest.raises(ValueError, match="different g_idx"):
+        load_model(broken)
+
+
+def test_requested_format_must_match_the_checkpoint(checkpoints) -> None:
+    with pytest.raises(ValueError, match=r"quantization='gptq', but the checkpoint's quantization_config says 'awq'"):
+        load_model(checkpoints("llama", "awq")[0], quantization="gptq")
+    source = checkpoints("llama", "awq")[0].parent / "llama"
+    with pytest.raises(ValueError, match=r"quantization='awq' needs a checkpoint quantized in that format"):
+        load_model(source, quantization="awq")
+    with pytest.raises(ValueError, match=r"load_format='dummy' cannot fill awq"):
+        load_model(checkpoints("llama", "awq")[0], load_format="dummy")
+
+
+def test_fp8_on_load_quantizes_each_row_of_every_projection(checkpoints) -> None:
+    source = checkpoints("llama", "awq")[0].parent / "llama"
+    full, fp8 = load_model(source), load_model(source, quantization="fp8")
+    assert fp8.quant_config.describe == "fp8 channel (quantized on load)"
+    weights = dict(full.named_parameters())
+    for name, module in fp8.named_modules():
+        if getattr(module, "quant_method", None) is None:
+            continue
+        assert module.weight.dtype == torch.float8_e4m3fn
+        reference = weights[name + ".weight"]
+        rebuilt = module.weight.float() * module.weight_scale[:, None]
+        # e4m3 keeps 3 mantissa bits: each entry within 1/16 of its row's largest (relative rounding ≤ 2^-4).
+        assert ((rebuilt - reference).abs() <= reference.abs().amax(dim=1, keepdim=True) / 16).all(), name
+    # Random weights from the dummy format quantize the same way.
+    dummy = load_model(source, quantization="fp8", load_format="dummy")
+    assert all(m.weight.dtype == torch.float8_e4m3fn for m in dummy.modules() if getattr(m, "quant_method", None))
