@@ -99,6 +99,7 @@ class KvCacheProfile:
     kv_cache_bytes: int  # usable bytes for the whole cache, the scratch block included
     bytes_per_block: int
     num_blocks: int  # blocks the head may hand out (the scratch blocks excluded)
+    kv_dtype: str = ""  # what K and V are stored in (torch's name): the block size depends on it
 
     def summary(self) -> str:
         """Every number on one line, for the log and for errors."""
@@ -108,7 +109,8 @@ class KvCacheProfile:
             f"weights={self.weights}, activation_peak={self.activation_peak} (prefill {self.prefill_peak} at "
             f"{self.num_tokens} tokens and {self.num_seqs} sampled rows, decode {self.decode_peak}), "
             f"non_torch={self.non_torch}, graph_reserve={self.graph_reserve} ({self.graph_reserve_kind}), "
-            f"kv_cache={self.kv_cache_bytes} -> {self.num_blocks} blocks of {self.bytes_per_block} bytes"
+            f"kv_cache={self.kv_cache_bytes} -> {self.num_blocks} blocks of {self.bytes_per_block} bytes "
+            f"in {self.kv_dtype}"
         )
 
 
@@ -258,7 +260,8 @@ def profile_kv_cache(
     enforce_eager: bool,
     scratch_blocks: int = 1,
 ) -> KvCacheProfile:
-    """Run the worst steps against a temporary cache and size the real one from what is left.
+    """Run the worst steps against a temporary cache and size the real one from what is left. `dtype` is the KV
+    cache's (the compute dtype, or fp8): both the temporary cache and the block size use it.
 
     usable = total * gpu_memory_utilization - (weights + activation peak + non-torch + graph reserve), and the
     cache gets usable // bytes_per_block blocks, `scratch_blocks` of which the head never hands out. Must run
@@ -315,6 +318,7 @@ def profile_kv_cache(
         kv_cache_bytes=usable,
         bytes_per_block=per_block,
         num_blocks=max(0, usable) // per_block - scratch_blocks,
+        kv_dtype=str(dtype).removeprefix("torch."),
     )
     if profile.num_blocks < 1:
         raise ValueError(

@@ -12,7 +12,7 @@ import torch
 from proto import step_pb2
 from worker.config import WorkerConfig
 from worker.host_memory import keep_freed_memory
-from worker.kv_cache import allocate_kv_caches, bytes_per_block, memory_budget
+from worker.kv_cache import allocate_kv_caches, bytes_per_block, memory_budget, resolve_kv_cache_dtype
 from worker.memory_profile import KvCacheProfile, memory_probe, profile_kv_cache
 from worker.model_loader import load_model, resolve_model_dir
 from worker.model_runner import ModelRunner
@@ -59,6 +59,8 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
         self.dtype = resolve_dtype(config.engine.dtype, self.device)
+        # What K and V are stored in: the compute dtype, or fp8 (refused here, before loading, where unreadable).
+        self.kv_dtype = resolve_kv_cache_dtype(config.engine.cache.kv_cache_dtype, self.dtype, self.device)
         if self.device.type == "cpu":
             limit_threads(config.num_threads)
             keep_freed_memory()
@@ -89,7 +91,7 @@ class Worker:
             cache.block_size,
             self.model.num_kv_heads_per_rank,
             self.model.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         for layer, layer_cache in zip(self.model.attention_layers(), caches, strict=True):
@@ -115,8 +117,9 @@ class Worker:
         cache, scheduler = engine.cache, engine.scheduler
         if cache.num_gpu_blocks is not None:
             return cache.num_gpu_blocks
+        model = self.model
         per_block = bytes_per_block(
-            self.model.num_layers, self.model.num_kv_heads_per_rank, self.model.head_dim, cache.block_size, self.dtype
+            model.num_layers, model.num_kv_heads_per_rank, model.head_dim, cache.block_size, self.kv_dtype
         )
         probe = memory_probe(self.device) if cache.kv_cache_memory_bytes is None else None
         if probe is not None:
@@ -124,7 +127,7 @@ class Worker:
                 self.model,
                 probe,
                 block_size=cache.block_size,
-                dtype=self.dtype,
+                dtype=self.kv_dtype,
                 device=self.device,
                 max_num_batched_tokens=scheduler.max_num_batched_tokens,
                 max_num_seqs=scheduler.max_num_seqs,
@@ -141,7 +144,9 @@ class Worker:
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"KV cache budget of {budget} bytes is below one block ({per_block} bytes)")
-        logger.info("rank %d: KV cache of %d blocks (%d bytes each)", self.tp.rank, num_blocks, per_block)
+        logger.info(
+            "rank %d: KV cache of %d blocks in %s (%d bytes each)", self.tp.rank, num_blocks, self.kv_dtype, per_block
+        )
         return int(num_blocks)
 
     def execute_step(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:

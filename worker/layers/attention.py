@@ -10,6 +10,7 @@ from torch import nn
 
 from worker.layers import cpu_fused
 from worker.layers.cpu_paged_attention import native_kernel
+from worker.layers.kv_quant import dequantize, is_fp8, write_fp8
 from worker.layers.triton_attention import paged_decode_attention, triton_available
 from worker.layers.triton_mixed_attention import paged_mixed_attention
 
@@ -77,7 +78,8 @@ class Attention(nn.Module):
     `kv_cache` is bound by the worker after it sizes the cache: a tensor of shape
     [2, num_kv_heads, num_slots, head_dim] where slot = block_id * block_size + offset. Head-major
     layout makes every gathered context a contiguous [tokens, head_dim] slab per head, which is the
-    layout the CPU attention kernel runs fastest on.
+    layout the CPU attention kernel runs fastest on. The cache may be fp8 (kv_cache_dtype): K and V are then stored
+    as value / k_scale and value / v_scale, and every path reads them back times those scales.
     """
 
     def __init__(
@@ -106,6 +108,10 @@ class Attention(nn.Module):
         # The kernels' spelling of the same: 0 for no window.
         self._window = sliding_window or 0
         self.kv_cache: torch.Tensor | None = None
+        # Per-tensor scales of an fp8 cache, 1.0 unless the checkpoint has them. Device tensors rather than floats:
+        # the kernels read them in place, so a captured CUDA graph sees loaded values and no step syncs the host.
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
 
     def forward(
         self,
@@ -129,7 +135,11 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if not written:
+        scales = {}
+        if is_fp8(key_cache.dtype):
+            scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+            k, v = write_fp8(k, v, meta.slot_mapping, key_cache, value_cache, self.k_scale, self.v_scale)
+        elif not written:
             key_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
             value_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
@@ -147,6 +157,7 @@ class Attention(nn.Module):
                 self._window,
                 self._softcap,
                 sinks,
+                **scales,
             )
             return out.view(num_tokens, self.num_heads * self.head_dim)
 
@@ -165,6 +176,7 @@ class Attention(nn.Module):
                     self._window,
                     self._softcap,
                     sinks,
+                    **scales,
                 )
                 return out.reshape(num_tokens, self.num_heads * self.head_dim)
         n = meta.num_decodes
@@ -183,6 +195,7 @@ class Attention(nn.Module):
             else:
                 keys = self._gather(key_cache, span.context_blocks, meta.block_size)[:, : span.context_len]
                 values = self._gather(value_cache, span.context_blocks, meta.block_size)[:, : span.context_len]
+            keys, values = dequantize(keys, self.k_scale, q.dtype), dequantize(values, self.v_scale, q.dtype)
             mask = span.mask if self.sliding_window is None else self._windowed_span_mask(span, meta)
             if self.logit_softcap is not None or sinks is not None:
                 if mask is None:
@@ -231,7 +244,7 @@ class Attention(nn.Module):
         Copying block-sized runs with index_select is several times faster than per-slot indexing.
         """
         paged = cache.view(self.num_kv_heads, -1, block_size, self.head_dim)
-        if out is None:
+        if out is None or out.dtype != cache.dtype:  # the workspace holds the compute dtype, an fp8 cache bytes
             gathered = paged.index_select(1, blocks.flatten())
         else:
             gathered = torch.index_select(paged, 1, blocks.flatten(), out=out)
@@ -247,6 +260,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """One query token per sequence, batched over every decode in the step."""
         path = decode_path(q.device, self.num_heads, self.num_kv_heads, self.head_dim, q.dtype)
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale} if is_fp8(key_cache.dtype) else {}
         if path == "triton":
             # Reads K/V through the block table in place instead of gathering a padded copy of every context.
             return paged_decode_attention(
@@ -260,6 +274,7 @@ class Attention(nn.Module):
                 self._window,
                 self._softcap,
                 sinks,
+                **scales,
             )
         if path == "native":
             return native_kernel().decode(
@@ -273,11 +288,13 @@ class Attention(nn.Module):
                 self._window,
                 self._softcap,
                 sinks,
+                **scales,
             )
         n = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         keys = self._gather(key_cache, meta.decode_block_table, meta.block_size, meta.decode_key_buffer)
         values = self._gather(value_cache, meta.decode_block_table, meta.block_size, meta.decode_value_buffer)
+        keys, values = dequantize(keys, self.k_scale, q.dtype), dequantize(values, self.v_scale, q.dtype)
         # [kv_heads, n * ctx, d] → [n, kv_heads, ctx, d]; the query heads sharing a KV head become that
         # head's query rows, so no K/V is repeated and no causal mask is needed for a single position.
         keys = keys.view(self.num_kv_heads, n, -1, self.head_dim).transpose(0, 1)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from worker.layers.kv_quant import FP8_DTYPES
 from worker.layers.native_build import CSRC, KernelBuildError, find_compiler, kernel_or_fallback, load_kernel
 
 __all__ = ["KernelBuildError", "NativeKernel", "build_native_kernel", "find_compiler", "native_kernel"]
@@ -35,6 +36,12 @@ class NativeKernel:
         # 6 pointers, 7 sizes, the scale, the sliding window, the softcap and the sinks (a nullable pointer).
         self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float]
         self._fn.argtypes += [ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
+        # The fp8-cache entry point: the same arguments, then the byte → float table and the two scale pointers.
+        # None in a library built from a source without it (bench/cpu_attention.py --against).
+        self._fp8 = getattr(library, "paged_decode_attention_fp8", None)
+        if self._fp8 is not None:
+            self._fp8.restype = None
+            self._fp8.argtypes = self._fn.argtypes + [ctypes.c_void_p] * 3
         max_group, max_head_dim = ctypes.c_int64(), ctypes.c_int64()
         library.paged_attention_limits(ctypes.byref(max_group), ctypes.byref(max_head_dim))
         self.max_group = max_group.value
@@ -45,6 +52,7 @@ class NativeKernel:
         self.isa = int(isa()) if isa is not None else 0
 
     def supports(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+        """Whether queries of `dtype` (the compute dtype; the cache may be fp32 or fp8) and this shape run here."""
         return dtype == torch.float32 and num_heads // num_kv_heads <= self.max_group and head_dim <= self.max_head_dim
 
     def decode(
@@ -59,12 +67,15 @@ class NativeKernel:
         sliding_window: int = 0,
         softcap: float = 0.0,
         sinks: torch.Tensor | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [n, heads, d]; caches [kv_heads, slots, d]; block_table [n, max_blocks] int64 → [n, heads, d].
 
         With `sliding_window` > 0 each query attends only to the last that many positions of its context; with
         `softcap` > 0 its scores pass through softcap * tanh(score / softcap) first; `sinks` [heads] adds
-        exp(sinks[h]) to head h's softmax denominator (a logit with no value)."""
+        exp(sinks[h]) to head h's softmax denominator (a logit with no value). An fp8 cache holds value / scale:
+        `k_scale` and `v_scale` (float32 scalars) are then required."""
         q = q.contiguous()
         out = torch.empty_like(q)
         n, num_heads, head_dim = q.shape
@@ -73,7 +84,12 @@ class NativeKernel:
             if sinks.shape != (num_heads,):
                 raise ValueError(f"sinks must be [num_heads={num_heads}], got shape {tuple(sinks.shape)}")
             sinks = sinks.to(torch.float32).contiguous()
-        self._fn(
+        fp8 = key_cache.dtype in FP8_DTYPES
+        if fp8 and (self._fp8 is None or k_scale is None or v_scale is None or value_cache.dtype != key_cache.dtype):
+            raise ValueError("an fp8 cache needs k_scale, v_scale, an fp8 value cache and a kernel built with fp8")
+        call = self._fp8 if fp8 else self._fn
+        extra = (fp8_table(key_cache.dtype).data_ptr(), _scalar(k_scale), _scalar(v_scale)) if fp8 else ()
+        call(
             q.data_ptr(),
             key_cache.data_ptr(),
             value_cache.data_ptr(),
@@ -91,8 +107,23 @@ class NativeKernel:
             sliding_window,
             softcap,
             None if sinks is None else sinks.data_ptr(),
+            *extra,
         )
         return out
+
+
+def _scalar(scale: torch.Tensor) -> int:
+    """The address of a float32 scale the kernel reads in place (no host copy of its value per call)."""
+    if scale.dtype != torch.float32 or scale.numel() != 1 or scale.device.type != "cpu":
+        raise ValueError(f"fp8 cache scales must be one float32 on the CPU, got {scale.dtype} {tuple(scale.shape)}")
+    return scale.data_ptr()
+
+
+@functools.cache
+def fp8_table(dtype: torch.dtype) -> torch.Tensor:
+    """[256] float32: every byte of the fp8 format `dtype` decoded, which the kernel indexes instead of bit-twiddling.
+    Cached for the life of the process, so its address stays valid across calls."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).to(torch.float32)
 
 
 def build_native_kernel(source: Path | None = None, cache_dir: Path | None = None) -> NativeKernel:

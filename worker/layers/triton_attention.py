@@ -10,9 +10,8 @@ import torch
 from worker.layers.triton_common import (
     INTERPRETED,
     LOG2E,
-    TL_DTYPES,
     check_sinks,
-    dot_operands,
+    kv_operands,
     softcapped,
     tl,
     triton,
@@ -71,8 +70,11 @@ if triton is not None:
         SPLIT: tl.constexpr,
         SOFTCAP: tl.constexpr,
         HAS_SINKS: tl.constexpr,
+        KV_FP8: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        k_scale_ptr,  # last: kv_operands passes them by name, with the constexprs
+        v_scale_ptr,
     ):
         # One program per (sequence, KV head, context partition). All GROUP query heads that share the
         # KV head are handled together, so each K/V tile is read from memory once for the whole group.
@@ -99,8 +101,11 @@ if triton is not None:
         heads = kv_head * GROUP + group
         q_mask = group_mask[:, None] & dim_mask[None, :]
         q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :], mask=q_mask, other=0.0)
-        # tl.dot wants both operands in one dtype: the cache dtype, so K/V are fed to it as stored.
+        # tl.dot wants both operands in one dtype: the cache dtype, so K/V are fed to it as stored (fp8 K/V are
+        # converted, exactly, to the queries' dtype).
         q = q.to(DOT_DTYPE)
+        if KV_FP8:  # K holds k / k_scale: the scale joins the score scale instead of multiplying every key
+            qk_scale = qk_scale * tl.load(k_scale_ptr)
 
         # Online softmax state in the exp2 domain (qk_scale already carries log2(e)).
         row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -151,6 +156,8 @@ if triton is not None:
             acc = acc * rescale[:, None] + tl.dot(probs.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
             row_max = new_max
 
+        if KV_FP8:  # V holds v / v_scale: one multiply of the weighted sums (split partials included)
+            acc = acc * tl.load(v_scale_ptr)
         if SPLIT:
             # Unnormalised partials; the reduce kernel rescales them against the global max.
             part_index = (seq * num_heads + heads) * num_partitions + part
@@ -261,6 +268,8 @@ def paged_decode_attention(
     sinks: torch.Tensor | None = None,
     *,
     partition_size: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [n, H, D] attends over its paged context (its last `sliding_window` positions when > 0) → [n, H, D].
 
@@ -269,7 +278,8 @@ def paged_decode_attention(
     key_cache/value_cache are [num_slots, KVH, D] with slot = block_id * block_size + offset. block_tables
     [n, max_blocks] and context_lens [n] are int32 (int64 is accepted too); context_lens counts the token
     being decoded, and table entries past a sequence's context are never read. Query head h reads KV head
-    h // (H // KVH). `partition_size` forces a split-context pass (None: chosen per launch).
+    h // (H // KVH). `partition_size` forces a split-context pass (None: chosen per launch). An fp8 cache holds
+    value / scale, with `k_scale`/`v_scale` float32 scalars on q's device.
     """
     if triton is None:
         raise RuntimeError("paged_decode_attention needs triton")
@@ -287,8 +297,7 @@ def paged_decode_attention(
     if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
         raise ValueError("block_tables and context_lens need one row per sequence")
 
-    if key_cache.dtype not in TL_DTYPES or value_cache.dtype != key_cache.dtype:
-        raise ValueError(f"unsupported cache dtypes {key_cache.dtype}/{value_cache.dtype}")
+    operands = kv_operands(q, key_cache, value_cache, k_scale, v_scale)
     # The kernels index the last dimension with unit stride.
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError("key/value cache must be contiguous in head_dim")
@@ -363,7 +372,7 @@ def paged_decode_attention(
         SPLIT=split,
         SOFTCAP=softcap > 0,
         HAS_SINKS=sinks is not None,
-        **dot_operands(key_cache.dtype),
+        **operands,
     )
     if split:
         _reduce_partitions_kernel[(num_seqs, num_heads)](

@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from worker.layers.kv_quant import is_fp8
+
 try:
     import triton
     import triton.language as tl
@@ -35,6 +37,34 @@ def dot_operands(cache_dtype: torch.dtype) -> dict[str, object]:
     """
     dot_dtype = torch.float32 if INTERPRETED and cache_dtype == torch.bfloat16 else cache_dtype
     return {"DOT_DTYPE": TL_DTYPES[dot_dtype], "DOT_PRECISION": "ieee" if dot_dtype == torch.float32 else None}
+
+
+def kv_operands(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> dict[str, object]:
+    """The attention kernels' cache arguments: DOT_DTYPE/DOT_PRECISION, KV_FP8 and the two scale pointers.
+
+    A full-precision cache feeds tl.dot as stored. An fp8 cache (value / scale) converts exactly to the queries'
+    dtype, which the dots then run in; the scales, float32 scalars on the queries' device, are read by the kernel
+    in place (a captured CUDA graph sees the loaded values, no host sync) and multiply the scores and the output.
+    """
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"key and value caches differ in dtype: {key_cache.dtype}/{value_cache.dtype}")
+    if not is_fp8(key_cache.dtype):
+        if key_cache.dtype not in TL_DTYPES:
+            raise ValueError(f"unsupported cache dtype {key_cache.dtype}")
+        # The scale pointers are never read without KV_FP8: any tensor stands in for them.
+        return {**dot_operands(key_cache.dtype), "KV_FP8": False, "k_scale_ptr": q, "v_scale_ptr": q}
+    if q.dtype not in TL_DTYPES:
+        raise ValueError(f"queries over an fp8 cache must be fp32/fp16/bf16, got {q.dtype}")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None or scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != q.device:
+            raise ValueError(f"an fp8 cache needs {name} as one float32 on {q.device}, got {scale!r}")
+    return {**dot_operands(q.dtype), "KV_FP8": True, "k_scale_ptr": k_scale, "v_scale_ptr": v_scale}
 
 
 def check_sinks(sinks: torch.Tensor | None, num_heads: int, device: torch.device) -> None:

@@ -6,11 +6,12 @@ import math
 
 import torch
 
+from worker.layers.kv_quant import is_fp8
 from worker.layers.triton_common import (
     LOG2E,
     TL_DTYPES,
     check_sinks,
-    dot_operands,
+    kv_operands,
     softcapped,
     triton,
     triton_available,
@@ -130,8 +131,11 @@ if triton is not None:
         WINDOWED: tl.constexpr,
         SOFTCAP: tl.constexpr,
         HAS_SINKS: tl.constexpr,
+        KV_FP8: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        k_scale_ptr,  # last: kv_operands passes them by name, with the constexprs
+        v_scale_ptr,
     ):
         # Programs are (query tile, KV head). Query tiles of all sequences are numbered back to back, sequence s
         # owning tiles from first(s) = query_starts[s] // BLOCK_Q + s on; first() grows by at least the tile count
@@ -170,6 +174,8 @@ if triton is not None:
             mask=io_mask,
             other=0.0,
         ).to(DOT_DTYPE)
+        if KV_FP8:  # K holds k / k_scale (converted exactly to DOT_DTYPE): the scale joins the score scale
+            qk_scale = qk_scale * tl.load(k_scale_ptr)
 
         # This step's queries are the last q_len positions of the context.
         query_pos = context_len - q_len + query
@@ -212,6 +218,8 @@ if triton is not None:
                     dims, dim_mask, BLOCK_SIZE, TILE_N, True, False, SOFTCAP, DOT_DTYPE, DOT_PRECISION,
                 )  # fmt: skip
 
+        if KV_FP8:  # V holds v / v_scale: one multiply of the weighted sums instead of one per value
+            acc = acc * tl.load(v_scale_ptr)
         out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
         tl.store(
             out_ptr + tokens[:, None] * stride_out_tok + heads[:, None] * stride_out_head + dims[None, :],
@@ -243,9 +251,10 @@ def _check_inputs(
         raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads")
     if block_size <= 0 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
-    if key_cache.dtype not in TL_DTYPES or value_cache.dtype != key_cache.dtype or q.dtype != key_cache.dtype:
+    same = value_cache.dtype == key_cache.dtype and (key_cache.dtype == q.dtype or is_fp8(key_cache.dtype))
+    if q.dtype not in TL_DTYPES or not same:
         dtypes = f"{q.dtype}/{key_cache.dtype}/{value_cache.dtype}"
-        raise ValueError(f"q, key_cache and value_cache must share one dtype of fp32/fp16/bf16, got {dtypes}")
+        raise ValueError(f"q and the caches must share one dtype of fp32/fp16/bf16 (or the caches fp8), got {dtypes}")
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
         raise ValueError("key/value cache must be contiguous in head_dim")
     index_dtypes = (torch.int32, torch.int64)
@@ -309,6 +318,8 @@ def paged_mixed_attention(
     sliding_window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] of every sequence of a step attends causally over its paged context → [T, H, D]; with
     `sliding_window` > 0 the query at position p sees only keys p - sliding_window + 1 .. p; with `softcap` > 0
@@ -319,12 +330,14 @@ def paged_mixed_attention(
     context_lens[s] tokens, whose K/V (this step's included) are already in the cache. key_cache/value_cache
     are [num_slots, KVH, D] (any strides but a unit last one) with slot = block_id * block_size + offset;
     block_tables [S, max_blocks] may be wider than any context, entries past a context are never read. Query
-    head h reads KV head h // (H // KVH). Index tensors are int32 or int64.
+    head h reads KV head h // (H // KVH). Index tensors are int32 or int64. An fp8 cache holds value / scale, with
+    `k_scale`/`v_scale` float32 scalars on q's device.
     """
     if triton is None:
         raise RuntimeError("paged_mixed_attention needs triton")
     _check_inputs(q, key_cache, value_cache, block_tables, query_starts, context_lens, block_size)
     check_sinks(sinks, q.shape[1], q.device)
+    operands = kv_operands(q, key_cache, value_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[1]
     num_seqs = context_lens.shape[0]
@@ -341,7 +354,7 @@ def paged_mixed_attention(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    block_q, tile_n, num_warps = _tile_shape(key_cache.dtype, head_dim_pad, group_pad)
+    block_q, tile_n, num_warps = _tile_shape(q.dtype, head_dim_pad, group_pad)
     # (query tile, KV head) programs, tiles numbered across all sequences (see the kernel). A (sequence, tile,
     # head) grid would be sized by the longest chunk, so one long prefill beside hundreds of decodes would launch
     # hundreds of idle programs per tile; a host-built tile map would tie the input buffers to this kernel's tile
@@ -379,7 +392,7 @@ def paged_mixed_attention(
         WINDOWED=sliding_window > 0,
         SOFTCAP=softcap > 0,
         HAS_SINKS=sinks is not None,
-        **dot_operands(key_cache.dtype),
+        **operands,
         num_warps=num_warps,
         # Double-buffered K/V tiles fit shared memory for every dtype and head size up to 256.
         num_stages=2,

@@ -10,6 +10,7 @@ from torch import nn
 
 from worker.layers.attention import Attention, AttentionMetadata
 from worker.layers.embedding import ParallelLMHead
+from worker.layers.lazy_tensor import materialize
 from worker.parallel_state import TensorParallelGroup
 
 # HF checkpoint projection name → (our fused parameter's module name, shard id inside it).
@@ -19,6 +20,24 @@ FUSED_PROJECTIONS = {
     "v_proj": ("qkv_proj", "v"),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+}
+
+# A layer's fp8 KV cache scales as checkpoints spell them after ".self_attn." (vLLM accepts the same) → which of
+# its Attention's scales they set; "kv_scale", one scale for both, is the older form. A query scale is for fp8
+# attention arithmetic, which this engine does not do (queries stay in the compute dtype): read and dropped.
+KV_SCALE_NAMES = {
+    "k_scale": ("k_scale",),
+    "v_scale": ("v_scale",),
+    "attn.k_scale": ("k_scale",),
+    "attn.v_scale": ("v_scale",),
+    "k_proj.output_scale": ("k_scale",),
+    "v_proj.output_scale": ("v_scale",),
+    "k_proj.k_scale": ("k_scale",),
+    "v_proj.v_scale": ("v_scale",),
+    "kv_scale": ("k_scale", "v_scale"),
+    "q_scale": (),
+    "attn.q_scale": (),
+    "q_proj.output_scale": (),
 }
 
 
@@ -81,6 +100,10 @@ class CausalLM(nn.Module):
             return None  # RoPE tables are recomputed from the config
         if hf_name == "lm_head.weight" and self.tie_word_embeddings:
             return None  # the LM head shares the embedding, which the checkpoint also holds
+        prefix, found, scale_name = hf_name.rpartition(".self_attn.")
+        if found and scale_name in KV_SCALE_NAMES:
+            # "model.layers.3.self_attn.k_proj.output_scale" → ("model.layers.3.self_attn.attn", ("k_scale",))
+            return (f"{prefix}.self_attn.attn", KV_SCALE_NAMES[scale_name]) if KV_SCALE_NAMES[scale_name] else None
         # "model.layers.3.self_attn.k_proj.weight" → ("model.layers.3.self_attn.qkv_proj.weight", "k")
         parts = hf_name.split(".")
         if len(parts) >= 2 and parts[-2] in FUSED_PROJECTIONS:
@@ -91,12 +114,16 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load full (unsharded) HF checkpoint tensors; each layer keeps its rank's slice. Returns loaded names."""
         params = dict(self.named_parameters(remove_duplicate=False))
+        attention = {name: module for name, module in self.named_modules() if isinstance(module, Attention)}
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             mapped = self.checkpoint_name(hf_name)
             if mapped is None:
                 continue
             name, shard_id = mapped
+            if name in attention:  # fp8 KV cache scales: optional, so never counted as missing when absent
+                set_kv_scales(attention[name], shard_id, tensor, hf_name)
+                continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(self).__name__}")
             param = params[name]
@@ -109,3 +136,14 @@ class CausalLM(nn.Module):
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
         return loaded
+
+
+def set_kv_scales(layer: Attention, names: tuple[str, ...], tensor: torch.Tensor, hf_name: str) -> None:
+    """Copy a checkpoint's KV cache scale into `layer`'s k_scale/v_scale buffers (`names`). The cache keeps one
+    scale per tensor: a per-head scale is reduced to its largest entry, which keeps every head's values in range.
+    Every rank reads the same whole scale, so tensor-parallel shards agree."""
+    value = materialize(tensor).to(torch.float32)
+    if value.numel() == 0 or not bool(torch.isfinite(value).all()) or not bool((value > 0).all()):
+        raise ValueError(f"checkpoint tensor {hf_name!r}: a KV cache scale must be finite and > 0")
+    for name in names:
+        getattr(layer, name).fill_(value.max().item())

@@ -1,4 +1,4 @@
-/* Decode attention over a paged, head-major fp32 KV cache, reading every block in place.
+/* Decode attention over a paged, head-major KV cache of fp32 or fp8, reading every block in place.
  *
  * One work item is one (sequence, KV head) pair: the query heads that share the KV head are scored
  * together, so each key and value row is read from memory once per step. Scores live in a per-item
@@ -9,6 +9,10 @@
  * query head at once (16 partial dot products summed across lanes in one transpose-add tree instead of one
  * horizontal sum per key), and the output accumulators stay in registers while the values stream past.
  * Other shapes, and CPUs without AVX-512, take the generic loop. `paged_attention_isa` says which build this is.
+ *
+ * An fp8 cache (paged_decode_attention_fp8) holds one byte per value, value / scale in e4m3 or e5m2: the generic
+ * loop decodes each byte through the caller's 256-entry table of that format, and the per-tensor scales multiply
+ * the scores and the finished output instead of every element.
  */
 #include <math.h>
 #include <stdint.h>
@@ -59,30 +63,30 @@ static inline int64_t blocks_ahead(int64_t block_bytes) {
     return blocks < 2 ? 2 : blocks;
 }
 
-static inline void prefetch_block(const float *block, int64_t bytes) {
-    const char *start = (const char *)block;
-    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset, 0, 2);
+static inline void prefetch_block(const char *block, int64_t bytes) {
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(block + offset, 0, 2);
 }
 
-/* Before a pass over a sequence's blocks: ask for the ones the pass reads before its own requests run ahead. */
+/* Before a pass over a sequence's blocks: ask for the ones the pass reads before its own requests run ahead.
+ * Caches are addressed in bytes, so one helper serves fp32 and fp8 blocks alike. */
 static inline __attribute__((always_inline)) void prefetch_first_blocks(
-    const float *cache, const int64_t *blocks, int64_t ctx, int64_t block_size, int64_t head_dim, int64_t block_bytes)
+    const char *cache, const int64_t *blocks, int64_t ctx, int64_t block_size, int64_t block_bytes)
 {
     const int64_t ahead = blocks_ahead(block_bytes);
     for (int64_t b = 1; b < ahead && b * block_size < ctx; b++)
-        prefetch_block(cache + blocks[b] * block_size * head_dim, block_bytes);
+        prefetch_block(cache + blocks[b] * block_bytes, block_bytes);
 }
 
 /* A sequence's block holding context position t0 in one head's cache, and in *rows how many of its positions
  * the context fills; the block `blocks_ahead` further on is asked for while this one is read. */
-static inline __attribute__((always_inline)) const float *context_block(
-    const float *cache, const int64_t *blocks, int64_t t0, int64_t ctx, int64_t block_size, int64_t head_dim,
-    int64_t block_bytes, int64_t *rows)
+static inline __attribute__((always_inline)) const char *context_block(
+    const char *cache, const int64_t *blocks, int64_t t0, int64_t ctx, int64_t block_size, int64_t block_bytes,
+    int64_t *rows)
 {
     *rows = ctx - t0 < block_size ? ctx - t0 : block_size;
     const int64_t ahead = t0 + blocks_ahead(block_bytes) * block_size;
-    if (ahead < ctx) prefetch_block(cache + blocks[ahead / block_size] * block_size * head_dim, block_bytes);
-    return cache + blocks[t0 / block_size] * block_size * head_dim;
+    if (ahead < ctx) prefetch_block(cache + blocks[ahead / block_size] * block_bytes, block_bytes);
+    return cache + blocks[t0 / block_size] * block_bytes;
 }
 
 #if HAVE_AVX512
@@ -118,10 +122,11 @@ static inline __attribute__((always_inline)) void item_avx512(
     __m512 max_v[4];
     for (int g = 0; g < G; g++) max_v[g] = _mm512_set1_ps(-1e30f);
     const int64_t t_begin = first / block_size * block_size;
-    prefetch_first_blocks(keys, blocks + t_begin / block_size, ctx - t_begin, block_size, HD, block_bytes);
+    prefetch_first_blocks((const char *)keys, blocks + t_begin / block_size, ctx - t_begin, block_size, block_bytes);
     for (int64_t t0 = t_begin; t0 < ctx; t0 += block_size) {
         int64_t rows;
-        const float *k_block = context_block(keys, blocks, t0, ctx, block_size, HD, block_bytes, &rows);
+        const float *k_block =
+            (const float *)context_block((const char *)keys, blocks, t0, ctx, block_size, block_bytes, &rows);
         for (int64_t r0 = 0; r0 < rows; r0 += 16) {
             const int64_t count = rows - r0 < 16 ? rows - r0 : 16;
             __mmask16 live = count == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
@@ -162,10 +167,11 @@ static inline __attribute__((always_inline)) void item_avx512(
     __m512 acc[4][MAXV];
     for (int g = 0; g < G; g++)
         for (int c = 0; c < NV; c++) acc[g][c] = _mm512_setzero_ps();
-    prefetch_first_blocks(values, blocks + t_begin / block_size, ctx - t_begin, block_size, HD, block_bytes);
+    prefetch_first_blocks((const char *)values, blocks + t_begin / block_size, ctx - t_begin, block_size, block_bytes);
     for (int64_t t0 = t_begin; t0 < ctx; t0 += block_size) {
         int64_t rows;
-        const float *v_block = context_block(values, blocks, t0, ctx, block_size, HD, block_bytes, &rows);
+        const float *v_block =
+            (const float *)context_block((const char *)values, blocks, t0, ctx, block_size, block_bytes, &rows);
         for (int64_t r = first > t0 ? first - t0 : 0; r < rows; r++) {
             const float *v = v_block + r * HD;
             __m512 vv[MAXV];
@@ -198,6 +204,125 @@ static int item_specialised(int64_t head_dim, int64_t group, const float *querie
 }
 #endif
 
+/* Element d of a cache row: fp32 as stored, or an fp8 byte through its format's table. `table` is a constant
+ * NULL at the fp32 call site, so that copy compiles to plain float loads. */
+#define CACHE_ELEM(row, d, table) ((table) != NULL ? (table)[((const uint8_t *)(row))[d]] : ((const float *)(row))[d])
+
+/* One (sequence, KV head) item, any shape: scores = q.k * scale (softcapped), exact softmax with the head's sink,
+ * out = out_scale * sum(w v) / denominator. `first` is the window's first position. */
+static inline __attribute__((always_inline)) void item_generic(
+    const float *queries, const char *keys, const char *values, const float *table, const int64_t *blocks,
+    int64_t ctx, int64_t first, int64_t group, int64_t head_dim, int64_t block_size, int64_t block_bytes,
+    float scale, float softcap, float out_scale, const float *head_sinks, float *scores, float *out)
+{
+    const int64_t row_bytes = block_bytes / block_size;
+    const int64_t t_begin = first / block_size * block_size;
+    float acc[MAX_GROUP][MAX_HEAD_DIM];
+    float max_score[MAX_GROUP];
+    float denom[MAX_GROUP];
+
+    /* A sink takes part in the max too, so exp(sink - max) cannot overflow. */
+    for (int64_t g = 0; g < group; g++) max_score[g] = head_sinks != NULL ? head_sinks[g] : -1e30f;
+    prefetch_first_blocks(keys, blocks + t_begin / block_size, ctx - t_begin, block_size, block_bytes);
+    for (int64_t t0 = t_begin; t0 < ctx; t0 += block_size) {
+        int64_t rows;
+        const char *k_block = context_block(keys, blocks, t0, ctx, block_size, block_bytes, &rows);
+        for (int64_t r = first > t0 ? first - t0 : 0; r < rows; r++) {
+            const char *k = k_block + r * row_bytes;
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = queries + g * head_dim;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * CACHE_ELEM(k, d, table);
+                dot *= scale;
+                if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
+                scores[g * ctx + t0 + r] = dot;
+                if (dot > max_score[g]) max_score[g] = dot;
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *row = scores + g * ctx;
+        float sum = 0.0f;
+        for (int64_t t = first; t < ctx; t++) {
+            row[t] = expf(row[t] - max_score[g]);
+            sum += row[t];
+        }
+        denom[g] = head_sinks != NULL ? sum + expf(head_sinks[g] - max_score[g]) : sum;
+        for (int64_t d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
+    }
+    prefetch_first_blocks(values, blocks + t_begin / block_size, ctx - t_begin, block_size, block_bytes);
+    for (int64_t t0 = t_begin; t0 < ctx; t0 += block_size) {
+        int64_t rows;
+        const char *v_block = context_block(values, blocks, t0, ctx, block_size, block_bytes, &rows);
+        for (int64_t r = first > t0 ? first - t0 : 0; r < rows; r++) {
+            const char *v = v_block + r * row_bytes;
+            for (int64_t g = 0; g < group; g++) {
+                const float w = scores[g * ctx + t0 + r];
+                float *a = acc[g];
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) a[d] += w * CACHE_ELEM(v, d, table);
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *o = out + g * head_dim;
+        const float inv = out_scale / denom[g];
+        for (int64_t d = 0; d < head_dim; d++) o[d] = acc[g][d] * inv;
+    }
+}
+
+/* Both entry points: `fp8_table` NULL for an fp32 cache; else the cache holds bytes, decoded through it, and
+ * k_scale/v_scale (one float each) are the per-tensor scales the bytes were divided by. */
+static void paged_decode(
+    const float *q, const void *key_cache, const void *value_cache, const int64_t *block_table,
+    const int64_t *context_lens, float *out, int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t num_slots, int64_t max_blocks, int64_t block_size, float scale, int64_t window, float softcap,
+    const float *sinks, const float *fp8_table, float k_scale, float v_scale)
+{
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t items = n * num_kv_heads;
+    const int64_t row_bytes = head_dim * (fp8_table != NULL ? 1 : (int64_t)sizeof(float));
+    const int64_t block_bytes = block_size * row_bytes;
+
+#pragma omp parallel
+    {
+    SAVE_FLOAT_MODE();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t seq = item / num_kv_heads;
+        const int64_t kv_head = item % num_kv_heads;
+        const int64_t ctx = context_lens[seq];
+        const int64_t first = window > 0 && ctx > window ? ctx - window : 0;
+        const int64_t *blocks = block_table + seq * max_blocks;
+        const char *keys = (const char *)key_cache + kv_head * num_slots * row_bytes;
+        const char *values = (const char *)value_cache + kv_head * num_slots * row_bytes;
+        const float *queries = q + (seq * num_heads + kv_head * group) * head_dim;
+        float *item_out = out + (seq * num_heads + kv_head * group) * head_dim;
+        const float *head_sinks = sinks != NULL ? sinks + kv_head * group : NULL;
+        float *scores = (float *)malloc(sizeof(float) * group * ctx);
+        if (fp8_table != NULL) {
+            item_generic(queries, keys, values, fp8_table, blocks, ctx, first, group, head_dim, block_size,
+                         block_bytes, scale * k_scale, softcap, v_scale, head_sinks, scores, item_out);
+        } else {
+#if HAVE_AVX512
+            /* The specialised paths have no softcap and no sinks: such layers take the generic loop. */
+            if (softcap <= 0.0f && sinks == NULL &&
+                item_specialised(head_dim, group, queries, (const float *)keys, (const float *)values, blocks, ctx,
+                                 first, block_size, scale, scores, item_out, block_bytes)) {
+                free(scores);
+                continue;
+            }
+#endif
+            item_generic(queries, keys, values, NULL, blocks, ctx, first, group, head_dim, block_size, block_bytes,
+                         scale, softcap, 1.0f, head_sinks, scores, item_out);
+        }
+        free(scores);
+    }
+    RESTORE_FLOAT_MODE();
+    }
+}
+
 void paged_decode_attention_f32(
     const float *q,               /* [n, num_heads, head_dim] */
     const float *key_cache,       /* [num_kv_heads, num_slots, head_dim] */
@@ -212,90 +337,18 @@ void paged_decode_attention_f32(
     const float *sinks)           /* [num_heads] or NULL: a per-head logit that joins the softmax's denominator
                                    * only, with no value (gpt-oss); last, so a caller may leave it out */
 {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t items = n * num_kv_heads;
-    const int64_t block_bytes = block_size * head_dim * (int64_t)sizeof(float);
+    paged_decode(q, key_cache, value_cache, block_table, context_lens, out, n, num_heads, num_kv_heads, head_dim,
+                 num_slots, max_blocks, block_size, scale, window, softcap, sinks, NULL, 1.0f, 1.0f);
+}
 
-#pragma omp parallel
-    {
-    SAVE_FLOAT_MODE();
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; item++) {
-        const int64_t seq = item / num_kv_heads;
-        const int64_t kv_head = item % num_kv_heads;
-        const int64_t ctx = context_lens[seq];
-        const int64_t first = window > 0 && ctx > window ? ctx - window : 0;
-        const int64_t t_begin = first / block_size * block_size;
-        const int64_t *blocks = block_table + seq * max_blocks;
-        const float *keys = key_cache + kv_head * num_slots * head_dim;
-        const float *values = value_cache + kv_head * num_slots * head_dim;
-        const float *queries = q + (seq * num_heads + kv_head * group) * head_dim;
-        float *scores = (float *)malloc(sizeof(float) * group * ctx);
-#if HAVE_AVX512
-        /* The specialised paths have no softcap and no sinks: such layers take the generic loop. */
-        if (softcap <= 0.0f && sinks == NULL && item_specialised(head_dim, group, queries, keys, values, blocks, ctx, first, block_size, scale, scores,
-                             out + (seq * num_heads + kv_head * group) * head_dim, block_bytes)) {
-            free(scores);
-            continue;
-        }
-#endif
-        float acc[MAX_GROUP][MAX_HEAD_DIM];
-        float max_score[MAX_GROUP];
-        float denom[MAX_GROUP];
-
-        /* A sink takes part in the max too, so exp(sink - max) cannot overflow. */
-        const float *head_sinks = sinks != NULL ? sinks + kv_head * group : NULL;
-        for (int64_t g = 0; g < group; g++) max_score[g] = head_sinks != NULL ? head_sinks[g] : -1e30f;
-        prefetch_first_blocks(keys, blocks + t_begin / block_size, ctx - t_begin, block_size, head_dim, block_bytes);
-        for (int64_t t0 = t_begin; t0 < ctx; t0 += block_size) {
-            int64_t rows;
-            const float *k_block = context_block(keys, blocks, t0, ctx, block_size, head_dim, block_bytes, &rows);
-            for (int64_t r = first > t0 ? first - t0 : 0; r < rows; r++) {
-                const float *k = k_block + r * head_dim;
-                for (int64_t g = 0; g < group; g++) {
-                    const float *qg = queries + g * head_dim;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * k[d];
-                    dot *= scale;
-                    if (softcap > 0.0f) dot = softcap * tanhf(dot / softcap);
-                    scores[g * ctx + t0 + r] = dot;
-                    if (dot > max_score[g]) max_score[g] = dot;
-                }
-            }
-        }
-        for (int64_t g = 0; g < group; g++) {
-            float *row = scores + g * ctx;
-            float sum = 0.0f;
-            for (int64_t t = first; t < ctx; t++) {
-                row[t] = expf(row[t] - max_score[g]);
-                sum += row[t];
-            }
-            denom[g] = head_sinks != NULL ? sum + expf(head_sinks[g] - max_score[g]) : sum;
-            for (int64_t d = 0; d < head_dim; d++) acc[g][d] = 0.0f;
-        }
-        prefetch_first_blocks(values, blocks + t_begin / block_size, ctx - t_begin, block_size, head_dim,
-                              block_bytes);
-        for (int64_t t0 = t_begin; t0 < ctx; t0 += block_size) {
-            int64_t rows;
-            const float *v_block = context_block(values, blocks, t0, ctx, block_size, head_dim, block_bytes, &rows);
-            for (int64_t r = first > t0 ? first - t0 : 0; r < rows; r++) {
-                const float *v = v_block + r * head_dim;
-                for (int64_t g = 0; g < group; g++) {
-                    const float w = scores[g * ctx + t0 + r];
-                    float *a = acc[g];
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) a[d] += w * v[d];
-                }
-            }
-        }
-        for (int64_t g = 0; g < group; g++) {
-            float *o = out + (seq * num_heads + kv_head * group + g) * head_dim;
-            const float inv = 1.0f / denom[g];
-            for (int64_t d = 0; d < head_dim; d++) o[d] = acc[g][d] * inv;
-        }
-        free(scores);
-    }
-    RESTORE_FLOAT_MODE();
-    }
+/* The same over an fp8 cache (one byte per value): `fp8_table` [256] decodes a byte of its format to float;
+ * k_scale and v_scale point at the per-tensor scales (float32 scalars) the values were divided by. */
+void paged_decode_attention_fp8(
+    const float *q, const uint8_t *key_cache, const uint8_t *value_cache, const int64_t *block_table,
+    const int64_t *context_lens, float *out, int64_t n, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t num_slots, int64_t max_blocks, int64_t block_size, float scale, int64_t window, float softcap,
+    const float *sinks, const float *fp8_table, const float *k_scale, const float *v_scale)
+{
+    paged_decode(q, key_cache, value_cache, block_table, context_lens, out, n, num_heads, num_kv_heads, head_dim,
+                 num_slots, max_blocks, block_size, scale, window, softcap, sinks, fp8_table, *k_scale, *v_scale);
 }
