@@ -87,9 +87,45 @@ def _run_case(case: Case, seed: int = 0) -> dict[str, object]:
     }
 
 
+def _layer_case() -> dict[str, float]:
+    """Mxfp4FusedMoE's packed path (as on CUDA) against the same layer dequantized (as on the CPU), split over two
+    tensor-parallel ranks: the loaders' layout is the one the kernels read."""
+    from tests.mxfp4_checkpoints import quantize_mxfp4
+    from worker.layers.moe_activation import ExpertActivation
+    from worker.layers.moe_mxfp4 import Mxfp4FusedMoE
+    from worker.parallel_state import TensorParallelGroup
+
+    generator = torch.Generator().manual_seed(3)
+    experts, hidden_size, inter, top_k = 8, 64, 64, 2
+    gate_up = quantize_mxfp4(torch.randn(experts, 2 * inter, hidden_size, generator=generator) * 0.5)
+    down = quantize_mxfp4(torch.randn(experts, hidden_size, inter, generator=generator) * 0.2)
+    tensors = {
+        "w13_blocks": gate_up[0], "w13_scales": gate_up[1], "w2_blocks": down[0], "w2_scales": down[1],
+        "w13_bias": torch.randn(experts, 2 * inter, generator=generator), "w2_bias": torch.randn(experts, hidden_size),
+    }  # fmt: skip
+    hidden = torch.randn(11, hidden_size, generator=generator)
+    logits = torch.randn(11, experts, generator=generator)
+    parts = {}
+    for packed in (True, False):
+        Mxfp4FusedMoE.keeps_packed = staticmethod(lambda device, packed=packed: packed)
+        parts[packed] = []
+        for rank in range(2):
+            moe = Mxfp4FusedMoE(experts, top_k, hidden_size, inter, TensorParallelGroup(rank, 2), torch.float32,
+                                False, False, False, True, ExpertActivation("swiglu_clamped"), True)  # fmt: skip
+            for name, tensor in tensors.items():
+                getattr(moe, name).weight_loader(
+                    getattr(moe, name), tensor, "interleaved" if name == "w13_bias" else None
+                )
+            moe.after_loading()
+            assert moe.packed == packed
+            parts[packed].append(moe(hidden, logits))
+    got, want = sum(parts[True]), sum(parts[False])
+    return {"error": _row_error(got, want.double()), "scale": want.abs().max().item()}
+
+
 def _report() -> None:
     """Entry point of the interpreter subprocess: one JSON line of {case name: results}."""
-    print(json.dumps({case.name: _run_case(case) for case in CASES}))
+    print(json.dumps({"layer": _layer_case(), **{case.name: _run_case(case) for case in CASES}}))
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +142,12 @@ def test_kernel_matches_reference(case: Case, interpreted: dict[str, dict]) -> N
     assert result["remote_rows_max"] == 0.0
 
 
+def test_packed_layer_matches_the_dequantized_layer(interpreted: dict[str, dict]) -> None:
+    assert interpreted["layer"]["error"] <= TOLERANCE["float32"] and interpreted["layer"]["scale"] > 1
+
+
 def test_cases_cover_the_routing_shapes(interpreted: dict[str, dict]) -> None:
+    interpreted = {name: result for name, result in interpreted.items() if name != "layer"}
     counts = [count for result in interpreted.values() for count in result["expert_counts"]]
     assert 0 in counts and 1 in counts, "experts with 0 and 1 tokens"
     assert any(max(r["expert_counts"]) > r["block_m"] for r in interpreted.values()), "an expert over several blocks"
