@@ -1,5 +1,4 @@
-"""The MXFP4 fused-experts Triton kernels: run by triton's CPU interpreter against a float64 loop over the
-dequantized experts, and built offline for sm_90 (H100/H200) at gpt-oss-20b's sizes."""
+"""The MXFP4 fused-experts Triton kernels under the CPU interpreter against float64, and built offline for sm_90."""
 
 from __future__ import annotations
 

@@ -60,4 +60,3 @@ def deinterleave_rows(rows: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """gpt-oss's interleaved gate/up rows (gate j at 2j, up j at 2j + 1) → all gate rows, then all up rows."""
     pairs = rows.unflatten(dim, (-1, 2))
     return torch.cat((pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)), dim=dim)
-
