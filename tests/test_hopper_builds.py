@@ -44,6 +44,9 @@ SHAPES = [
     ("tests-gpu-gqa8-d256", 8, 1, 256, 2048, 8192, 16, False, ("bfloat16",)),
 ]
 
+# Shapes whose attention kernels are also built over an fp8 cache (bf16 only): the common head and the widest.
+FP8_KV_SHAPES = ("llama-3.1-8b", "tests-gpu-gqa8-d256")
+
 
 def _launch_shape(name, heads, kv_heads, head_dim, hidden, intermediate, block_size, qk_norm, dtype) -> None:
     """Call every kernel wrapper the engine uses for a model of this shape, with small CPU tensors."""
@@ -90,6 +93,18 @@ def _launch_shape(name, heads, kv_heads, head_dim, hidden, intermediate, block_s
     triton_mixed_attention.paged_mixed_attention(
         q, key_cache, value_cache, table, starts, lens, block_size, scale, *options
     )
+    if name in FP8_KV_SHAPES:
+        # kv_cache_dtype="fp8": e4m3 K/V converted to bf16 in the kernels, the scales read in place (e5m2 differs
+        # only in the conversion).
+        fp8 = cache.to(torch.float8_e4m3fn)
+        keys, values = fp8[0].transpose(0, 1), fp8[1].transpose(0, 1)
+        one = torch.ones((), dtype=torch.float32)
+        kv = dict(k_scale=one, v_scale=one)
+        triton_attention.paged_decode_attention(q, keys, values, table, lens, block_size, scale, **kv)
+        triton_attention.paged_decode_attention(
+            q, keys, values, wide, lens, block_size, scale, partition_size=512, **kv
+        )
+        triton_mixed_attention.paged_mixed_attention(q, keys, values, table, starts, lens, block_size, scale, **kv)
 
 
 def _report() -> None:
