@@ -194,3 +194,20 @@ def test_fp8_on_load_quantizes_each_row_of_every_projection(checkpoints) -> None
     # Random weights from the dummy format quantize the same way.
     dummy = load_model(source, quantization="fp8", load_format="dummy")
     assert all(m.weight.dtype == torch.float8_e4m3fn for m in dummy.modules() if getattr(m, "quant_method", None))
+
+
+def test_metrics_show_the_weight_format_bytes_and_kv_dtype(checkpoints) -> None:
+    from worker.layers.quantization.summary import weight_bytes
+
+    llm = LLM(str(checkpoints("llama", "fp8_block")[0]), num_gpu_blocks=32, block_size=4, kv_cache_dtype="fp8")
+    try:
+        text = llm.engine.metrics.render(llm.engine).decode()
+        held = weight_bytes(llm.engine.executor.worker.model)
+    finally:
+        llm.shutdown()
+    line = next(line for line in text.splitlines() if line.startswith("pagerail_model_weight_bytes{"))
+    assert 'weight_format="fp8 block 16x32"' in line and 'kv_cache_dtype="float8_e4m3fn"' in line
+    assert float(line.rsplit(" ", 1)[1]) == held
+    # fp8 projections take a quarter of their fp32 bytes: the whole model well under its fp32 size.
+    full = load_model(checkpoints("llama", "fp8_block")[1])
+    assert held < 0.75 * weight_bytes(full)

@@ -13,6 +13,7 @@ from proto import step_pb2
 from worker.config import WorkerConfig
 from worker.host_memory import keep_freed_memory
 from worker.kv_cache import allocate_kv_caches, bytes_per_block, memory_budget, resolve_kv_cache_dtype
+from worker.layers.quantization.summary import weight_bytes, weight_format
 from worker.memory_profile import KvCacheProfile, memory_probe, profile_kv_cache
 from worker.model_loader import load_model, resolve_model_dir
 from worker.model_runner import ModelRunner
@@ -77,6 +78,19 @@ class Worker:
             seed=config.engine.seed,
             enable_expert_parallel=config.engine.enable_expert_parallel,
             quantization=config.engine.quantization,
+        )
+        self.weights = {
+            "weight_format": weight_format(self.model),
+            "weight_bytes": weight_bytes(self.model),
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+        }
+        logger.info(
+            "rank %d: %s weights, %.1f MiB on %s; KV cache in %s",
+            tp.rank,
+            self.weights["weight_format"],
+            self.weights["weight_bytes"] / 2**20,
+            self.device,
+            self.weights["kv_cache_dtype"],
         )
         engine = config.engine
         cache, scheduler = engine.cache, engine.scheduler

@@ -81,6 +81,7 @@ class EngineCore:
         self.step_builder = StepMessageBuilder()
         self._handles = itertools.count(1)
         self.metrics = EngineMetrics(config.model_name)
+        self.metrics.observe_weights(getattr(executor, "weights", None))
         # Worker-group failures in a row; reset by every successful step.
         self.max_restarts = 3
         self.restart_backoff_s = 0.5

@@ -90,6 +90,12 @@ class EngineMetrics:
             "moe_collective_bytes",
             "Bytes each rank put into the mixture-of-experts all-reduces (expert or tensor parallel experts).",
         )
+        self.weight_bytes = Gauge(
+            PREFIX + "model_weight_bytes",
+            "Bytes of the replica's weights over all its ranks, by weight format and KV cache dtype.",
+            ("model_name", "weight_format", "kv_cache_dtype"),
+            registry=self.registry,
+        )
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
@@ -112,6 +118,12 @@ class EngineMetrics:
         self._seen_prefix = (0, 0)
         self._seen_restarts = 0
         self._moe_bytes = self.moe_collective_bytes.labels(name)
+
+    def observe_weights(self, weights: dict | None) -> None:
+        """The ranks' weight format and bytes, as they reported them when they started."""
+        if weights:
+            labels = (self._name_label[0], weights["weight_format"], weights["kv_cache_dtype"])
+            self.weight_bytes.labels(*labels).set(weights["weight_bytes"])
 
     # -- per step (engine loop thread) ----------------------------------------------------------
 

@@ -68,6 +68,7 @@ class WorkerGroup:
         self._pings: dict[int, ray.ObjectRef] = {}  # one liveness call in flight per rank, while a step runs
         self._executor: RemoteExecutor | None = None
         self.num_blocks = 0
+        self.weights: dict | None = None
         self.pids: list[int] = []
         self.node_ids: list[str] = []
         self.addresses: list[str] = []
@@ -115,6 +116,8 @@ class WorkerGroup:
         self.node_ids = [info["node_id"] for info in infos]
         # Every rank holds a shard of the same blocks: the table is as large as the smallest shard.
         self.num_blocks = min(info["num_blocks"] for info in infos)
+        # The replica's weights: one format, bytes summed over the ranks' shards.
+        self.weights = {**infos[0]["weights"], "weight_bytes": sum(info["weights"]["weight_bytes"] for info in infos)}
         self._pings = {}
         try:
             # Opens every rank's step stream: a rank that refuses it fails the start, not the first step.
