@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# One H200: pagerail with Llama-3.1-8B-shaped random weights in bf16, two standard workloads, CUDA graphs on and off.
+# One H200: pagerail with Llama-3.1-8B-shaped random weights, two standard workloads, CUDA graphs on and off, in bf16
+# and with the weights quantized to fp8 on load (and an fp8 KV cache).
 #
 # Reports output tokens/s and the typical decode step next to its HBM-bandwidth bound (every weight and live KV
 # byte read once at 4.8 TB/s), plus the in-run matmul roofline. Results land in $OUT as JSON, one file per run.
 # Usage: bench/gpu.sh   (PYTHON=... picks the interpreter, OUT=... the results folder, WORKLOADS="small long"
-#                        and MODES="graphs eager" pick the runs; DRY_RUN=1: the same runs on the CPU in fp32 with
+#                        MODES="graphs eager" and WEIGHTS="bf16 fp8 fp8kv" pick the runs (fp8: --quantization fp8;
+#                        fp8kv: that and --kv-cache-dtype fp8); DRY_RUN=1: the same runs on the CPU in fp32 with
 #                        a tiny model of the same family and small shapes, to try the script without a GPU)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +15,7 @@ OUT=${OUT:-bench-results/gpu}
 HBM_GBS=${HBM_GBS:-4800}
 WORKLOADS=${WORKLOADS:-"small long"}
 MODES=${MODES:-"graphs eager"}
+WEIGHTS=${WEIGHTS:-"bf16 fp8 fp8kv"}
 DRY_RUN=${DRY_RUN:-0}
 if [ "$DRY_RUN" = 1 ]; then
   MODEL_DIR=${MODEL_DIR:-/tmp/pagerail-llama-tiny-shape}
@@ -76,12 +79,20 @@ for workload in $WORKLOADS; do
     *) echo "unknown workload $workload (small, long)" >&2; exit 2 ;;
   esac
   shape=(--num-requests "$n" --prompt-len "$p" "$p" --output-len "$o" "$o"); label=${n}x${p}x${o}
-  for mode in $MODES; do
-    case $mode in
-      graphs) run "$label-graphs" "${shape[@]}" || failed=1 ;;
-      eager) run "$label-eager" "${shape[@]}" --enforce-eager || failed=1 ;;
-      *) echo "unknown mode $mode (graphs, eager)" >&2; exit 2 ;;
+  for weights in $WEIGHTS; do
+    case $weights in
+      bf16) quant=() ;;
+      fp8) quant=(--quantization fp8) ;;
+      fp8kv) quant=(--quantization fp8 --kv-cache-dtype fp8) ;;
+      *) echo "unknown weights $weights (bf16, fp8, fp8kv)" >&2; exit 2 ;;
     esac
+    for mode in $MODES; do
+      case $mode in
+        graphs) run "$label-$weights-graphs" "${shape[@]}" "${quant[@]}" || failed=1 ;;
+        eager) run "$label-$weights-eager" "${shape[@]}" "${quant[@]}" --enforce-eager || failed=1 ;;
+        *) echo "unknown mode $mode (graphs, eager)" >&2; exit 2 ;;
+      esac
+    done
   done
 done
 exit $failed

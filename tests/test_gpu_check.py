@@ -27,7 +27,7 @@ def test_scripts_parse(script):
     subprocess.run(["bash", "-n", str(BENCH / script)], check=True)
 
 
-def test_gpu_sh_runs_both_workloads_with_graphs_on_and_off(tmp_path):
+def test_gpu_sh_runs_both_workloads_in_bf16_and_fp8_with_graphs_on_and_off(tmp_path):
     """A stand-in interpreter records each benchmark invocation and answers with a plausible report."""
     log = tmp_path / "calls.jsonl"
     fake = tmp_path / "python"
@@ -54,18 +54,33 @@ print(json.dumps({{"pagerail": {{"output_tokens_per_s": 1.0, "total_tokens_per_s
     done = subprocess.run(["bash", str(BENCH / "gpu.sh")], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     calls = [json.loads(line) for line in log.read_text().splitlines()]
-    assert len(calls) == 4
+    assert len(calls) == 12
     for call in calls:
         assert call[:4] == ["-m", "cluster.cli", "bench", "throughput"]
         assert call[call.index("--device") + 1] == "cuda" and call[call.index("--dtype") + 1] == "bfloat16"
-    shapes = [(c[c.index("--num-requests") + 1], c[c.index("--output-len") + 1], "--enforce-eager" in c) for c in calls]
-    assert shapes == [("1000", "128", False), ("1000", "128", True), ("200", "1000", False), ("200", "1000", True)]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "1000x128x128-eager.json",
-        "1000x128x128-graphs.json",
-        "200x1000x1000-eager.json",
-        "200x1000x1000-graphs.json",
+
+    def weights(call: list[str]) -> str:
+        if "--quantization" not in call:
+            return "bf16"
+        assert call[call.index("--quantization") + 1] == "fp8"
+        return "fp8kv" if "--kv-cache-dtype" in call else "fp8"
+
+    shapes = [
+        (c[c.index("--num-requests") + 1], c[c.index("--output-len") + 1], weights(c), "--enforce-eager" in c)
+        for c in calls
     ]
+    assert shapes == [
+        (requests, length, kind, eager)
+        for requests, length in (("1000", "128"), ("200", "1000"))
+        for kind in ("bf16", "fp8", "fp8kv")
+        for eager in (False, True)
+    ]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        f"{label}-{kind}-{mode}.json"
+        for label in ("1000x128x128", "200x1000x1000")
+        for kind in ("bf16", "fp8", "fp8kv")
+        for mode in ("eager", "graphs")
+    )
     assert "vs HBM bound 4.00 ms (1.50x)" in done.stdout
 
 

@@ -211,3 +211,14 @@ def test_metrics_show_the_weight_format_bytes_and_kv_dtype(checkpoints) -> None:
     # fp8 projections take a quarter of their fp32 bytes: the whole model well under its fp32 size.
     full = load_model(checkpoints("llama", "fp8_block")[1])
     assert held < 0.75 * weight_bytes(full)
+
+
+@pytest.mark.parametrize("dtype", (torch.float8_e4m3fn, torch.float8_e5m2))
+def test_fp8_bit_conversion_equals_torchs_for_every_code(dtype: torch.dtype) -> None:
+    from worker.layers.quantization.fp8_convert import fp8_to_float32
+
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype).reshape(16, 16)
+    ours, theirs = fp8_to_float32(codes), codes.to(torch.float32)
+    finite = theirs.isfinite()
+    assert torch.equal(ours[finite], theirs[finite]) and ours.dtype == torch.float32
+    assert torch.equal(torch.signbit(ours[finite]), torch.signbit(theirs[finite]))  # -0 stays -0

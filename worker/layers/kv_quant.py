@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from worker.layers.quantization.fp8_convert import fp8_to_float32
+
 # Older torch builds lack the float8 dtypes; an fp8 kv_cache_dtype is then refused at start (worker.kv_cache).
 FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
 
@@ -25,7 +27,7 @@ def dequantize(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     if not is_fp8(stored.dtype):
         return stored
     # fp8 converts exactly to every compute dtype; the one rounding is that of the product.
-    return (stored.to(torch.float32) * scale).to(dtype)
+    return (fp8_to_float32(stored) * scale).to(dtype)
 
 
 def write_fp8(

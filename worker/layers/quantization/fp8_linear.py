@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.layers.quantization.config import QuantConfig, QuantizationConfigError
+from worker.layers.quantization.fp8_convert import fp8_to_float32
 from worker.layers.quantization.linear_method import LinearMethod
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -31,7 +32,7 @@ def expand_block_scales(scale: torch.Tensor, shape: torch.Size, block: tuple[int
 
 def dequantize_fp8(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """The layer's weight [N, K] in `dtype`, as its fp8 values times their scales."""
-    weight = layer.weight.float()
+    weight = fp8_to_float32(layer.weight)
     if layer.fp8_block is not None:
         weight = weight * expand_block_scales(layer.fp8_scale.float(), weight.shape, layer.fp8_block)
     else:
@@ -79,7 +80,7 @@ class Fp8LinearMethod(LinearMethod):
             return _apply_cuda(layer, x)
         if layer.fp8_block is None:
             # Per-row scales commute with the matmul: scale the outputs instead of every weight entry.
-            return F.linear(x, layer.weight.to(x.dtype)) * layer.fp8_scale.to(x.dtype)
+            return F.linear(x, fp8_to_float32(layer.weight).to(x.dtype)) * layer.fp8_scale.to(x.dtype)
         return F.linear(x, dequantize_fp8(layer, x.dtype))
 
 
