@@ -222,3 +222,20 @@ def test_fp8_bit_conversion_equals_torchs_for_every_code(dtype: torch.dtype) -> 
     finite = theirs.isfinite()
     assert torch.equal(ours[finite], theirs[finite]) and ours.dtype == torch.float32
     assert torch.equal(torch.signbit(ours[finite]), torch.signbit(theirs[finite]))  # -0 stays -0
+
+
+@pytest.mark.parametrize("fmt", ("fp8_tensor", "fp8_channel", "fp8_block"))
+def test_the_gpu_w8a8_product_matches_the_dequantized_weight(checkpoints, fmt: str) -> None:
+    """The GPU's W8A8 path (torch._scaled_mm, or the block GEMM's torch fallback) runs on CPU tensors too:
+    activations quantized per token cost e4m3's precision, no more."""
+    from worker.layers.quantization.fp8_linear import apply_w8a8, dequantize_fp8
+
+    model = load_model(checkpoints("llama", fmt)[0], dtype=torch.bfloat16)
+    layers = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for layer in layers:
+        if layer.in_features != x.shape[1]:
+            continue
+        ours = apply_w8a8(layer, x).float()
+        reference = x.float() @ dequantize_fp8(layer, torch.float32).t()
+        assert (ours - reference).norm() <= 0.05 * reference.norm()

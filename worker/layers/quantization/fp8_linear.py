@@ -77,10 +77,11 @@ class Fp8LinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            return _apply_cuda(layer, x)
+            return apply_w8a8(layer, x)
         if layer.fp8_block is None:
             # Per-row scales commute with the matmul: scale the outputs instead of every weight entry.
-            return F.linear(x, fp8_to_float32(layer.weight).to(x.dtype)) * layer.fp8_scale.to(x.dtype)
+            weight = fp8_to_float32(layer.weight, reuse_buffer=True)
+            return F.linear(x, weight.to(x.dtype)) * layer.fp8_scale.to(x.dtype)
         return F.linear(x, dequantize_fp8(layer, x.dtype))
 
 
@@ -120,11 +121,13 @@ def quantize_activations_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def _scaled_mm_fits(x: torch.Tensor, layer: nn.Module) -> bool:
-    # Hopper's fp8 GEMM with row-wise scales wants 16-aligned K and N and a 16-bit output.
-    return x.dtype in (torch.bfloat16, torch.float16) and layer.in_features % 16 == 0 and layer.out_features % 16 == 0
+    # torch's fp8 GEMM with row-wise scales wants 16-aligned K and N and a bf16 output.
+    return x.dtype == torch.bfloat16 and layer.in_features % 16 == 0 and layer.out_features % 16 == 0
 
 
-def _apply_cuda(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def apply_w8a8(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The GPU product: fp8 activations scaled per token (per token and K block for block scales) times the fp8
+    weight, accumulated in fp32; a dequantized weight where the fp8 GEMMs do not apply."""
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])
     if layer.fp8_block is not None:
