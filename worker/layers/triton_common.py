@@ -87,6 +87,18 @@ if triton is not None:
         times log2(e), so the cap applies to the natural-log score. tanh(x) = 1 - 2 / (exp(2x) + 1), from exp
         alone, which every backend and the interpreter have."""
         return softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+
+    @triton.jit
+    def grouped_tile(pid, rows, columns, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """(row tile, column tile) of program `pid` in grouped order: GROUP_M row tiles sweep a column tile before
+        the next column tile starts, so the weight tiles they share are read from L2."""
+        tiles_m = tl.cdiv(rows, BLOCK_M)
+        tiles_n = tl.cdiv(columns, BLOCK_N)
+        first_m = pid // (GROUP_M * tiles_n) * GROUP_M
+        group_rows = min(tiles_m - first_m, GROUP_M)
+        in_group = pid % (GROUP_M * tiles_n)
+        return first_m + in_group % group_rows, in_group // group_rows
 else:
     LOG2E = 1.4426950408889634
     softcapped = None
+    grouped_tile = None

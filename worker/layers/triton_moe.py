@@ -95,6 +95,33 @@ _NUM_STAGES = 3
 if triton is not None:
 
     @triton.jit
+    def gate_up_epilogue(
+        gate,
+        up,
+        bias_ptr,
+        cols,
+        col_ok,
+        inter_size,
+        alpha,
+        limit,
+        HAS_BIAS: tl.constexpr,
+        CLAMPED_SWIGLU: tl.constexpr,
+    ):
+        """The experts' biases (gate at cols, up at inter_size + cols of the expert's row `bias_ptr`) and their
+        activation on the fp32 accumulators; only its result is rounded, once, to the activation dtype."""
+        if HAS_BIAS:
+            gate += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            up += tl.load(bias_ptr + inter_size + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if CLAMPED_SWIGLU:
+            # gpt-oss: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            activated = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        else:
+            activated = gate / (1.0 + tl.exp(-gate)) * up
+        return activated
+
+    @triton.jit
     def _gate_up_kernel(
         out_ptr,
         x_ptr,
@@ -154,18 +181,18 @@ if triton is not None:
             gate_ptrs += BLOCK_K * stride_wk
             up_ptrs += BLOCK_K * stride_wk
 
-        if HAS_BIAS:
-            bias = bias_ptr + expert.to(tl.int64) * stride_be + cols
-            gate += tl.load(bias, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            up += tl.load(bias + inter_size, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        # The activation on the fp32 accumulators; only its result is rounded, once, to the activation dtype.
-        if CLAMPED_SWIGLU:
-            # gpt-oss: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            activated = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
-        else:
-            activated = gate / (1.0 + tl.exp(-gate)) * up
+        activated = gate_up_epilogue(
+            gate,
+            up,
+            bias_ptr + expert.to(tl.int64) * stride_be,
+            cols,
+            col_ok,
+            inter_size,
+            alpha,
+            limit,
+            HAS_BIAS,
+            CLAMPED_SWIGLU,
+        )
         out_ptrs = out_ptr + slots[:, None] * stride_out + cols[None, :]
         tl.store(out_ptrs, activated.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & col_ok[None, :])
 

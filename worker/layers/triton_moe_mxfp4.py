@@ -7,7 +7,14 @@ import torch
 from worker.layers.moe_activation import SILU, ExpertActivation
 from worker.layers.quantization.mxfp4 import BYTES_PER_BLOCK, check_mxfp4
 from worker.layers.triton_common import dot_operands, tl, triton
-from worker.layers.triton_moe import _NUM_STAGES, _SUPPORTED_DTYPES, _check_biases, _launch_config, moe_align
+from worker.layers.triton_moe import (
+    _NUM_STAGES,
+    _SUPPORTED_DTYPES,
+    _check_biases,
+    _launch_config,
+    gate_up_epilogue,
+    moe_align,
+)
 
 # The layout and the steps are triton_moe's (expert-sorted, BLOCK_M-padded slots from `moe_align`; a gate/up
 # kernel with the biased SwiGLU epilogue writing the [T*k, I] intermediate; a down kernel writing each slot's
@@ -110,17 +117,18 @@ if triton is not None:
             gate_w += HALF_K
             up_w += HALF_K
 
-        if HAS_BIAS:
-            bias = bias_ptr + expert.to(tl.int64) * stride_be + cols
-            gate += tl.load(bias, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            up += tl.load(bias + inter_size, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if CLAMPED_SWIGLU:
-            # gpt-oss: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            activated = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
-        else:
-            activated = gate / (1.0 + tl.exp(-gate)) * up
+        activated = gate_up_epilogue(
+            gate,
+            up,
+            bias_ptr + expert.to(tl.int64) * stride_be,
+            cols,
+            col_ok,
+            inter_size,
+            alpha,
+            limit,
+            HAS_BIAS,
+            CLAMPED_SWIGLU,
+        )
         out_ptrs = out_ptr + slots[:, None] * stride_out + cols[None, :]
         tl.store(out_ptrs, activated.to(out_ptr.dtype.element_ty), mask=slot_ok[:, None] & col_ok[None, :])
 

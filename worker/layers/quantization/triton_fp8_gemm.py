@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from worker.layers.triton_common import tl, triton, triton_available
+from worker.layers.triton_common import grouped_tile, tl, triton, triton_available
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -85,16 +85,7 @@ if triton is not None:
         GROUP_M: tl.constexpr,
         HAS_BIAS: tl.constexpr,
     ):
-        # Grouped tile order: GROUP_M row tiles sweep a column tile before the next column tile starts, so the
-        # weight tiles they share are read from L2.
-        pid = tl.program_id(0)
-        tiles_m = tl.cdiv(rows, BLOCK_M)
-        tiles_n = tl.cdiv(out_features, BLOCK_N)
-        group = pid // (GROUP_M * tiles_n)
-        first_m = group * GROUP_M
-        group_rows = min(tiles_m - first_m, GROUP_M)
-        tile_m = first_m + (pid % (GROUP_M * tiles_n)) % group_rows
-        tile_n = (pid % (GROUP_M * tiles_n)) // group_rows
+        tile_m, tile_n = grouped_tile(tl.program_id(0), rows, out_features, BLOCK_M, BLOCK_N, GROUP_M)
 
         # Rows in int64: M * K of a long prefill can pass 2**31 elements.
         row_ids = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from worker.layers.quantization.int4_layout import PACK_FACTOR, check_int4_layout, dequantize_int4
-from worker.layers.triton_common import dot_operands, tl, triton, triton_available
+from worker.layers.triton_common import dot_operands, grouped_tile, tl, triton, triton_available
 
 __all__ = ["dequantize_int4", "int4_gemm", "int4_gemm_available"]
 
@@ -73,15 +73,7 @@ if triton is not None:
         DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
-        # Grouped tile order: GROUP_M row tiles sweep a column tile before the next column tile starts.
-        pid = tl.program_id(0)
-        tiles_m = tl.cdiv(rows, BLOCK_M)
-        tiles_n = tl.cdiv(out_features, BLOCK_N)
-        group = pid // (GROUP_M * tiles_n)
-        first_m = group * GROUP_M
-        group_rows = min(tiles_m - first_m, GROUP_M)
-        tile_m = first_m + (pid % (GROUP_M * tiles_n)) % group_rows
-        tile_n = (pid % (GROUP_M * tiles_n)) // group_rows
+        tile_m, tile_n = grouped_tile(tl.program_id(0), rows, out_features, BLOCK_M, BLOCK_N, GROUP_M)
 
         # Rows in int64: M * K of a long prefill can pass 2**31 elements.
         row_ids = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
