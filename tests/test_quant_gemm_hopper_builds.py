@@ -5,17 +5,13 @@ engine's kernels: every variant compiles, fits shared memory and does not spill 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from dataclasses import asdict
 
 import pytest
 import torch
 
-from tests.requirements import TRITON_REQUIRED, missing, require_module
-from tests.triton_interpreter import REPO_ROOT
+from tests.hopper_reports import hopper_reports_of
+from tests.requirements import missing
 
 # Child processes, the Triton interpreter or offline GPU builds: left out of `make test-fast`.
 pytestmark = pytest.mark.slow
@@ -87,29 +83,7 @@ def _hopper_report() -> None:
 @pytest.fixture(scope="module")
 def hopper_reports() -> dict[str, dict]:
     """The builds with this Triton and with the GPU image's, by two child processes at once (one core each)."""
-    from tests.test_hopper_builds import IMAGE_TRITON
-
-    require_module("triton", "needs Triton", required_in_ci=TRITON_REQUIRED)
-    paths = {"this": [str(REPO_ROOT)]}
-    if (IMAGE_TRITON / "triton" / "__init__.py").is_file():
-        paths["image"] = [str(IMAGE_TRITON), str(REPO_ROOT)]
-    code = "from tests.test_quant_gemm_hopper_builds import _hopper_report; _hopper_report()"
-    with tempfile.TemporaryDirectory() as caches:
-        children = {}
-        for which, path in paths.items():
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "TRITON_CACHE_DIR": f"{caches}/{which}"}
-            env.update({"TRITON_DEFAULT_FP_FUSION": "1", "CUDA_VISIBLE_DEVICES": ""})
-            env.pop("TRITON_INTERPRET", None)
-            children[which] = subprocess.Popen(
-                [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True,
-            )  # fmt: skip
-        reports = {}
-        for which, child in children.items():
-            stdout, stderr = child.communicate(timeout=600)
-            assert child.returncode == 0, stderr[-4000:]
-            reports[which] = json.loads(stdout.strip().splitlines()[-1])
-    return reports
+    return hopper_reports_of("tests.test_quant_gemm_hopper_builds")
 
 
 @pytest.mark.parametrize("which", ["this", "image"])
