@@ -70,6 +70,13 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         bool,
         "MoE models: each tensor-parallel rank holds whole experts instead of a slice of every expert",
     ),
+    EngineArg(
+        "speculative_config",
+        "",
+        str,
+        'speculative decoding as a JSON object, e.g. {"method": "ngram", "num_speculative_tokens": 4}; methods: '
+        "ngram, draft_model, eagle, eagle3 (default: off)",
+    ),
     EngineArg("enforce_eager", "", bool, "run every step eagerly: no CUDA graphs for decode steps on GPU ranks"),
     EngineArg("block_size", "cache", int, "tokens per KV-cache block (a power of two <= 128)"),
     EngineArg("kv_cache_memory_bytes", "cache", int, "bytes of KV cache per rank (default: from free memory on GPUs)"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from common.speculative_config import SpeculativeConfig, speculative_config_from
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
@@ -119,6 +121,8 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     # Run every step eagerly; False lets CUDA ranks replay captured CUDA graphs for decode-only steps.
     enforce_eager: bool = False
+    # Speculative decoding (given as a dict or a JSON object's text); None: off.
+    speculative_config: SpeculativeConfig | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
@@ -137,6 +141,7 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        object.__setattr__(self, "speculative_config", speculative_config_from(self.speculative_config))
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}")
         if not self.tensor_parallel_size >= 1:
