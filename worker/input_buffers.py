@@ -84,7 +84,8 @@ class InputBuffers(PersistentBlockTable):
         positions = [state.num_computed_tokens for state in decodes]
         decode_tokens = [state.token_ids[position] for state, position in zip(decodes, positions, strict=True)]
         sample_states = [state for state in ordered if not state.skip_sampling]
-        num_samples = len(sample_states)
+        # Speculating requests sample every row of their chunk (the next token, then one per draft).
+        num_samples = len(sample_states) + (sum(len(s.drafts) for s in prefills if s.drafts) if prefills else 0)
         # The decodes' sampled rows; a prefill's is known once its span is laid out. None: every decode samples.
         decode_samples = None
         if num_samples != len(ordered):
@@ -154,7 +155,9 @@ class InputBuffers(PersistentBlockTable):
             buf[slot_at + row : slot_at + row + count] = slots[offset : offset + count]
             chunks.append((row, row + count, start, table_row))
             row += count
-            if not state.skip_sampling:
+            if state.drafts:
+                prefill_samples.extend(range(row - count, row))
+            elif not state.skip_sampling:
                 prefill_samples.append(row - 1)
         if prefill_samples:  # after the decodes' sampled rows
             buf[sample_at + num_samples - len(prefill_samples) : sample_at + num_samples] = prefill_samples

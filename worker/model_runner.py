@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from common.speculative_config import SpeculativeConfig
 from common.telemetry import get_tracer, traced
 from proto import step_pb2
 from worker.attention_backends.settings import AttentionSettings
@@ -28,6 +29,8 @@ from worker.parallel_state import TensorParallelGroup
 from worker.penalty_state import PenaltyState
 from worker.request_state import RequestState, RequestStates, sampling_row
 from worker.sampler import Sampler, row_argmax
+from worker.spec_decode.proposer import make_proposer
+from worker.spec_decode.rows import row_offsets, row_states, split_runs, write_result
 from worker.step_inputs import prepare_step
 from worker.warmup import warmup_steps
 
@@ -68,6 +71,7 @@ class ModelRunner:
         max_capture_size: int | None = DEFAULT_MAX_CAPTURE_SIZE,
         graph_backend: GraphBackend | None = None,
         warm_up: bool | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -104,6 +108,9 @@ class ModelRunner:
             max_num_seqs=max_num_seqs,
             max_blocks_per_seq=max_blocks_per_seq,
         )
+        # Speculative decoding: proposes the drafts the head made room for; the requests that got some this step.
+        self.proposer = make_proposer(speculative)
+        self._drafted: list[RequestState] = []
         self.num_replayed_steps = 0
         self.num_eager_steps = 0
         self.graphs: DecodeGraphs | None = None
@@ -172,7 +179,10 @@ class ModelRunner:
 
     def prepare(self, batch: step_pb2.StepBatch) -> FlatBatch | None:
         """Apply the step's deltas to the request states and the input buffers; the model's inputs, if any."""
-        return prepare_step(self.inputs, self.attention, self.states.apply(batch))
+        scheduled = self.states.apply(batch)
+        if self.proposer is not None:
+            self._drafted = self.proposer.propose(scheduled)
+        return prepare_step(self.inputs, self.attention, scheduled)
 
     @torch.inference_mode()
     def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
@@ -230,6 +240,9 @@ class ModelRunner:
         inputs, which the head therefore never sends back (and may schedule before it has seen them). Every rank
         does this; rank 0 sampled and tells the others."""
         ordered, states = flat.ordered, flat.sample_states
+        if self._drafted:
+            self._advance_speculating(flat, token_ids)
+            return
         if states and self.tp.size > 1:
             shared = torch.empty(len(states), dtype=torch.long)
             if token_ids is not None:
@@ -249,6 +262,32 @@ class ModelRunner:
         for state in ordered:
             state.num_computed_tokens += state.num_scheduled_tokens
 
+    def _advance_speculating(self, flat: FlatBatch, row_tokens: list[int] | None) -> None:
+        """_advance for a step with drafts: every rank gets every row's token from rank 0 and keeps, for each
+        speculating request, the agreeing drafts and the token after them (the same on every rank)."""
+        states = flat.sample_states
+        if self.tp.size > 1:
+            shared = torch.empty(len(flat.sample_rows), dtype=torch.long)
+            if row_tokens is not None:
+                shared.copy_(torch.tensor(row_tokens, dtype=torch.long))
+            received = self.tp.broadcast(shared.to(self.tp_device))
+            if row_tokens is None:
+                row_tokens = to_host(self.readback, received)[0]
+        for state, run in zip(states, split_runs(states, row_tokens), strict=True):
+            if state.drafts:
+                del state.token_ids[-len(state.drafts) :]
+                # KV is valid for the next token's row and every kept draft: as many positions as tokens emitted.
+                state.num_computed_tokens += len(run)
+                state.drafts = None
+            else:
+                state.num_computed_tokens += state.num_scheduled_tokens
+            state.token_ids.extend(run)
+        sampled = set(map(id, states))
+        for state in flat.ordered:
+            if id(state) not in sampled:
+                state.num_computed_tokens += state.num_scheduled_tokens
+        self._drafted = []
+
     def _forget(self, state: RequestState) -> None:
         """A request left this worker: free its block-table row and its penalty row."""
         self.inputs.release(state)
@@ -258,33 +297,48 @@ class ModelRunner:
             self.constraints.release(state)
 
     def _sample(self, logits: torch.Tensor, states: list[RequestState], result: step_pb2.StepResult) -> list[int]:
+        """One token per sampled row (a speculating request has a row per draft and one more); the answer."""
         constraints = self.constraints
         constraints.seconds = 0.0
+        drafting = bool(self._drafted)
+        per_row = row_states(states) if drafting else states
         sampled = None
+        rows = None
         if self.states.all_argmax_only or all(state.argmax_only for state in states):
             # The common greedy step: no per-row settings to build, one argmax after the constraint masks.
-            constraints.mask(logits, states)
+            constraints.mask(logits, per_row)
             token_ids = row_argmax(logits, self.readback)
         else:
-            rows = [sampling_row(state) for state in states]
+            if drafting:
+                rows = [sampling_row(state, ahead) for state, ahead in zip(per_row, row_offsets(states), strict=True)]
+            else:
+                rows = [sampling_row(state) for state in states]
             history = None
             penalized = [row for row in rows if row.has_penalties]
             if penalized:
                 if self.penalties is None:
                     self.penalties = PenaltyState(logits.shape[1], logits.device)
                 history = self.penalties.history(
-                    [state for state, row in zip(states, rows, strict=True) if row.has_penalties],
+                    [state for state, row in zip(per_row, rows, strict=True) if row.has_penalties],
                     seen=any(row.penalizes_repetition for row in penalized),
                     output_counts=any(row.penalizes_outputs for row in penalized),
                 )
-            constraints.mask(logits, states)
+            constraints.mask(logits, per_row)
             sampled = self.sampler(logits, rows, history)
             token_ids = sampled.token_ids
+        with_logprobs = sampled is not None and any(row.num_logprobs is not None for row in rows)
+        if drafting:
+            # Speculating requests have neither constraints nor penalties (the head gives them no room otherwise).
+            runs = split_runs(states, token_ids)
+            result.constraint_done.extend(constraints.advance(states, [run[-1] for run in runs]))
+            result.constraint_seconds = constraints.seconds
+            write_result(result, states, runs, sampled, with_logprobs)
+            return token_ids
         result.constraint_done.extend(constraints.advance(states, token_ids))
         result.constraint_seconds = constraints.seconds
         result.handles.extend([state.handle for state in states])  # a list extends faster than a generator
         result.token_ids.extend(token_ids)
-        if sampled is not None and any(row.num_logprobs is not None for row in rows):
+        if with_logprobs:
             result.logprobs.extend(lp if lp is not None else 0.0 for lp in sampled.logprobs)
             for ids, lps in zip(sampled.top_ids, sampled.top_logprobs, strict=True):
                 result.top_logprobs.add(token_ids=ids, logprobs=lps)

@@ -34,26 +34,36 @@ class RequestState:
     # Every token is the argmax of the (masked) logits: greedy, no penalties, no logprobs, no banned tokens.
     # Fixed for the request's life, so a step of such requests skips building per-row sampling settings.
     argmax_only: bool = False
+    # Speculative decoding: the draft tokens the head made room for after this step's token, and the drafts
+    # proposed for this step (appended to token_ids until the step keeps or drops them).
+    num_lookahead: int = 0
+    drafts: list[int] | None = None
 
-    def seeded_generator(self) -> torch.Generator | None:
-        """The generator for this request's next token, reseeded from (seed, output position).
+    def seeded_generator(self, ahead: int = 0) -> torch.Generator | None:
+        """The generator for this request's next token (or the one `ahead` positions after it, for a draft's
+        row, on a generator of its own), reseeded from (seed, output position).
 
         Deriving the state from the position rather than carrying it from step to step keeps seeded
-        output identical after preemption and after a worker group restarts with fresh state.
+        output identical after preemption, after a worker group restarts with fresh state, and with
+        speculation, whose rows sample the positions that plain decoding would sample one by one.
         """
         if self.generator is None:
             return None
-        position = len(self.token_ids) - self.num_prompt_tokens
-        self.generator.manual_seed((self.sampling.seed * 0x9E3779B97F4A7C15 + position) & 0xFFFFFFFFFFFFFFFF)
-        return self.generator
+        drafted = len(self.drafts) if self.drafts else 0
+        position = len(self.token_ids) - drafted - self.num_prompt_tokens + ahead
+        generator = self.generator if not ahead else torch.Generator(device=self.generator.device)
+        generator.manual_seed((self.sampling.seed * 0x9E3779B97F4A7C15 + position) & 0xFFFFFFFFFFFFFFFF)
+        return generator
 
 
-def sampling_row(state: RequestState) -> SamplingRow:
-    """The sampler's view of one request; its token history, for penalties, is kept apart (PenaltyState)."""
+def sampling_row(state: RequestState, ahead: int = 0) -> SamplingRow:
+    """The sampler's view of one request (at `ahead` positions past its next token, for a draft's row); its
+    token history, for penalties, is kept apart (PenaltyState)."""
     params = state.sampling
-    num_outputs = len(state.token_ids) - state.num_prompt_tokens
+    drafted = len(state.drafts) if state.drafts else 0
+    num_outputs = len(state.token_ids) - drafted - state.num_prompt_tokens + ahead
     banned = tuple(params.stop_token_ids) if num_outputs < params.min_tokens else ()
-    return _row_settings(params, state.seeded_generator(), banned)
+    return _row_settings(params, state.seeded_generator(ahead), banned)
 
 
 def argmax_only(sampling: step_pb2.SamplingParams) -> bool:
@@ -147,12 +157,14 @@ class RequestStates:
                 state.table_row = -1
             state.num_scheduled_tokens = delta.num_scheduled_tokens
             state.skip_sampling = delta.skip_sampling
+            state.num_lookahead = delta.num_lookahead_tokens
             scheduled.append(state)
         for handle in batch.decode_handles:
             # A CachedRequest with only its handle and one token to compute and sample.
             state = states[handle]
             state.num_scheduled_tokens = 1
             state.skip_sampling = False
+            state.num_lookahead = 0
             scheduled.append(state)
         return scheduled
 

@@ -121,6 +121,7 @@ class Worker:
             tokenizer_dir=str(model_dir),
             enforce_eager=engine.enforce_eager,
             scratch_block=self.num_blocks,
+            speculative=engine.speculative_config,
         )
         torch.manual_seed(engine.seed)
 

@@ -19,6 +19,7 @@ from cluster.core.quarantine import Quarantine
 from cluster.core.request import Request, RequestStatus
 from cluster.core.scheduler import Scheduler
 from cluster.core.scheduler_output import PauseMode, SchedulerOutput
+from cluster.core.speculation import SpeculationPolicy, unpack_spec_runs
 from cluster.core.step_builder import StepMessageBuilder
 from cluster.core.step_tracing import dispatch_span, end_step_span, start_step_span
 from common.engine_config import EngineConfig
@@ -78,6 +79,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.block_table = self._new_block_table(executor.num_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_table, self.max_model_len)
+        self.speculation = SpeculationPolicy(config.speculative_config)
         self.step_builder = StepMessageBuilder()
         self._handles = itertools.count(1)
         self.metrics = EngineMetrics(config.model_name)
@@ -152,6 +154,7 @@ class EngineCore:
             output_token_ids=list(resumed),
             trace_context=request.trace_context,
             num_reported_tokens=len(resumed),  # produced elsewhere: not this engine's generated tokens
+            speculative=self.speculation.eligible(params, request.final),
         )
         if resumed and params.logprobs is not None:
             # Logprobs stay aligned with the outputs; the resumed ones are never sent again, so these are never read.
@@ -215,6 +218,8 @@ class EngineCore:
         """Schedule and submit a step; True when it computes something (not only forgets finished requests)."""
         started = time.perf_counter()
         started_ns = time.time_ns()
+        if self.speculation.enabled:
+            self.scheduler.spec_lookahead = self.speculation.lookahead(len(self.scheduler.running))
         out = self.scheduler.schedule()
         self.schedule_seconds.append(time.perf_counter() - started)
         expired = out.expired
@@ -247,7 +252,18 @@ class EngineCore:
         self._consecutive_failures = 0
         self.quarantine.step_succeeded(step.batch)
         sampled, logprobs = unpack_result(result)
-        changed = self.scheduler.update_from_output(step.out, sampled, frozenset(result.constraint_done), logprobs)
+        spec_runs = unpack_spec_runs(result)
+        if spec_runs:
+            for handle, run in spec_runs.items():
+                self.step_builder.ranks_appended(handle, len(run.tokens) - 1)
+        if self.speculation.enabled:
+            drafted = sum(run.num_drafts for run in spec_runs.values())
+            lookahead = sum(item.lookahead for item in step.out.scheduled)
+            rows = step.out.num_batched_tokens - lookahead + drafted
+            self.speculation.observe_step(rows, result.compute_seconds, spec_runs)
+        changed = self.scheduler.update_from_output(
+            step.out, sampled, frozenset(result.constraint_done), logprobs, spec_runs
+        )
         self.metrics.observe_step(self, step.out, result, step.dispatched - step.started, waited, changed)
         end_step_span(step.span, result=result)
         return changed

@@ -68,6 +68,10 @@ class Request:
     idle_since: float | None = None
     # The workers must be sent the full block list and num_computed_tokens with the next step.
     needs_resync: bool = False
+    # Speculative decoding may propose drafts for it (no output constraint, no penalties, no open input).
+    speculative: bool = False
+    # A speculating step of it is in flight: nothing more is scheduled for it until that step answers.
+    spec_in_flight: bool = False
     # W3C carrier (traceparent, tracestate) of the frontend's request span; the step spans link to it.
     trace_context: dict[str, str] | None = None
     # The scheduler's plain-decode item for this request and epoch, handed out again every step it decodes

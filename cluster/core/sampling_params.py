@@ -39,6 +39,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Constrains the output to a JSON schema, regex, choice or grammar; a dict is read as StructuredOutputs(**dict).
     structured_outputs: StructuredOutputs | None = None
+    # False keeps this request out of speculative decoding (when the engine has it on).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         self._validate_structured_outputs()
@@ -46,7 +48,7 @@ class SamplingParams:
         self._validate_probabilities()
         self._validate_penalties()
         self._validate_stops()
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

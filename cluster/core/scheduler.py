@@ -13,6 +13,7 @@ from cluster.core.block_table import BlockTable
 from cluster.core.errors import QueueFullError
 from cluster.core.request import Request, RequestStatus
 from cluster.core.scheduler_output import PauseMode, ScheduledRequest, SchedulerOutput, SchedulerStats
+from cluster.core.speculation import SpecRun
 from cluster.core.step_update import apply_step_output
 from cluster.core.stop_conditions import ends_in_flight
 from common.engine_config import SchedulerConfig
@@ -47,6 +48,9 @@ class Scheduler:
         # time (set by the engine's quarantine); None: max_num_seqs alone.
         self.admission_cap: int | None = None
         self.pause_mode = PauseMode.NONE
+        # Speculative decoding: draft tokens a decode may verify after its next token this step (0: none); the
+        # engine sets it before each step from its back-off policy.
+        self.spec_lookahead = 0
         self.stats = SchedulerStats()
         # Handles the workers must forget, sent with the next step.
         self._finished_handles: list[int] = []
@@ -95,6 +99,7 @@ class Scheduler:
             request.num_pending_samples = 0  # the steps in flight are abandoned, their tokens never come
             request.epoch += 1
             request.needs_resync = False
+            request.spec_in_flight = False
         self.block_table.reset()
         self._finished_handles.clear()
 
@@ -139,10 +144,13 @@ class Scheduler:
         slots_owned = self.block_table.slots_owned
         no_new_blocks = NO_NEW_BLOCKS
         max_model_len = self.max_model_len
+        spec_lookahead = self.spec_lookahead
         # Iterating while a preemption pops from the end is safe: the loop sees the shortened list.
         for request in running:
             if budget <= 0:
                 break
+            if request.spec_in_flight:
+                continue  # how many tokens its speculating step emits is known only once it answers
             position = request.num_computed_tokens + request.num_inflight_tokens
             pending = request.num_pending_samples
             expected = len(request.all_token_ids) + pending
@@ -151,12 +159,24 @@ class Scheduler:
                 num_new = budget
             if num_new <= 0 or (pending and ends_in_flight(request, max_model_len)):
                 continue
-            if position + num_new <= slots_owned.get(request.request_id, 0):
+            lookahead = 0
+            if spec_lookahead and num_new == 1 and request.speculative and not pending and not request.needs_resync:
+                lookahead = speculation_room(request, spec_lookahead, budget - 1, max_model_len - position - 1)
+            if position + num_new + lookahead <= slots_owned.get(request.request_id, 0):
                 new_blocks = no_new_blocks  # read-only: consumers never change an item's block list
             else:
-                new_blocks = self._allocate_or_preempt(request, num_new, out)
+                new_blocks = self._allocate_or_preempt(request, num_new + lookahead, out)
                 if new_blocks is None:
                     break  # the request itself was preempted: it was the last running one
+            if lookahead:
+                # Its drafts' KV slots are allocated; the ranks report how many of them it keeps.
+                item = ScheduledRequest(request, 1, new_blocks, epoch=request.epoch, lookahead=lookahead)
+                scheduled.append(item)
+                request.num_inflight_tokens += 1
+                request.num_pending_samples = 1
+                request.spec_in_flight = True
+                budget -= 1 + lookahead
+                continue
             skip = position + num_new != expected or request.input_open
             if num_new == 1 and new_blocks is no_new_blocks and not skip and not request.needs_resync:
                 # A plain decode: the same item as the request's previous plain decode, unless it lost its KV since.
@@ -314,6 +334,7 @@ class Scheduler:
         sampled: dict[int, int],
         constraint_done: frozenset[int] = frozenset(),
         logprobs: dict[int, tuple[float, dict[int, float]]] | None = None,
+        spec_runs: dict[int, SpecRun] | None = None,
     ) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish what hit a stop condition.
 
@@ -323,7 +344,7 @@ class Scheduler:
 
         Returns the requests that changed (got a token or finished), for streaming to callers.
         """
-        return apply_step_output(self, out, sampled, constraint_done, logprobs)
+        return apply_step_output(self, out, sampled, constraint_done, logprobs, spec_runs)
 
     def finish(self, request_id: str, status: RequestStatus) -> None:
         """Finish a request for a reason found outside the scheduler (a stop string)."""
@@ -372,3 +393,12 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_handles.append(request.handle)
         self.stats.num_finished += 1
+
+
+def speculation_room(request: Request, lookahead: int, budget: int, context_room: int) -> int:
+    """Drafts a decode of `request` may verify: at most `lookahead`, within the step's remaining token budget, the
+    context limit and what max_tokens leaves after its next token."""
+    room = min(lookahead, budget, context_room)
+    if request.max_tokens is not None:
+        room = min(room, request.max_tokens - len(request.output_token_ids) - 1)
+    return max(room, 0)

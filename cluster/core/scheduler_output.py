@@ -38,6 +38,9 @@ class ScheduledRequest:
     # keeps one such item per request and epoch and hands the same object out step after step (see
     # Scheduler._schedule_running), so it must never be changed once made.
     plain: bool = False
+    # Speculative decoding: draft tokens the ranks may verify after this item's one token (their KV slots are
+    # allocated); the answer says how many tokens it emitted.
+    lookahead: int = 0
 
 
 @dataclass

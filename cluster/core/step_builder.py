@@ -76,7 +76,10 @@ class StepMessageBuilder:
                 num_known is not None
                 and (
                     item.plain
-                    or (item.num_tokens == 1 and not (item.skip_sampling or item.new_block_ids or item.resync))
+                    or (
+                        item.num_tokens == 1
+                        and not (item.skip_sampling or item.new_block_ids or item.resync or item.lookahead)
+                    )
                 )
                 and len(request.all_token_ids) <= num_known
             ):
@@ -113,8 +116,15 @@ class StepMessageBuilder:
                     delta.num_computed_tokens = request.num_computed_tokens
                 if item.skip_sampling:
                     delta.skip_sampling = True
+                if item.lookahead:
+                    delta.num_lookahead_tokens = item.lookahead
             # The ranks will hold this step's sampled token once it ran.
             known[request.handle] = max(num_known or 0, request.num_tokens) + (0 if item.skip_sampling else 1)
         if decode_handles:
             batch.decode_handles.extend(decode_handles)
         return batch
+
+    def ranks_appended(self, handle: int, extra: int) -> None:
+        """A speculating step left the ranks `extra` tokens beyond the one a step is counted for."""
+        if handle in self._known_tokens:
+            self._known_tokens[handle] += extra

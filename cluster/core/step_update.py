@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from cluster.core import session_inputs
 from cluster.core.request import Request, RequestStatus
 from cluster.core.scheduler_output import SchedulerOutput
+from cluster.core.speculation import SpecRun
 from cluster.core.stop_conditions import stop_status
 
 if TYPE_CHECKING:
@@ -19,6 +20,7 @@ def apply_step_output(
     sampled: dict[int, int],
     constraint_done: frozenset[int],
     logprobs: dict[int, tuple[float, dict[int, float]]] | None,
+    spec_runs: dict[int, SpecRun] | None = None,
 ) -> list[Request]:
     """The body of `Scheduler.update_from_output` (see there); returns the requests that changed."""
     changed: list[Request] = []
@@ -30,7 +32,14 @@ def apply_step_output(
     max_model_len = scheduler.max_model_len
     for item in out.scheduled:
         request = item.request
+        if item.lookahead:
+            request.spec_in_flight = False
         if request.status is not running and request.finished:
+            continue
+        if item.lookahead and spec_runs and request.handle in spec_runs:
+            # A speculating step: several tokens, or one when the rank found nothing to propose (answered plainly).
+            _apply_run(scheduler, item, spec_runs[request.handle])
+            changed.append(request)
             continue
         if not item.skip_sampling:
             request.num_pending_samples -= 1
@@ -83,3 +92,37 @@ def apply_step_output(
                 scheduler.finish_request(request, status)
         changed.append(request)
     return changed
+
+
+def _apply_run(scheduler: Scheduler, item, run: SpecRun) -> None:
+    """Append a speculating step's tokens one by one (a stop or max_tokens inside the run ends it there), then
+    count the positions whose KV the step left valid: the next token's and each kept draft's, one per token."""
+    request = item.request
+    request.num_pending_samples -= 1
+    current = item.epoch == request.epoch
+    if current:
+        request.num_inflight_tokens -= 1
+    outputs, all_tokens = request.output_token_ids, request.all_token_ids
+    max_tokens, max_model_len = request.max_tokens, scheduler.max_model_len
+    for index, token_id in enumerate(run.tokens):
+        outputs.append(token_id)
+        all_tokens.append(token_id)
+        if run.logprobs is not None:
+            logprob, top = run.logprobs[index]
+            request.logprobs.append(logprob)
+            request.top_logprobs.append(top)
+        if (
+            token_id in request.stop_token_ids
+            or (max_tokens is not None and len(outputs) >= max_tokens)
+            or len(all_tokens) >= max_model_len
+        ):
+            status = stop_status(request, token_id, max_model_len, False)
+            if status is not None:
+                scheduler.finish_request(request, status)
+                return
+    if current:
+        computed = request.num_computed_tokens = request.num_computed_tokens + len(run.tokens)
+        due = scheduler.block_table.hash_due_at.get(request.request_id)
+        if due is not None and computed >= due:
+            # Only kept tokens are in all_token_ids: a rejected draft's slot is past `computed` and never hashed.
+            scheduler.block_table.commit_computed(request.request_id, all_tokens, computed)
