@@ -13,6 +13,7 @@ import time
 from cluster.core.executor import CompletedStep, PendingStep, WorkerGroupError
 from proto import step_pb2
 from worker.request_state import RequestStates
+from worker.spec_decode.verify import accepted_tokens
 
 
 def fingerprint(token_ids: list[int], position: int) -> int:
@@ -69,6 +70,9 @@ class FakeKVWorkers:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         scheduled = self.states.apply(batch)
+        for state in scheduled:
+            if state.num_lookahead and state.num_scheduled_tokens == 1:
+                self._propose(state)
         failure, self.fail_next = self.fail_next, None
         if any(state.handle in self.poison_handles for state in scheduled):
             failure = "worker"
@@ -102,6 +106,9 @@ class FakeKVWorkers:
                 if self.kv.get(self._slot(state.block_ids, pos)) != fingerprint(state.token_ids, pos):
                     self.corrupt_reads.append((state.handle, pos))
                     break
+            if state.drafts:
+                self._verify(state, result)
+                continue
             if not state.skip_sampling:
                 token = next_token(state.token_ids[:end], self.vocab_size)
                 result.handles.append(state.handle)
@@ -109,6 +116,33 @@ class FakeKVWorkers:
                 state.token_ids.append(token)  # as the real ranks do: the head never sends it back
             state.num_computed_tokens = end
         return result
+
+    def _propose(self, state) -> None:
+        """Drafts for the lookahead the head made room for: each the true next token two times in three, another
+        token otherwise, so runs are kept whole, in part, or not at all. They are appended as the real ranks do."""
+        drafts: list[int] = []
+        for index in range(state.num_lookahead):
+            true = next_token(state.token_ids + drafts, self.vocab_size)
+            wrong = hash((self.steps, state.handle, index)) % 3 == 0
+            drafts.append((true + 1) % self.vocab_size if wrong else true)
+        state.drafts = drafts
+        state.token_ids.extend(drafts)
+        state.num_scheduled_tokens = 1 + len(drafts)
+
+    def _verify(self, state, result: step_pb2.StepResult) -> None:
+        """Every row's target token, the kept run, and the drafts dropped: their KV stays in slots past the kept
+        positions, as a real rank leaves it."""
+        drafts, start = state.drafts, state.num_computed_tokens
+        targets = [next_token(state.token_ids[: start + row + 1], self.vocab_size) for row in range(len(drafts) + 1)]
+        run = accepted_tokens(drafts, targets)
+        del state.token_ids[-len(drafts) :]
+        state.token_ids.extend(run)
+        state.num_computed_tokens = start + len(run)
+        state.drafts = None
+        result.spec_handles.append(state.handle)
+        result.spec_counts.append(len(run))
+        result.spec_num_drafts.append(len(drafts))
+        result.spec_token_ids.extend(run)
 
     def submit(self, batch: step_pb2.StepBatch) -> PendingStep:
         """Runs the step at once, in submission order; its outcome (a WorkerGroupError too) waits for result()."""

@@ -48,6 +48,8 @@ class EngineMachine(RuleBasedStateMachine):
         async_scheduling=st.booleans(),
         # A model whose every layer slides: blocks that leave the window go back to the pool mid-sequence.
         sliding_window=st.one_of(st.none(), st.integers(min_value=1, max_value=13)),
+        # Speculative decoding's lookahead (0: off): drafts kept whole, in part or not at all, their KV left behind.
+        speculate=st.sampled_from([0, 0, 1, 3]),
     )
     def start(
         self,
@@ -57,6 +59,7 @@ class EngineMachine(RuleBasedStateMachine):
         max_sessions: int,
         async_scheduling: bool,
         sliding_window: int | None,
+        speculate: int,
     ) -> None:
         self.workers = FakeKVWorkers(num_blocks, BLOCK_SIZE, VOCAB, sliding_window=sliding_window)
         config = EngineConfig(
@@ -68,6 +71,7 @@ class EngineMachine(RuleBasedStateMachine):
                 session_idle_timeout_s=100.0,
                 async_scheduling=async_scheduling,
             ),
+            speculative_config={"method": "ngram", "num_speculative_tokens": speculate} if speculate else None,
         )
         self.engine = EngineCore(
             config, self.workers, MAX_MODEL_LEN, VOCAB, eos_token_ids=[EOS], sliding_window=sliding_window
@@ -241,7 +245,9 @@ class EngineMachine(RuleBasedStateMachine):
             worker, head = state.token_ids, request.all_token_ids
             common = min(len(worker), len(head))
             assert worker[:common] == head[:common], f"{request.request_id}: the ranks hold other tokens"
-            assert len(worker) <= len(head) + request.num_pending_samples
+            # A speculating step in flight may leave the ranks a whole run ahead.
+            ahead = request.num_pending_samples * (1 + self.engine.scheduler.spec_lookahead)
+            assert len(worker) <= len(head) + ahead
 
     def teardown(self) -> None:
         """Every request finishes once clients end their sessions and the engine runs; nothing leaks."""

@@ -138,6 +138,7 @@ def run_pagerail(llm, requests: list[BenchRequest]) -> dict[str, Any]:
         "contiguous_seqs_at_max_model_len": kv_slots // engine.max_model_len,
         "contiguous_seqs_at_longest_request": kv_slots // longest,
         "decode_step": _typical_decode_step(decode_steps),
+        **_speculation_figures(engine),
         # Triton variants compiled by the end of the run, and inside the timed part (each one seconds on a GPU).
         "kernel_variants": variants,
         "kernel_variants_compiled_in_run": {name: count - variants_before[name] for name, count in variants.items()},
@@ -342,3 +343,21 @@ def _run_json_schema(args: argparse.Namespace) -> int:
         llm.shutdown()
     print(json.dumps(report, indent=2) if args.json else structured.format_structured_report(report))
     return 0
+
+
+def _speculation_figures(engine) -> dict:
+    """Speculative decoding's totals for the run, when it was on."""
+    policy = engine.speculation
+    if not policy.enabled:
+        return {}
+    return {
+        "speculation": {
+            "drafts": policy.num_drafts,
+            "draft_tokens": policy.num_draft_tokens,
+            "accepted_tokens": policy.num_accepted_tokens,
+            "acceptance_rate": policy.num_accepted_tokens / policy.num_draft_tokens if policy.num_draft_tokens else 0.0,
+            "mean_acceptance_length": policy.mean_acceptance_length,
+            "accepted_per_position": list(policy.accepted_per_position),
+            "backoff_steps": policy.num_backoff_steps,
+        }
+    }

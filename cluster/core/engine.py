@@ -261,6 +261,7 @@ class EngineCore:
             lookahead = sum(item.lookahead for item in step.out.scheduled)
             rows = step.out.num_batched_tokens - lookahead + drafted
             self.speculation.observe_step(rows, result.compute_seconds, spec_runs)
+            self.metrics.observe_speculation(self.speculation, spec_runs)
         changed = self.scheduler.update_from_output(
             step.out, sampled, frozenset(result.constraint_done), logprobs, spec_runs
         )

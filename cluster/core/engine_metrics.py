@@ -96,6 +96,16 @@ class EngineMetrics:
             ("model_name", "weight_format", "kv_cache_dtype"),
             registry=self.registry,
         )
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculating decodes that proposed drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens the target model kept.")
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Draft tokens kept, by position in the draft.", ("position",)
+        )
+        self.spec_backed_off = gauge(
+            "spec_decode_backed_off", "1 while speculation is off because verifying would cost more than it saves."
+        )
+        self.spec_backoff_steps = counter("spec_decode_backoff_steps", "Steps run without speculation by back-off.")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
@@ -118,6 +128,22 @@ class EngineMetrics:
         self._seen_prefix = (0, 0)
         self._seen_restarts = 0
         self._moe_bytes = self.moe_collective_bytes.labels(name)
+
+    def observe_speculation(self, policy, runs: dict) -> None:
+        """A step's speculation: what its speculating decodes proposed and kept, and whether it backed off."""
+        name = self._name_label[0]
+        self.spec_backed_off.labels(name).set(1.0 if policy.backed_off else 0.0)
+        if policy.backed_off:
+            self.spec_backoff_steps.labels(name).inc()
+        if not runs:
+            return
+        self.spec_drafts.labels(name).inc(len(runs))
+        self.spec_draft_tokens.labels(name).inc(sum(run.num_drafts for run in runs.values()))
+        kept = [len(run.tokens) - 1 for run in runs.values()]
+        self.spec_accepted.labels(name).inc(sum(kept))
+        for count in kept:
+            for position in range(count):
+                self.spec_accepted_per_pos.labels(name, str(position)).inc()
 
     def observe_weights(self, weights: dict | None) -> None:
         """The ranks' weight format and bytes, as they reported them when they started."""

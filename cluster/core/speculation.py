@@ -94,7 +94,17 @@ class SpeculationPolicy:
     estimates: _Estimates = field(default_factory=_Estimates)
     backed_off: bool = False
     num_backoff_steps: int = 0
+    # Totals since start: speculating request-steps with drafts, drafts proposed, drafts kept, kept per position.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
     _since_probe: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a speculating decode emits on average (kept drafts + 1): vLLM's mean acceptance length."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
     @property
     def enabled(self) -> bool:
@@ -155,3 +165,12 @@ class SpeculationPolicy:
             drafts = sum(run.num_drafts for run in runs.values())
             kept = sum(len(run.tokens) - 1 for run in runs.values())
             self.estimates.add_runs(drafts, kept, len(runs))
+            self.num_drafts += len(runs)
+            self.num_draft_tokens += drafts
+            self.num_accepted_tokens += kept
+            per_position = self.accepted_per_position
+            for run in runs.values():
+                if len(per_position) < run.num_drafts:
+                    per_position.extend([0] * (run.num_drafts - len(per_position)))
+                for position in range(len(run.tokens) - 1):
+                    per_position[position] += 1
