@@ -118,3 +118,27 @@ def test_speculative_tokens_follow_the_target_distribution(row: SamplingRow) -> 
     # The test has the power to see a wrong rule: resampling from p instead of the residual over-emits the draft.
     wrong_first, _ = _emitted("wrong", row, logits, [draft], seed=1)
     assert _chi_square_p_value(wrong_first, p0) < 1e-6
+
+
+def test_a_speculating_chunk_samples_every_row_beside_decodes_that_do_not_sample() -> None:
+    """A decode that samples nothing (a one-token input chunk) next to a speculating chunk whose extra rows make
+    the sample count equal the request count: the decodes' sampled rows must still be looked up one by one."""
+    from proto import step_pb2
+    from worker.attention_backends.settings import AttentionSettings
+    from worker.input_buffers import InputBuffers
+    from worker.request_state import RequestState
+    from worker.step_inputs import prepare_step
+
+    def state(handle: int, skip: bool, drafts: list[int] | None) -> RequestState:
+        tokens = [handle * 10 + i for i in range(5)] + (drafts or [])
+        return RequestState(
+            handle, tokens, 3, step_pb2.SamplingParams(), [handle], 4, None, 1 + len(drafts or []), skip,
+            drafts=drafts,
+        )  # fmt: skip
+
+    states = [state(1, True, None), state(2, False, None), state(3, False, [77])]
+    buffers = InputBuffers(8, torch.device("cpu"), max_num_tokens=16, max_num_seqs=4, max_blocks_per_seq=2)
+    flat = prepare_step(buffers, AttentionSettings("native", 0, None), states)
+    assert [s.handle for s in flat.sample_states] == [2, 3]
+    assert flat.sample_rows.tolist() == [1, 2, 3]
+    assert flat.input_ids.tolist() == [14, 24, 34, 77]

@@ -88,7 +88,7 @@ class InputBuffers(PersistentBlockTable):
         num_samples = len(sample_states) + (sum(len(s.drafts) for s in prefills if s.drafts) if prefills else 0)
         # The decodes' sampled rows; a prefill's is known once its span is laid out. None: every decode samples.
         decode_samples = None
-        if num_samples != len(ordered):
+        if len(sample_states) != len(ordered):
             decode_samples = [index for index, state in enumerate(decodes) if not state.skip_sampling]
         writes = self.sync_rows(ordered, rows) if -1 in rows else _NO_WRITES
 

@@ -1,0 +1,164 @@
+"""Speculative decoding through the engine on tiny random models: the same tokens as decoding without it (greedy,
+seeded sampling, logprobs, stops and max_tokens inside a kept run, preemption and chunked prefill), the per-request
+opt-out, the back-off, and the refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster import LLM
+from cluster.core.sampling_params import SamplingParams
+from cluster.core.speculation import WARMUP_STEPS, SpeculationPolicy
+from common.speculative_config import SpeculativeConfig
+from tests.tiny_models import make_tiny_model
+
+# A batch-size threshold far above these batches keeps the back-off (which reads step times) out of the way, so a
+# run schedules the same steps every time.
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "disable_by_batch_size": 1000,
+}
+
+
+def _prompts(count: int) -> list[list[int]]:
+    """Mixed lengths (3 to 70 tokens), most of them repeating themselves, so lookups find something to propose."""
+    prompts = []
+    for i in range(count):
+        motif = [3 + (i * 7 + j * 11) % 240 for j in range(2 + i % 5)]
+        prompts.append((motif * (1 + (i * 5) % 14))[: 3 + (i * 13) % 68] if i % 4 else list(range(10 + i, 40 + i)))
+    return prompts
+
+
+def _params(i: int, stop: tuple[int, ...] = ()) -> SamplingParams:
+    # max_tokens from 1 to 40, so many runs end on it.
+    return SamplingParams(temperature=0.0, max_tokens=1 + (i * 7) % 40, stop_token_ids=stop, ignore_eos=True)
+
+
+def _run(model_dir: Path, speculative: dict | None, prompts, params, **engine) -> tuple[list, LLM]:
+    llm = LLM(str(model_dir), speculative_config=speculative, **engine)
+    outputs = llm.generate(prompts, params)
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs) for o in outputs], llm
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("spec") / "llama")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_greedy_tokens_equal_decoding_without_speculation(kind: str, tmp_path: Path) -> None:
+    model_dir = make_tiny_model(kind, tmp_path / kind)
+    prompts = _prompts(32)
+    # A tight cache and a small token budget: chunked prefill and preemption on the way.
+    tight = dict(block_size=4, num_gpu_blocks=36, max_num_batched_tokens=24)
+    params = [_params(i) for i in range(32)]
+    plain, base = _run(model_dir, None, prompts, params, **tight)
+    speculated, llm = _run(model_dir, NGRAM, prompts, params, **tight)
+    base.shutdown()
+    policy, stats = llm.engine.speculation, llm.engine.scheduler.stats
+    llm.shutdown()
+    assert speculated == plain
+    assert policy.num_accepted_tokens > 0 and policy.num_draft_tokens > policy.num_accepted_tokens
+    assert stats.num_preemptions > 0 and stats.num_mixed_steps > 0
+
+    # With stop tokens (each request stops on its 6th free token, when it has one) the outputs agree as well.
+    params = [_params(i, (plain[i][0][5],) if len(plain[i][0]) > 8 else ()) for i in range(32)]
+    stopped, base = _run(model_dir, None, prompts, params, **tight)
+    speculated, llm = _run(model_dir, NGRAM, prompts, params, **tight)
+    base.shutdown()
+    llm.shutdown()
+    assert speculated == stopped and sum(reason == "stop" for _, reason, _ in stopped) >= 5
+
+
+def test_a_stop_token_inside_a_kept_run_drops_the_tokens_after_it() -> None:
+    """The head appends a run token by token: a stop token or max_tokens inside it ends the request there, the
+    rest of the run is dropped, and the request's blocks go back to the pool."""
+    from cluster.core.block_table import BlockTable
+    from cluster.core.request import Request
+    from cluster.core.scheduler import Scheduler
+    from cluster.core.speculation import SpecRun
+    from common.engine_config import SchedulerConfig
+
+    # A stop token second in a run of five; max_tokens=4 making room for two drafts, all three tokens kept.
+    cases = ((frozenset({6}), 10, [5, 6, 7, 8, 9], [5, 6], "stop"), (frozenset(), 4, [5, 6, 7], [5, 6, 7], "length"))
+    for stop, max_tokens, run, kept, status in cases:
+        table = BlockTable(16, 4)
+        scheduler = Scheduler(SchedulerConfig(), table, 64)
+        request = Request("r", 1, [1, 2, 3], SamplingParams(), max_tokens, stop)
+        request.speculative = True
+        scheduler.add_request(request)
+        out = scheduler.schedule()  # the prefill
+        scheduler.update_from_output(out, {1: 4})
+        scheduler.spec_lookahead = 4
+        out = scheduler.schedule()
+        (item,) = out.scheduled
+        assert item.lookahead == len(run) - 1 and request.spec_in_flight
+        scheduler.update_from_output(out, {}, spec_runs={1: SpecRun(run, len(run) - 1)})
+        assert request.output_token_ids == [4, *kept] and request.status.value == status
+        assert table.num_free_blocks == table.num_blocks and not request.spec_in_flight
+
+
+def test_seeded_sampling_and_logprobs_equal_decoding_without_speculation(llama_dir: Path) -> None:
+    prompts = _prompts(12)
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, max_tokens=24, ignore_eos=True, logprobs=2)
+        for i in range(12)
+    ]
+    plain, base = _run(llama_dir, None, prompts, params, block_size=4, num_gpu_blocks=256)
+    speculated, llm = _run(llama_dir, NGRAM, prompts, params, block_size=4, num_gpu_blocks=256)
+    accepted = llm.engine.speculation.num_accepted_tokens
+    base.shutdown()
+    llm.shutdown()
+    assert accepted > 0
+    for (ours, reason, our_logprobs), (theirs, their_reason, their_logprobs) in zip(speculated, plain, strict=True):
+        assert ours == theirs and reason == their_reason
+        for mine, other in zip(our_logprobs, their_logprobs, strict=True):
+            assert mine.keys() == other.keys()
+            assert all(abs(mine[t] - other[t]) < 1e-4 for t in mine)
+
+
+def test_a_request_may_turn_speculation_off(llama_dir: Path) -> None:
+    prompts = _prompts(4)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, speculative=False)
+    llm = LLM(str(llama_dir), speculative_config=NGRAM, block_size=4, num_gpu_blocks=128)
+    llm.generate(prompts, params)
+    drafts = llm.engine.speculation.num_drafts
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    assert drafts == 0 and llm.engine.speculation.num_drafts > 0
+    llm.shutdown()
+
+
+def test_speculation_backs_off_at_a_batch_size_and_says_so(llama_dir: Path) -> None:
+    config = {**NGRAM, "disable_by_batch_size": 4}
+    llm = LLM(str(llama_dir), speculative_config=config, block_size=4, num_gpu_blocks=512, max_num_seqs=16)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm.generate(_prompts(12), params)
+    policy = llm.engine.speculation
+    assert policy.num_backoff_steps > 0
+    text = llm.engine.metrics.render(llm.engine).decode()
+    llm.shutdown()
+    line = next(line for line in text.splitlines() if line.startswith("pagerail_spec_decode_backoff_steps_total{"))
+    assert float(line.rsplit(" ", 1)[1]) == policy.num_backoff_steps
+
+
+def test_the_step_time_line_decides_the_crossover() -> None:
+    """With steps costing 10 ms fixed plus 1 ms per row, and 4 drafts of which 2 are kept, speculating pays while
+    3·(10 + n) > 10 + 5n, that is below n = 10 decodes, and the policy turns it off above (probing now and then)."""
+    policy = SpeculationPolicy(SpeculativeConfig("ngram", 4))
+    for rows in (1, 5, 20, 40, 80, 3, 60, 9) * 2:
+        policy.estimates.add_step(rows, 0.010 + 0.001 * rows)
+    policy.estimates.add_runs(drafts=40, kept=20, requests=10)
+    assert policy.estimates.steps >= WARMUP_STEPS
+    assert policy.lookahead(2) == 4 and policy.lookahead(9) == 4
+    assert policy.lookahead(12) == 0 and policy.backed_off
+    assert [policy.lookahead(40) for _ in range(40)].count(4) == 1  # one probe in PROBE_EVERY steps
+
+
+def test_methods_the_ranks_cannot_serve_yet_are_refused_at_start(llama_dir: Path) -> None:
+    with pytest.raises(Exception, match="not served by the ranks yet"):
+        LLM(str(llama_dir), speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": "x"})
