@@ -108,10 +108,10 @@ stage gpu-tests 155 "$PYTHON" -m pytest -q -p no:cacheprovider tests/gpu -o addo
 stage parity 80 "$PYTHON" bench/gpu_parity.py --device "$DEVICE" --dtype "$DTYPE" "${parity_shape[@]}" \
   --json "$OUT/parity.json"
 throughput=(env PYTHON="$PYTHON" OUT="$OUT" DRY_RUN="$DRY_RUN" MODEL_DIR="$WORK/model")
-stage "throughput small graphs" 70 "${throughput[@]}" WORKLOADS=small MODES=graphs bench/gpu.sh
-stage "throughput small eager" 45 "${throughput[@]}" WORKLOADS=small MODES=eager bench/gpu.sh
-stage "throughput long graphs" 60 "${throughput[@]}" WORKLOADS=long MODES=graphs bench/gpu.sh
-stage "throughput long eager" 45 "${throughput[@]}" WORKLOADS=long MODES=eager bench/gpu.sh
+stage "throughput small graphs" 70 "${throughput[@]}" WORKLOADS=small MODES=graphs WEIGHTS=bf16 bench/gpu.sh
+stage "throughput small eager" 45 "${throughput[@]}" WORKLOADS=small MODES=eager WEIGHTS=bf16 bench/gpu.sh
+stage "throughput long graphs" 60 "${throughput[@]}" WORKLOADS=long MODES=graphs WEIGHTS=bf16 bench/gpu.sh
+stage "throughput long eager" 45 "${throughput[@]}" WORKLOADS=long MODES=eager WEIGHTS=bf16 bench/gpu.sh
 stage summary 10 "$PYTHON" bench/gpu_summary.py "$OUT" "$STAGES" 10
 
 cut -f2 "$STAGES" | grep -qvx pass && exit 1 || exit 0

@@ -160,7 +160,7 @@ def target_lines(runs: dict[str, dict], batch16: float | None) -> list[str]:
     lines = ["targets (issue 13, one H200, Llama-3.1-8B shape, bf16):" + ("" if cuda else " not judged off a GPU")]
     if not cuda:
         return lines
-    small = next((r for name, r in runs.items() if name == "1000x128x128-graphs"), None)
+    small = next((r for name, r in runs.items() if name in ("1000x128x128-bf16-graphs", "1000x128x128-graphs")), None)
     step = (small or {}).get("pagerail", {}).get("decode_step") or {}
     bound = step["seconds"] / step["memory_bound_seconds"] if step.get("memory_bound_seconds") else None
     rate = small["pagerail"]["output_tokens_per_s"] if small else None

@@ -119,10 +119,10 @@ def test_graphs_vs_eager_verdicts():
 
 
 EXPECTED_FILES = [
-    "16x16x16-eager.json",
-    "16x16x16-graphs.json",
-    "4x64x64-eager.json",
-    "4x64x64-graphs.json",
+    "16x16x16-bf16-eager.json",
+    "16x16x16-bf16-graphs.json",
+    "4x64x64-bf16-eager.json",
+    "4x64x64-bf16-graphs.json",
     "check.log",
     "gpu-tests.xml",
     "parity.json",
@@ -153,8 +153,8 @@ def test_gpu_check_dry_run_writes_every_file_within_its_budget(tmp_path):
     assert len(limits) == 8 and sum(limits) <= 480 and "limits add up to 480 s" in summary
     assert summary.count(": pass in ") == 7
     assert "tests/gpu: 0 passed, 0 failed, 0 errors" in summary  # collected, and skipped without CUDA
-    assert "graphs vs eager 3/3 identical" in summary and "16x16x16: graphs" in summary
-    assert "_paged_mixed_kernel: 16x16x16-graphs 0" in summary
+    assert "graphs vs eager 3/3 identical" in summary and "16x16x16-bf16: graphs" in summary
+    assert "_paged_mixed_kernel: 16x16x16-bf16-graphs 0" in summary
     assert "not judged off a GPU" in summary
     log = (out / "check.log").read_text()
     assert "engine imports: ok" in log and "gcc:" in log and "present here: none" in log
@@ -165,7 +165,7 @@ def test_gpu_check_dry_run_writes_every_file_within_its_budget(tmp_path):
     assert model["transformers_float32"]["identical_to_fp32"] == 3 and model["eager"]["passed"] == 3
     assert all(p["diverges"] == 8 for p in model["eager"]["prompts"])
     assert model["eager"]["graph_steps"]["replayed"] == 0 and model["eager"]["graph_steps"]["eager"] > 0
-    throughput = json.loads((out / "16x16x16-graphs.json").read_text())["pagerail"]
+    throughput = json.loads((out / "16x16x16-bf16-graphs.json").read_text())["pagerail"]
     assert throughput["graph_steps"]["replayed"] == 0 and set(throughput["kernel_variants"]) >= {"_rms_norm_kernel"}
 
 
