@@ -44,13 +44,14 @@ def test_completion_maps_every_sampling_field() -> None:
         max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=3, n=2, stop="###",
         stop_token_ids=[5, 6], presence_penalty=0.1, frequency_penalty=-0.2, repetition_penalty=1.1, logprobs=3,
         ignore_eos=True, include_stop_str_in_output=True, min_tokens=2, skip_special_tokens=False, user="u",
+        speculative=False,
     )  # fmt: skip
     params = request.to_sampling_params(default_max_tokens=100)
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.min_p) == (7, 0.5, 0.9, 40, 0.05)
     assert (params.seed, params.n, params.stop, params.stop_token_ids) == (3, 2, ("###",), (5, 6))
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.1, -0.2, 1.1)
     assert (params.logprobs, params.ignore_eos, params.include_stop_str_in_output) == (3, True, True)
-    assert (params.min_tokens, params.skip_special_tokens) == (2, False)
+    assert (params.min_tokens, params.skip_special_tokens, params.speculative) == (2, False, False)
 
 
 def test_defaults_and_explicit_nulls() -> None:

@@ -30,6 +30,7 @@ MAX_STOP_LENGTH = 256
 _PASSED_THROUGH = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+    "speculative",
 )  # fmt: skip
 
 
@@ -66,6 +67,8 @@ class _SamplingRequest(ConstrainedOutputFields):
     include_stop_str_in_output: bool | None = False
     min_tokens: int | None = None
     skip_special_tokens: bool | None = True
+    # False keeps the request out of speculative decoding, where the server has it on.
+    speculative: bool | None = True
     user: str | None = None
     logit_bias: dict[str, float] | None = None
 
