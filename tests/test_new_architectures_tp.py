@@ -74,3 +74,26 @@ def test_tp2_matches_transformers(local_ray, kind, expert_parallel, tmp_path):
     row = config.hidden_size * 4 * config.num_hidden_layers
     moe_bytes = _moe_bytes(metrics)
     assert moe_bytes >= row * NEW_TOKENS * len(PROMPTS) and moe_bytes % row == 0
+
+
+def test_tp2_speculative_decoding_matches_transformers(local_ray, tmp_path):
+    """n-gram speculation at tensor parallel size 2, with steps overlapped (Ray ranks schedule ahead): both ranks
+    propose the same drafts from their own tokens and keep what rank 0's verification kept."""
+    model_dir = make_tiny_model("llama", tmp_path / "llama")
+    speculative = {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+        "disable_by_batch_size": 1000,
+    }
+    llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=128, tensor_parallel_size=2, speculative_config=speculative)
+    try:
+        ours = engine_greedy(llm, PROMPTS, NEW_TOKENS)
+        metrics = ray.get(llm._cluster.heads[0].metrics.remote())
+    finally:
+        llm.shutdown()
+    report = compare(ours, reference_greedy(model_dir, PROMPTS, NEW_TOKENS))
+    assert report.identical == report.total, report.divergences
+    kept = [line for line in metrics.splitlines() if line.startswith("pagerail_spec_decode_num_accepted_tokens_total")]
+    assert kept and float(kept[0].rsplit(" ", 1)[1]) > 0
