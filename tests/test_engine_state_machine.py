@@ -246,8 +246,7 @@ class EngineMachine(RuleBasedStateMachine):
             common = min(len(worker), len(head))
             assert worker[:common] == head[:common], f"{request.request_id}: the ranks hold other tokens"
             # A speculating step in flight may leave the ranks a whole run ahead.
-            ahead = request.num_pending_samples * (1 + self.engine.scheduler.spec_lookahead)
-            assert len(worker) <= len(head) + ahead
+            assert len(worker) <= len(head) + request.num_pending_samples + request.spec_in_flight
 
     def teardown(self) -> None:
         """Every request finishes once clients end their sessions and the engine runs; nothing leaks."""

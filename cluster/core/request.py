@@ -70,8 +70,9 @@ class Request:
     needs_resync: bool = False
     # Speculative decoding may propose drafts for it (no output constraint, no penalties, no open input).
     speculative: bool = False
-    # A speculating step of it is in flight: nothing more is scheduled for it until that step answers.
-    spec_in_flight: bool = False
+    # The lookahead of its speculating step in flight (0: none): the most drafts that step may still add, which the
+    # blocks of any step scheduled after it must cover.
+    spec_in_flight: int = 0
     # W3C carrier (traceparent, tracestate) of the frontend's request span; the step spans link to it.
     trace_context: dict[str, str] | None = None
     # The scheduler's plain-decode item for this request and epoch, handed out again every step it decodes

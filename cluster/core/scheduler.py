@@ -99,7 +99,7 @@ class Scheduler:
             request.num_pending_samples = 0  # the steps in flight are abandoned, their tokens never come
             request.epoch += 1
             request.needs_resync = False
-            request.spec_in_flight = False
+            request.spec_in_flight = 0
         self.block_table.reset()
         self._finished_handles.clear()
 
@@ -149,8 +149,8 @@ class Scheduler:
         for request in running:
             if budget <= 0:
                 break
-            if request.spec_in_flight:
-                continue  # how many tokens its speculating step emits is known only once it answers
+            # Drafts a speculating step in flight may still add: where it ends is known only once it answers.
+            extra = request.spec_in_flight
             position = request.num_computed_tokens + request.num_inflight_tokens
             pending = request.num_pending_samples
             expected = len(request.all_token_ids) + pending
@@ -159,13 +159,17 @@ class Scheduler:
                 num_new = budget
             if num_new <= 0 or (pending and ends_in_flight(request, max_model_len)):
                 continue
+            if extra and not follows_run(request, num_new, extra, position, max_model_len):
+                continue
             lookahead = 0
-            if spec_lookahead and num_new == 1 and request.speculative and not pending and not request.needs_resync:
+            if spec_lookahead and num_new == 1 and request.speculative and not extra and not request.needs_resync:
                 lookahead = speculation_room(request, spec_lookahead, budget - 1, max_model_len - position - 1)
-            if position + num_new + lookahead <= slots_owned.get(request.request_id, 0):
+            # Slots for this step's tokens, its drafts, and the drafts a step in flight may have kept before it.
+            reach = num_new + lookahead + extra
+            if position + reach <= slots_owned.get(request.request_id, 0):
                 new_blocks = no_new_blocks  # read-only: consumers never change an item's block list
             else:
-                new_blocks = self._allocate_or_preempt(request, num_new + lookahead, out)
+                new_blocks = self._allocate_or_preempt(request, reach, out)
                 if new_blocks is None:
                     break  # the request itself was preempted: it was the last running one
             if lookahead:
@@ -173,8 +177,8 @@ class Scheduler:
                 item = ScheduledRequest(request, 1, new_blocks, epoch=request.epoch, lookahead=lookahead)
                 scheduled.append(item)
                 request.num_inflight_tokens += 1
-                request.num_pending_samples = 1
-                request.spec_in_flight = True
+                request.num_pending_samples = pending + 1
+                request.spec_in_flight = lookahead
                 budget -= 1 + lookahead
                 continue
             skip = position + num_new != expected or request.input_open
@@ -397,8 +401,20 @@ class Scheduler:
 
 def speculation_room(request: Request, lookahead: int, budget: int, context_room: int) -> int:
     """Drafts a decode of `request` may verify: at most `lookahead`, within the step's remaining token budget, the
-    context limit and what max_tokens leaves after its next token."""
+    context limit and what max_tokens leaves after its next token (and the tokens of its steps in flight)."""
     room = min(lookahead, budget, context_room)
     if request.max_tokens is not None:
-        room = min(room, request.max_tokens - len(request.output_token_ids) - 1)
+        room = min(room, request.max_tokens - len(request.output_token_ids) - request.num_pending_samples - 1)
     return max(room, 0)
+
+
+def follows_run(request: Request, num_new: int, extra: int, position: int, max_model_len: int) -> bool:
+    """May a plain decode follow a speculating step still in flight? Only a one-token decode, and only when even
+    the longest run that step may keep leaves room for it under max_tokens and the context limit (the ranks
+    place it after whatever the run kept; the head learns where when the run's answer comes)."""
+    if num_new != 1 or request.needs_resync or request.input_open:
+        return False
+    if position + extra + 1 > max_model_len:
+        return False
+    outputs = len(request.output_token_ids) + request.num_pending_samples + extra
+    return request.max_tokens is None or outputs < request.max_tokens

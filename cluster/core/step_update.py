@@ -33,7 +33,7 @@ def apply_step_output(
     for item in out.scheduled:
         request = item.request
         if item.lookahead:
-            request.spec_in_flight = False
+            request.spec_in_flight = 0
         if request.status is not running and request.finished:
             continue
         if item.lookahead and spec_runs and request.handle in spec_runs:
