@@ -162,3 +162,40 @@ def test_the_step_time_line_decides_the_crossover() -> None:
 def test_methods_the_ranks_cannot_serve_yet_are_refused_at_start(llama_dir: Path) -> None:
     with pytest.raises(Exception, match="not served by the ranks yet"):
         LLM(str(llama_dir), speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": "x"})
+
+
+@pytest.mark.slow
+def test_the_embedded_model_gives_the_same_text_with_and_without_speculation(smollm2_dir: Path) -> None:
+    """32 chat prompts, half of them asking for a text back (n-gram lookups find it), some with stop strings that
+    fall inside what is copied: identical tokens and text, and speculation kept drafts."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from compare_speculation import TEXTS
+
+    questions = ["What is the capital of France?", "Name three primary colors.", "Explain what a CPU does."]
+    messages = [
+        f"Copy this text exactly:\n\n{TEXTS[i % len(TEXTS)]}" if i % 2 == 0 else questions[i % len(questions)]
+        for i in range(32)
+    ]
+    runs = {}
+    for name, speculative in (("off", None), ("ngram", NGRAM)):
+        with LLM(str(smollm2_dir), num_gpu_blocks=1024, speculative_config=speculative) as llm:
+            prompts = [
+                llm.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": m}], add_generation_prompt=True, tokenize=False
+                )
+                for m in messages
+            ]
+            params = [
+                SamplingParams(temperature=0.0, max_tokens=64, stop=["reading room", "password"] if i % 4 == 0 else [])
+                for i in range(32)
+            ]
+            outputs = llm.generate(prompts, params)
+            runs[name] = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs]
+            kept = llm.engine.speculation.num_accepted_tokens
+    assert runs["ngram"] == runs["off"]
+    assert kept > 100
+    # The stop strings cut the copies they occur in, runs of kept drafts included.
+    stopped = [text for _, text, reason in runs["ngram"][::4] if reason == "stop"]
+    assert len(stopped) >= 4 and not any("reading room" in t or "password" in t for t in stopped)
