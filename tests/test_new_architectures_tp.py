@@ -76,17 +76,17 @@ def test_tp2_matches_transformers(local_ray, kind, expert_parallel, tmp_path):
     assert moe_bytes >= row * NEW_TOKENS * len(PROMPTS) and moe_bytes % row == 0
 
 
-def test_tp2_speculative_decoding_matches_transformers(local_ray, tmp_path):
-    """n-gram speculation at tensor parallel size 2, with steps overlapped (Ray ranks schedule ahead): both ranks
-    propose the same drafts from their own tokens and keep what rank 0's verification kept."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tp2_speculative_decoding_matches_transformers(local_ray, method, tmp_path):
+    """Speculation at tensor parallel size 2, with steps overlapped (Ray ranks schedule ahead). n-gram: both ranks
+    propose the same drafts from their own tokens. A draft model (here the target itself, so every draft must be
+    kept) runs on rank 0, which broadcasts its drafts."""
     model_dir = make_tiny_model("llama", tmp_path / "llama")
-    speculative = {
-        "method": "ngram",
-        "num_speculative_tokens": 4,
-        "prompt_lookup_min": 1,
-        "prompt_lookup_max": 3,
-        "disable_by_batch_size": 1000,
-    }
+    speculative = {"method": method, "num_speculative_tokens": 4, "disable_by_batch_size": 1000}
+    if method == "ngram":
+        speculative.update(prompt_lookup_min=1, prompt_lookup_max=3)
+    else:
+        speculative["model"] = str(model_dir)
     llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=128, tensor_parallel_size=2, speculative_config=speculative)
     try:
         ours = engine_greedy(llm, PROMPTS, NEW_TOKENS)
@@ -95,5 +95,12 @@ def test_tp2_speculative_decoding_matches_transformers(local_ray, tmp_path):
         llm.shutdown()
     report = compare(ours, reference_greedy(model_dir, PROMPTS, NEW_TOKENS))
     assert report.identical == report.total, report.divergences
-    kept = [line for line in metrics.splitlines() if line.startswith("pagerail_spec_decode_num_accepted_tokens_total")]
-    assert kept and float(kept[0].rsplit(" ", 1)[1]) > 0
+
+    def total(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{"))
+
+    kept, drafted = (
+        total("pagerail_spec_decode_num_accepted_tokens_total"),
+        total("pagerail_spec_decode_num_draft_tokens_total"),
+    )
+    assert kept > 0 and (method == "ngram" or kept == drafted)

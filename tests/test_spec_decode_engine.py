@@ -161,7 +161,65 @@ def test_the_step_time_line_decides_the_crossover() -> None:
 
 def test_methods_the_ranks_cannot_serve_yet_are_refused_at_start(llama_dir: Path) -> None:
     with pytest.raises(Exception, match="not served by the ranks yet"):
-        LLM(str(llama_dir), speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": "x"})
+        LLM(str(llama_dir), speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": "x"})
+
+
+def test_a_draft_model_equal_to_the_target_has_every_draft_kept(llama_dir: Path) -> None:
+    """The target as its own draft proposes exactly what verification samples: any stale or misplaced draft KV
+    (catch-up after preemption, prefix-cache hits, lookahead slots, kept-run bookkeeping) would show as a
+    rejected draft. Under a tight cache with preemption every draft is kept and the tokens are unchanged."""
+    prompts = _prompts(24)
+    params = [_params(i) for i in range(24)]
+    tight = dict(block_size=4, num_gpu_blocks=40, max_num_batched_tokens=24)
+    draft = {
+        "method": "draft_model",
+        "model": str(llama_dir),
+        "num_speculative_tokens": 3,
+        "disable_by_batch_size": 1000,
+    }
+    plain, base = _run(llama_dir, None, prompts, params, **tight)
+    base.shutdown()
+    speculated, llm = _run(llama_dir, draft, prompts, params, **tight)
+    policy, stats = llm.engine.speculation, llm.engine.scheduler.stats
+    llm.shutdown()
+    assert speculated == plain
+    assert policy.num_draft_tokens > 100 and policy.num_accepted_tokens == policy.num_draft_tokens
+    assert stats.num_preemptions > 0
+
+
+def test_a_small_draft_model_keeps_outputs_exact(llama_dir: Path, tmp_path: Path) -> None:
+    small = make_tiny_model("llama", tmp_path / "small", seed=1, num_layers=1)
+    prompts, params = _prompts(12), [_params(i) for i in range(12)]
+    plain, base = _run(llama_dir, None, prompts, params, block_size=4, num_gpu_blocks=256)
+    base.shutdown()
+    draft = {"method": "draft_model", "model": str(small), "num_speculative_tokens": 2, "disable_by_batch_size": 1000}
+    speculated, llm = _run(llama_dir, draft, prompts, params, block_size=4, num_gpu_blocks=256)
+    drafted = llm.engine.speculation.num_draft_tokens
+    llm.shutdown()
+    assert speculated == plain and drafted > 0
+
+
+def test_a_draft_with_another_vocabulary_or_tokenizer_is_refused(llama_dir: Path, tmp_path: Path) -> None:
+    other = make_tiny_model("llama", tmp_path / "other", vocab_size=300)
+    with pytest.raises(Exception, match=r"speculative_config.model has vocab_size=300, the target model 250"):
+        LLM(
+            str(llama_dir),
+            speculative_config={"method": "draft_model", "model": str(other), "num_speculative_tokens": 2},
+        )
+    import shutil
+
+    target, draft = tmp_path / "target", tmp_path / "draft"
+    shutil.copytree(llama_dir, target)
+    shutil.copytree(llama_dir, draft)
+    (target / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0}}}')
+    (draft / "tokenizer.json").write_text('{"model": {"vocab": {"b": 0}}}')
+    # The ranks' start-up check (the head would already fail to read this stand-in tokenizer).
+    from worker.model_loader import load_hf_config
+    from worker.spec_decode.draft_model import check_draft_config
+
+    with pytest.raises(ValueError, match=r"speculative_config.model has another tokenizer than the target model"):
+        check_draft_config(draft, load_hf_config(target), target)
+    check_draft_config(target, load_hf_config(target), target)  # the same tokenizer passes
 
 
 @pytest.mark.slow

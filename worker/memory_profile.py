@@ -259,6 +259,7 @@ def profile_kv_cache(
     gpu_memory_utilization: float,
     enforce_eager: bool,
     scratch_blocks: int = 1,
+    extra_bytes_per_block: int = 0,
 ) -> KvCacheProfile:
     """Run the worst steps against a temporary cache and size the real one from what is left. `dtype` is the KV
     cache's (the compute dtype, or fp8): both the temporary cache and the block size use it.
@@ -272,7 +273,8 @@ def profile_kv_cache(
     num_seqs = max(1, min(max_num_seqs, num_tokens))
     layers = model.attention_layers()
     num_layers, kv_heads, head_dim = model.num_layers, model.num_kv_heads_per_rank, model.head_dim
-    per_block = bytes_per_block(num_layers, kv_heads, head_dim, block_size, dtype)
+    # A draft model's KV shares the blocks (extra_bytes_per_block).
+    per_block = bytes_per_block(num_layers, kv_heads, head_dim, block_size, dtype) + extra_bytes_per_block
 
     probe.synchronize()
     probe.empty_cache()

@@ -7,7 +7,6 @@ import time
 
 import torch
 
-from common.speculative_config import SpeculativeConfig
 from common.telemetry import get_tracer, traced
 from proto import step_pb2
 from worker.attention_backends.settings import AttentionSettings
@@ -29,7 +28,6 @@ from worker.parallel_state import TensorParallelGroup
 from worker.penalty_state import PenaltyState
 from worker.request_state import RequestState, RequestStates, sampling_row
 from worker.sampler import Sampler, row_argmax
-from worker.spec_decode.proposer import make_proposer
 from worker.spec_decode.rows import row_offsets, row_states, split_runs, write_result
 from worker.step_inputs import prepare_step
 from worker.warmup import warmup_steps
@@ -71,7 +69,7 @@ class ModelRunner:
         max_capture_size: int | None = DEFAULT_MAX_CAPTURE_SIZE,
         graph_backend: GraphBackend | None = None,
         warm_up: bool | None = None,
-        speculative: SpeculativeConfig | None = None,
+        proposer=None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -109,7 +107,7 @@ class ModelRunner:
             max_blocks_per_seq=max_blocks_per_seq,
         )
         # Speculative decoding: proposes the drafts the head made room for; the requests that got some this step.
-        self.proposer = make_proposer(speculative)
+        self.proposer = proposer
         self._drafted: list[RequestState] = []
         self.num_replayed_steps = 0
         self.num_eager_steps = 0
@@ -279,6 +277,7 @@ class ModelRunner:
                 # KV is valid for the next token's row and every kept draft: as many positions as tokens emitted.
                 state.num_computed_tokens += len(run)
                 state.drafts = None
+                self.proposer.kept(state)
             else:
                 state.num_computed_tokens += state.num_scheduled_tokens
             state.token_ids.extend(run)
@@ -291,6 +290,8 @@ class ModelRunner:
     def _forget(self, state: RequestState) -> None:
         """A request left this worker: free its block-table row and its penalty row."""
         self.inputs.release(state)
+        if self.proposer is not None:
+            self.proposer.forget(state)
         if self.penalties is not None:
             self.penalties.release(state)
         if self.constraints is not None:

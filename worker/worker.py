@@ -18,6 +18,7 @@ from worker.memory_profile import KvCacheProfile, memory_probe, profile_kv_cache
 from worker.model_loader import load_model, resolve_model_dir
 from worker.model_runner import ModelRunner
 from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
+from worker.spec_decode.proposer import make_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,16 @@ class Worker:
         )
         engine = config.engine
         cache, scheduler = engine.cache, engine.scheduler
+        # Speculative decoding's proposer; a draft model is loaded now, before the cache is sized around it.
+        self.proposer = make_proposer(
+            engine.speculative_config,
+            tp=tp,
+            device=self.device,
+            dtype=self.dtype,
+            block_size=cache.block_size,
+            target=self.model,
+            target_dir=model_dir,
+        )
         max_model_len = scheduler.max_model_len or self.model.config.max_position_embeddings
         # Every number behind the cache size when a profiling forward chose it.
         self.kv_profile: KvCacheProfile | None = None
@@ -110,6 +121,8 @@ class Worker:
         )
         for layer, layer_cache in zip(self.model.attention_layers(), caches, strict=True):
             layer.kv_cache = layer_cache
+        if self.proposer is not None:
+            self.proposer.allocate(self.num_blocks + SCRATCH_BLOCKS)
         self.runner = ModelRunner(
             self.model,
             cache.block_size,
@@ -121,7 +134,7 @@ class Worker:
             tokenizer_dir=str(model_dir),
             enforce_eager=engine.enforce_eager,
             scratch_block=self.num_blocks,
-            speculative=engine.speculative_config,
+            proposer=self.proposer,
         )
         torch.manual_seed(engine.seed)
 
@@ -136,6 +149,8 @@ class Worker:
         per_block = bytes_per_block(
             model.num_layers, model.num_kv_heads_per_rank, model.head_dim, cache.block_size, self.kv_dtype
         )
+        if self.proposer is not None:
+            per_block += self.proposer.bytes_per_block()  # a draft model's KV shares the blocks
         probe = memory_probe(self.device) if cache.kv_cache_memory_bytes is None else None
         if probe is not None:
             self.kv_profile = profile = profile_kv_cache(
@@ -150,6 +165,7 @@ class Worker:
                 gpu_memory_utilization=cache.gpu_memory_utilization,
                 enforce_eager=engine.enforce_eager,
                 scratch_blocks=SCRATCH_BLOCKS,
+                extra_bytes_per_block=self.proposer.bytes_per_block() if self.proposer is not None else 0,
             )
             logger.info("rank %d: KV cache sized by a profiling forward: %s", self.tp.rank, profile.summary())
             return profile.num_blocks

@@ -31,11 +31,30 @@ class NgramProposer:
                 drafted.append(state)
         return drafted
 
+    def bytes_per_block(self) -> int:
+        return 0
 
-def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
-    """The proposer for `config`; None without speculation."""
+    def allocate(self, num_blocks: int) -> None:
+        """Nothing to allocate: lookups read the request's own tokens."""
+
+    def kept(self, state: RequestState) -> None:
+        """Nothing to update after verification."""
+
+    def forget(self, state: RequestState) -> None:
+        """Nothing is kept per request."""
+
+
+def make_proposer(config: SpeculativeConfig | None, **draft_args):
+    """The proposer for `config` (None without speculation); `draft_args` build a draft model's
+    (DraftModelProposer's arguments after the config)."""
     if config is None:
         return None
-    if config.method != "ngram":
-        raise ValueError(f"speculative_config.method={config.method!r} is not served by the ranks yet; use 'ngram'")
-    return NgramProposer(config)
+    if config.method == "ngram":
+        return NgramProposer(config)
+    if config.method == "draft_model":
+        from worker.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config, **draft_args)
+    raise ValueError(
+        f"speculative_config.method={config.method!r} is not served by the ranks yet; use 'ngram' or 'draft_model'"
+    )

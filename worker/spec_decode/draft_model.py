@@ -1,0 +1,180 @@
+"""Draft-model proposals: a small model sharing the target's tokenizer proposes k tokens by greedy decoding.
+
+The draft runs on rank 0 only, whole (no tensor parallelism), and every rank receives its drafts by one broadcast,
+so all ranks verify the same tokens. Its KV cache is its own tensor per layer but shares the target's slot space:
+a request's draft KV lives in the same blocks at the same positions, so blocks, preemption and the prefix cache
+need no second table. Draft KV can only make drafts worse, never outputs wrong: verification decides every token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from common.speculative_config import SpeculativeConfig
+from worker.attention_backends.settings import AttentionSettings
+from worker.input_buffers import InputBuffers
+from worker.kv_cache import allocate_kv_caches, bytes_per_block
+from worker.model_loader import load_hf_config, load_model, resolve_model_dir
+from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
+from worker.request_state import RequestState
+from worker.sampler import row_argmax
+from worker.step_inputs import prepare_step
+
+logger = logging.getLogger(__name__)
+
+
+def check_draft_config(draft_dir: Path, target_config, target_dir: Path | None) -> None:
+    """Refuse a draft whose vocabulary or tokenizer differs from the target's, naming the field."""
+    draft_config = load_hf_config(draft_dir)
+    if draft_config.vocab_size != target_config.vocab_size:
+        raise ValueError(
+            f"speculative_config.model has vocab_size={draft_config.vocab_size}, the target model "
+            f"{target_config.vocab_size}: a draft must share the target's vocabulary"
+        )
+    if target_dir is not None:
+        ours, theirs = _tokenizer_digest(draft_dir), _tokenizer_digest(target_dir)
+        if ours is not None and theirs is not None and ours != theirs:
+            raise ValueError(
+                "speculative_config.model has another tokenizer than the target model (tokenizer.json differs): "
+                "a draft must share the target's tokenizer"
+            )
+
+
+def _tokenizer_digest(model_dir: Path) -> str | None:
+    path = Path(model_dir) / "tokenizer.json"
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+class DraftModelProposer:
+    """Greedy drafts from a small model; `propose` runs on every rank (rank 0 drafts, the others receive)."""
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        tp: TensorParallelGroup,
+        device: torch.device,
+        dtype: torch.dtype,
+        block_size: int,
+        target: nn.Module,
+        target_dir: Path | None = None,
+    ) -> None:
+        self.tp = tp
+        self.device = device
+        self.model: nn.Module | None = None
+        self.k = config.num_speculative_tokens
+        # Per request on rank 0: the draft's own view (tokens, blocks, how far its KV is written).
+        self._states: dict[int, RequestState] = {}
+        if tp.rank != 0:
+            return
+        draft_dir = resolve_model_dir(config.model)
+        check_draft_config(draft_dir, target.config, target_dir)
+        self.model = load_model(draft_dir, SINGLE_RANK, dtype, device)
+        self.dtype, self.block_size = dtype, block_size
+        self.settings = AttentionSettings.for_model(self.model, device, dtype, block_size)
+        self.buffers = InputBuffers(block_size, device)
+        logger.info("rank 0: draft model %s loaded for speculative decoding", draft_dir)
+
+    def bytes_per_block(self) -> int:
+        """What the draft's KV adds to each block of this rank (0 off rank 0)."""
+        if self.model is None:
+            return 0
+        model = self.model
+        return bytes_per_block(
+            model.num_layers, model.num_kv_heads_per_rank, model.head_dim, self.block_size, self.dtype
+        )
+
+    def allocate(self, num_blocks: int) -> None:
+        """The draft's KV cache, in the target's slot space of `num_blocks` blocks."""
+        if self.model is None:
+            return
+        model = self.model
+        caches = allocate_kv_caches(
+            model.num_layers,
+            num_blocks,
+            self.block_size,
+            model.num_kv_heads_per_rank,
+            model.head_dim,
+            self.dtype,
+            self.device,
+        )
+        for layer, cache in zip(model.attention_layers(), caches, strict=True):
+            layer.kv_cache = cache
+
+    @torch.inference_mode()
+    def propose(self, scheduled: list[RequestState]) -> list[RequestState]:
+        """Drafts for every scheduled request with lookahead room, appended as NgramProposer appends them."""
+        wanted = [s for s in scheduled if s.num_lookahead and s.num_scheduled_tokens == 1]
+        if not wanted:
+            return []
+        drafts = self._draft(wanted) if self.model is not None else None
+        if self.tp.size > 1:
+            table = torch.full((len(wanted), self.k), -1, dtype=torch.long)
+            if drafts is not None:
+                for row, tokens in enumerate(drafts):
+                    table[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            table = self.tp.broadcast(table.to(self.device)).cpu()
+            drafts = [[t for t in row.tolist() if t >= 0] for row in table]
+        for state, tokens in zip(wanted, drafts, strict=True):
+            if tokens:
+                state.drafts = tokens
+                state.token_ids.extend(tokens)
+                state.num_scheduled_tokens = 1 + len(tokens)
+        return [state for state in wanted if state.drafts]
+
+    def _draft(self, wanted: list[RequestState]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in wanted]
+        active = []
+        for index, state in enumerate(wanted):
+            draft = self._sync(state)
+            active.append((index, draft, state.num_lookahead))
+        while active:
+            states = [draft for _, draft, _ in active]
+            flat = prepare_step(self.buffers, self.settings, states)
+            hidden = self.model(flat.input_ids, flat.positions, flat.attention)
+            tokens = row_argmax(self.model.compute_logits(hidden[flat.sample_rows]))
+            still = []
+            for (index, draft, room), token in zip(active, tokens, strict=True):
+                drafts[index].append(token)
+                draft.num_computed_tokens += draft.num_scheduled_tokens
+                draft.token_ids.append(token)
+                draft.num_scheduled_tokens = 1
+                if len(drafts[index]) < room:
+                    still.append((index, draft, room))
+            active = still
+        return drafts
+
+    def _sync(self, state: RequestState) -> RequestState:
+        """The draft's state for `state`, caught up with its tokens and blocks: the first draft step recomputes
+        whatever the draft's KV lacks, then samples after the last token."""
+        draft = self._states.get(state.handle)
+        if draft is None or draft.block_epoch != state.block_epoch or draft.block_ids != state.block_ids:
+            written = 0 if draft is None or draft.block_epoch != state.block_epoch else draft.num_computed_tokens
+            if draft is not None:
+                self.buffers.release(draft)
+            draft = RequestState(
+                state.handle, [], state.num_prompt_tokens, state.sampling, list(state.block_ids), written, None
+            )
+            draft.block_epoch = state.block_epoch
+            self._states[state.handle] = draft
+        position = state.num_computed_tokens
+        draft.token_ids = list(state.token_ids[: position + 1])
+        draft.num_computed_tokens = min(draft.num_computed_tokens, position)
+        draft.num_scheduled_tokens = position + 1 - draft.num_computed_tokens
+        draft.skip_sampling = False
+        return draft
+
+    def kept(self, state: RequestState) -> None:
+        """After verification: the draft's KV holds the request's tokens through the last kept draft."""
+        draft = self._states.get(state.handle)
+        if draft is not None:
+            draft.num_computed_tokens = min(draft.num_computed_tokens, state.num_computed_tokens)
+
+    def forget(self, state: RequestState) -> None:
+        draft = self._states.pop(state.handle, None)
+        if draft is not None and self.model is not None:
+            self.buffers.release(draft)
