@@ -35,13 +35,23 @@ TEXTS = (
     "and email alerts for new matches.",
 )
 TASKS = ("Copy this text exactly, word for word:", "Repeat the following text, changing nothing:")
+# Open questions: little of the answer repeats the prompt, so lookups find little (the back-off's case).
+QUESTIONS = (
+    "Why do cats purr?", "How do airplanes stay in the air?", "What makes a good breakfast?",
+    "Describe a rainy day in the city.", "What is the history of the bicycle?", "How do plants grow?",
+)  # fmt: skip
+WORKLOAD = {"workload": "copy"}
 
 
 def prompts(llm: LLM, count: int) -> list[str]:
-    """Copy-heavy chat prompts: each asks for one of TEXTS back, as editing and summarising often do."""
+    """Copy-heavy chat prompts: each asks for one of TEXTS back, as editing and summarising often do (or, with
+    --workload questions, open questions)."""
     out = []
     for i in range(count):
-        message = f"{TASKS[i % len(TASKS)]}\n\n{TEXTS[i % len(TEXTS)]}"
+        if WORKLOAD["workload"] == "questions":
+            message = QUESTIONS[i % len(QUESTIONS)]
+        else:
+            message = f"{TASKS[i % len(TASKS)]}\n\n{TEXTS[i % len(TEXTS)]}"
         chat = [{"role": "user", "content": message}]
         out.append(llm.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
     return out
@@ -58,8 +68,10 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--workload", choices=("copy", "questions"), default="copy")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    WORKLOAD["workload"] = args.workload
 
     speculative = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4}
     engines = {
@@ -67,7 +79,7 @@ def main() -> None:
         "ngram": LLM(args.model, num_gpu_blocks=4096, max_num_seqs=64, speculative_config=speculative),
     }
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    report: dict = {"speculative_config": speculative, "batches": {}}
+    report: dict = {"speculative_config": speculative, "workload": args.workload, "batches": {}}
     for llm in engines.values():
         llm.generate(prompts(llm, 2), SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
     for batch in args.batches:

@@ -168,8 +168,8 @@ def test_a_draft_model_equal_to_the_target_has_every_draft_kept(llama_dir: Path)
     """The target as its own draft proposes exactly what verification samples: any stale or misplaced draft KV
     (catch-up after preemption, prefix-cache hits, lookahead slots, kept-run bookkeeping) would show as a
     rejected draft. Under a tight cache with preemption every draft is kept and the tokens are unchanged."""
-    prompts = _prompts(24)
-    params = [_params(i) for i in range(24)]
+    prompts = _prompts(32)
+    params = [_params(i) for i in range(32)]
     tight = dict(block_size=4, num_gpu_blocks=40, max_num_batched_tokens=24)
     draft = {
         "method": "draft_model",
