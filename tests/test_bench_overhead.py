@@ -141,6 +141,7 @@ def test_rounds_alternate_ceiling_and_offline_runs(tmp_path, capsys):
     assert "--rounds must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # starts a server
 def test_serve_parts_stream_to_the_server_and_read_its_step_metrics(tmp_path, capsys, monkeypatch):
     commands = []
 

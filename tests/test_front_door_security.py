@@ -243,6 +243,7 @@ def frontend_traces(smollm2_dir, ratio: float, respect: bool, traceparent: str) 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # a child interpreter per case
 @pytest.mark.parametrize(
     ("ratio", "respect", "client_flag", "kept"),
     [

@@ -50,6 +50,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model("llama", tmp_path_factory.mktemp("spec") / "llama")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
 def test_greedy_tokens_equal_decoding_without_speculation(kind: str, tmp_path: Path) -> None:
     model_dir = make_tiny_model(kind, tmp_path / kind)
