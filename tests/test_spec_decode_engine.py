@@ -258,3 +258,41 @@ def test_the_embedded_model_gives_the_same_text_with_and_without_speculation(smo
     # The stop strings cut the copies they occur in, runs of kept drafts included.
     stopped = [text for _, text, reason in runs["ngram"][::4] if reason == "stop"]
     assert len(stopped) >= 4 and not any("reading room" in t or "password" in t for t in stopped)
+
+
+@pytest.mark.slow
+def test_constrained_requests_speculate_and_keep_their_outputs(smollm2_dir: Path) -> None:
+    """JSON-schema, regex and choice requests speculate: each draft row is masked as the grammar stands after the
+    drafts before it, refused drafts are cut before the forward, and a run ends at the token that completes the
+    constraint. Outputs equal decoding without speculation, greedy and seeded."""
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 6},
+        },
+        "required": ["name", "tags"],
+        "additionalProperties": False,
+    }
+    text = "Copy this record as JSON: name Alice, tags red, red, red, blue, blue, blue."
+    constraints = [{"json": schema}, {"regex": r"(ab){2,12}c"}, {"choice": ["alpha beta gamma", "delta"]}]
+    runs = {}
+    for name, speculative in (("off", None), ("ngram", NGRAM)):
+        with LLM(str(smollm2_dir), num_gpu_blocks=1024, speculative_config=speculative) as llm:
+            chat = [{"role": "user", "content": text}]
+            prompt = llm.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            params = [
+                SamplingParams(temperature=temperature, seed=7, max_tokens=120, structured_outputs=constraint)
+                for constraint in constraints
+                for temperature in (0.0, 0.8)
+            ]
+            outputs = llm.generate([prompt] * len(params), params)
+            runs[name] = [(o.outputs[0].token_ids, o.outputs[0].text) for o in outputs]
+            kept = llm.engine.speculation.num_accepted_tokens
+    assert runs["ngram"] == runs["off"]
+    assert kept > 0
+    texts = [text for _, text in runs["ngram"]]
+    assert all(set(json.loads(t)) == {"name", "tags"} for t in texts[:2])
+    assert all(t in ("alpha beta gamma", "delta") for t in texts[4:])

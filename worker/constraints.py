@@ -103,6 +103,91 @@ class ConstraintMatchers:
             self._apply(logits, active)
         self.seconds += time.perf_counter() - started
 
+    def cut_drafts(self, states: list[RequestState]) -> None:
+        """Cut each constrained request's drafts before the first one its grammar refuses (or a stop token that
+        would end it), so verification never computes rows that cannot be kept. Only where this rank is the only
+        one: other ranks, without matchers, could not cut the same way."""
+        for state in states:
+            if not state.drafts or state.handle not in self._matchers:
+                continue
+            entry = self._ready(state)
+            if entry is None:
+                continue
+            self._sync(entry, state)
+            drafts = state.drafts
+            keep = 0 if entry.done else entry.matcher.validate_tokens(drafts)
+            stops = [i for i, token in enumerate(drafts[:keep]) if token in entry.stop_token_ids]
+            keep = min([keep, *stops])
+            if keep < len(drafts):
+                del state.token_ids[len(state.token_ids) - len(drafts) + keep :]
+                state.drafts = drafts[:keep] or None
+                state.num_scheduled_tokens = 1 + keep
+
+    def mask_speculating(self, logits: torch.Tensor, states: list[RequestState]) -> None:
+        """mask() for a step with drafts: a speculating request's rows follow its first one, and row j is masked
+        as its grammar stands after drafts 1..j (consumed, masked, then rolled back). Rows after a draft the
+        grammar refuses stay unmasked: that draft is masked out of the row before, so nothing after it is kept."""
+        if not self._matchers:
+            return
+        rows, at = [], 0
+        for state in states:
+            if state.handle in self._matchers:
+                rows.append((at, state))
+            at += 1 + (len(state.drafts) if state.drafts else 0)
+        if not rows:
+            return
+        started = time.perf_counter()
+        active, deeper = [], []
+        for row, state in rows:
+            entry = self._ready(state)
+            if entry is not None:
+                self._sync(entry, state)
+            if entry is not None and not entry.done:
+                active.append((row, entry))
+                if state.drafts:
+                    deeper.append([row, entry, state.drafts, 0])
+        if active:
+            self._apply(logits, active)
+        depth = 0
+        while deeper:
+            depth += 1
+            layer, still = [], []
+            for item in deeper:
+                row, entry, drafts, _ = item
+                if depth > len(drafts):
+                    continue
+                token, matcher = drafts[depth - 1], entry.matcher
+                if (token in entry.stop_token_ids and matcher.is_accepting()) or not matcher.consume_token(token):
+                    continue
+                item[3] += 1
+                if not matcher.is_stopped():
+                    layer.append((row + depth, entry))
+                    still.append(item)
+            if layer:
+                self._apply(logits, layer)
+            for item in deeper:
+                if item not in still and item[3]:
+                    item[1].matcher.rollback(item[3])
+                    item[3] = 0
+            deeper = still
+        self.seconds += time.perf_counter() - started
+
+    def advance_runs(self, states: list[RequestState], runs: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+        """advance() over each request's emitted run, token by token: the handles whose constraint is complete,
+        and the runs cut after the token that completed it."""
+        done: list[int] = []
+        if not self._matchers:
+            return done, runs
+        cut = []
+        for state, run in zip(states, runs, strict=True):
+            for index, token in enumerate(run):
+                if self.advance([state], [token]):
+                    done.append(state.handle)
+                    run = run[: index + 1]
+                    break
+            cut.append(run)
+        return done, cut
+
     def advance(self, states: list[RequestState], token_ids: list[int]) -> list[int]:
         """Feed each constrained request its sampled token; the handles whose constraint is now complete."""
         done: list[int] = []
@@ -165,7 +250,8 @@ class ConstraintMatchers:
     def _sync(entry: _Matcher, state: RequestState) -> None:
         """Bring the matcher to the request's output tokens: those it has not seen (a request resent after a
         restart carries its earlier outputs), or back to fewer of them (replayed from the start)."""
-        num_outputs = len(state.token_ids) - state.num_prompt_tokens
+        # A speculating request's drafts sit at the end of its tokens until verification: not outputs yet.
+        num_outputs = len(state.token_ids) - (len(state.drafts) if state.drafts else 0) - state.num_prompt_tokens
         if entry.num_consumed == num_outputs:
             return
         matcher = entry.matcher

@@ -180,6 +180,10 @@ class ModelRunner:
         scheduled = self.states.apply(batch)
         if self.proposer is not None:
             self._drafted = self.proposer.propose(scheduled)
+            if self._drafted and self.constraints is not None and self.tp.size == 1:
+                # Drafts a grammar refuses cannot be kept: cut them before the forward computes their rows.
+                self.constraints.cut_drafts(self._drafted)
+                self._drafted = [state for state in self._drafted if state.drafts]
         return prepare_step(self.inputs, self.attention, scheduled)
 
     @torch.inference_mode()
@@ -305,9 +309,14 @@ class ModelRunner:
         per_row = row_states(states) if drafting else states
         sampled = None
         rows = None
+        mask = (
+            (lambda: constraints.mask_speculating(logits, states))
+            if drafting
+            else (lambda: constraints.mask(logits, states))
+        )
         if self.states.all_argmax_only or all(state.argmax_only for state in states):
             # The common greedy step: no per-row settings to build, one argmax after the constraint masks.
-            constraints.mask(logits, per_row)
+            mask()
             token_ids = row_argmax(logits, self.readback)
         else:
             if drafting:
@@ -324,14 +333,15 @@ class ModelRunner:
                     seen=any(row.penalizes_repetition for row in penalized),
                     output_counts=any(row.penalizes_outputs for row in penalized),
                 )
-            constraints.mask(logits, per_row)
+            mask()
             sampled = self.sampler(logits, rows, history)
             token_ids = sampled.token_ids
         with_logprobs = sampled is not None and any(row.num_logprobs is not None for row in rows)
         if drafting:
-            # Speculating requests have neither constraints nor penalties (the head gives them no room otherwise).
-            runs = split_runs(states, token_ids)
-            result.constraint_done.extend(constraints.advance(states, [run[-1] for run in runs]))
+            # Speculating requests have no penalties (the head gives them no room otherwise); a run is cut after
+            # the token that completes its constraint.
+            done, runs = constraints.advance_runs(states, split_runs(states, token_ids))
+            result.constraint_done.extend(done)
             result.constraint_seconds = constraints.seconds
             write_result(result, states, runs, sampled, with_logprobs)
             return token_ids

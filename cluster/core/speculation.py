@@ -111,11 +111,10 @@ class SpeculationPolicy:
         return self.config is not None
 
     def eligible(self, params: SamplingParams, final: bool) -> bool:
-        """A request may speculate: speculation is on, the request did not turn it off, and it has no output
-        constraint, no penalties (their logits depend on each earlier token) and no open input."""
+        """A request may speculate: speculation is on, the request did not turn it off, and it has no penalties
+        (their logits depend on each earlier token) and no open input. Output constraints mask each row as the
+        grammar stands after the drafts before it."""
         if self.config is None or not final or not params.speculative:
-            return False
-        if params.structured_outputs is not None:
             return False
         return params.repetition_penalty == 1.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
 

@@ -38,7 +38,7 @@ def apply_step_output(
             continue
         if item.lookahead and spec_runs and request.handle in spec_runs:
             # A speculating step: several tokens, or one when the rank found nothing to propose (answered plainly).
-            _apply_run(scheduler, item, spec_runs[request.handle])
+            _apply_run(scheduler, item, spec_runs[request.handle], request.handle in constraint_done)
             changed.append(request)
             continue
         if not item.skip_sampling:
@@ -94,7 +94,7 @@ def apply_step_output(
     return changed
 
 
-def _apply_run(scheduler: Scheduler, item, run: SpecRun) -> None:
+def _apply_run(scheduler: Scheduler, item, run: SpecRun, constraint_done: bool = False) -> None:
     """Append a speculating step's tokens one by one (a stop or max_tokens inside the run ends it there), then
     count the positions whose KV the step left valid: the next token's and each kept draft's, one per token."""
     request = item.request
@@ -111,12 +111,15 @@ def _apply_run(scheduler: Scheduler, item, run: SpecRun) -> None:
             logprob, top = run.logprobs[index]
             request.logprobs.append(logprob)
             request.top_logprobs.append(top)
+        # The ranks cut a run after the token that completed its constraint: its last token.
+        complete = constraint_done and index == len(run.tokens) - 1
         if (
             token_id in request.stop_token_ids
             or (max_tokens is not None and len(outputs) >= max_tokens)
             or len(all_tokens) >= max_model_len
+            or complete
         ):
-            status = stop_status(request, token_id, max_model_len, False)
+            status = stop_status(request, token_id, max_model_len, complete)
             if status is not None:
                 scheduler.finish_request(request, status)
                 return
