@@ -296,3 +296,29 @@ def test_constrained_requests_speculate_and_keep_their_outputs(smollm2_dir: Path
     texts = [text for _, text in runs["ngram"]]
     assert all(set(json.loads(t)) == {"name", "tags"} for t in texts[:2])
     assert all(t in ("alpha beta gamma", "delta") for t in texts[4:])
+
+
+def test_penalized_requests_speculate_and_keep_their_outputs(llama_dir: Path) -> None:
+    """Repetition, presence and frequency penalties count the drafts ahead of each row, as plain decoding would
+    have counted those tokens by then: outputs equal decoding without speculation, greedy and seeded."""
+    prompts = _prompts(12)
+    params = [
+        SamplingParams(
+            temperature=0.0 if i % 2 else 0.9,
+            seed=11 + i,
+            max_tokens=32,
+            ignore_eos=True,
+            repetition_penalty=1.0 + 0.02 * (i % 3),
+            presence_penalty=0.05 * (i % 2),
+            # n-gram drafts repeat tokens already seen, so counts (frequency) are what the drafts change; mild
+            # enough that repeats, and so kept drafts, still happen.
+            frequency_penalty=0.02 + 0.02 * (i % 3),
+        )
+        for i in range(12)
+    ]
+    plain, base = _run(llama_dir, None, prompts, params, block_size=4, num_gpu_blocks=512)
+    base.shutdown()
+    speculated, llm = _run(llama_dir, NGRAM, prompts, params, block_size=4, num_gpu_blocks=512)
+    kept = llm.engine.speculation.num_accepted_tokens
+    llm.shutdown()
+    assert speculated == plain and kept > 0

@@ -28,7 +28,7 @@ from worker.parallel_state import TensorParallelGroup
 from worker.penalty_state import PenaltyState
 from worker.request_state import RequestState, RequestStates, sampling_row
 from worker.sampler import Sampler, row_argmax
-from worker.spec_decode.rows import row_offsets, row_states, split_runs, write_result
+from worker.spec_decode.rows import row_offsets, row_states, speculating_history, split_runs, write_result
 from worker.step_inputs import prepare_step
 from worker.warmup import warmup_steps
 
@@ -328,11 +328,14 @@ class ModelRunner:
             if penalized:
                 if self.penalties is None:
                     self.penalties = PenaltyState(logits.shape[1], logits.device)
-                history = self.penalties.history(
-                    [state for state, row in zip(per_row, rows, strict=True) if row.has_penalties],
-                    seen=any(row.penalizes_repetition for row in penalized),
-                    output_counts=any(row.penalizes_outputs for row in penalized),
-                )
+                penalized_states = [state for state, row in zip(per_row, rows, strict=True) if row.has_penalties]
+                seen = any(row.penalizes_repetition for row in penalized)
+                counts = any(row.penalizes_outputs for row in penalized)
+                if drafting:
+                    offsets = [at for at, row in zip(row_offsets(states), rows, strict=True) if row.has_penalties]
+                    history = speculating_history(self.penalties, penalized_states, offsets, seen, counts)
+                else:
+                    history = self.penalties.history(penalized_states, seen=seen, output_counts=counts)
             mask()
             sampled = self.sampler(logits, rows, history)
             token_ids = sampled.token_ids

@@ -111,12 +111,10 @@ class SpeculationPolicy:
         return self.config is not None
 
     def eligible(self, params: SamplingParams, final: bool) -> bool:
-        """A request may speculate: speculation is on, the request did not turn it off, and it has no penalties
-        (their logits depend on each earlier token) and no open input. Output constraints mask each row as the
-        grammar stands after the drafts before it."""
-        if self.config is None or not final or not params.speculative:
-            return False
-        return params.repetition_penalty == 1.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+        """A request may speculate: speculation is on, the request did not turn it off, and its input is closed.
+        Output constraints mask each row as the grammar stands after the drafts before it; penalties count the
+        drafts before each row."""
+        return self.config is not None and final and params.speculative
 
     def lookahead(self, num_running: int) -> int:
         """Draft tokens each speculating decode may verify this step: num_speculative_tokens, or 0 to back off."""

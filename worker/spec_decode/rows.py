@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from proto import step_pb2
 from worker.request_state import RequestState
 from worker.sampler import SamplerOutput
@@ -67,3 +69,41 @@ def write_result(
                 result.logprobs.append(lp if lp is not None else 0.0)
                 result.top_logprobs.add(token_ids=sampled.top_ids[at], logprobs=sampled.top_logprobs[at])
         at += rows
+
+
+def speculating_history(penalties, per_row: list[RequestState], offsets: list[int], seen: bool, counts: bool):
+    """The penalties' token history for a step with drafts, one row per sampled row: a draft row's history holds
+    the request's tokens and the drafts before that row, as plain decoding would have had them by then.
+
+    The penalty table is synced with each request's own tokens (its drafts set aside), then each draft row adds
+    the drafts ahead of it."""
+    from worker.sampler import TokenHistory
+
+    unique = list({id(state): state for state in per_row}.values())
+    stashed = []
+    for state in unique:
+        if state.drafts:
+            stashed.append((state, state.token_ids[-len(state.drafts) :]))
+            del state.token_ids[-len(state.drafts) :]
+    try:
+        base = penalties.history(unique, seen=seen, output_counts=counts)
+    finally:
+        for state, drafts in stashed:
+            state.token_ids.extend(drafts)
+    where = {id(state): index for index, state in enumerate(unique)}
+    index = torch.tensor([where[id(state)] for state in per_row], dtype=torch.long, device=penalties.device)
+    output_counts = base.output_counts.index_select(0, index) if counts else None
+    seen_rows = base.seen.index_select(0, index) if seen else None
+    rows, tokens = [], []
+    for row, (state, offset) in enumerate(zip(per_row, offsets, strict=True)):
+        for token in state.drafts[:offset] if offset else ():
+            rows.append(row)
+            tokens.append(token)
+    if rows:
+        at = torch.tensor([rows, tokens], dtype=torch.long, device=penalties.device)
+        if output_counts is not None:
+            ones = torch.ones(len(rows), dtype=output_counts.dtype, device=at.device)
+            output_counts.index_put_((at[0], at[1]), ones, accumulate=True)
+        if seen_rows is not None:
+            seen_rows.index_put_((at[0], at[1]), torch.ones((), dtype=torch.bool, device=at.device))
+    return TokenHistory(output_counts, seen_rows)
