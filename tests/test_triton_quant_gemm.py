@@ -3,14 +3,13 @@ against float64 references, their torch paths and the int4 layout in process."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import pytest
 import torch
 
+from tests.test_triton_moe import _poisoned_empty
 from tests.triton_interpreter import interpreted_report
 
 
@@ -64,22 +63,6 @@ TOLERANCE = {"float32": 2e-6, "float16": 2e-3, "bfloat16": 2e-2}
 LINEAR_TOLERANCE = 0.1
 # The rows of x that are all zeros in every case with more than one row.
 ZERO_ROW = 3
-
-
-@contextlib.contextmanager
-def _poisoned_empty() -> Iterator[None]:
-    """torch.empty filled with NaN, so an output element the kernel leaves unwritten shows up as an error."""
-    original = torch.empty
-
-    def empty(*args, **kwargs):
-        tensor = original(*args, **kwargs)
-        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
-
-    torch.empty = empty
-    try:
-        yield
-    finally:
-        torch.empty = original
 
 
 def _row_error(got: torch.Tensor, want: torch.Tensor) -> float:
