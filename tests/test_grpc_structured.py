@@ -216,3 +216,8 @@ def test_constrained_generations_over_grpc_follow_the_schema_and_the_choices(con
     jsonschema.validate(json.loads(text), SCHEMA)
     assert as_json[-1].finish_reason == "stop" and as_json[-1].usage.completion_tokens < 48
     assert "".join(r.text for r in as_choice) in choices and as_choice[-1].finish_reason == "stop"
+
+
+def test_a_grpc_request_may_turn_speculation_off():
+    assert sampling_params_from_proto(api_pb2.SamplingParams()).speculative is True
+    assert sampling_params_from_proto(api_pb2.SamplingParams(speculative=False)).speculative is False

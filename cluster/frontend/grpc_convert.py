@@ -20,7 +20,7 @@ from proto import api_pb2
 logger = logging.getLogger(__name__)
 
 _OPTIONAL_FIELDS = ("temperature", "top_p", "seed", "repetition_penalty", "max_tokens", "logprobs")
-_OPTIONAL_FIELDS += ("skip_special_tokens", "n")
+_OPTIONAL_FIELDS += ("skip_special_tokens", "n", "speculative")
 # Their proto3 zero values equal the SamplingParams defaults, so they are always copied.
 _PLAIN_FIELDS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos")
 _PLAIN_FIELDS += ("include_stop_str_in_output",)
