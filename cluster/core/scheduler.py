@@ -13,7 +13,7 @@ from cluster.core.block_table import BlockTable
 from cluster.core.errors import QueueFullError
 from cluster.core.request import Request, RequestStatus
 from cluster.core.scheduler_output import PauseMode, ScheduledRequest, SchedulerOutput, SchedulerStats
-from cluster.core.speculation import SpecRun
+from cluster.core.speculation import SpecRun, follows_run, speculation_room
 from cluster.core.step_update import apply_step_output
 from cluster.core.stop_conditions import ends_in_flight
 from common.engine_config import SchedulerConfig
@@ -397,24 +397,3 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_handles.append(request.handle)
         self.stats.num_finished += 1
-
-
-def speculation_room(request: Request, lookahead: int, budget: int, context_room: int) -> int:
-    """Drafts a decode of `request` may verify: at most `lookahead`, within the step's remaining token budget, the
-    context limit and what max_tokens leaves after its next token (and the tokens of its steps in flight)."""
-    room = min(lookahead, budget, context_room)
-    if request.max_tokens is not None:
-        room = min(room, request.max_tokens - len(request.output_token_ids) - request.num_pending_samples - 1)
-    return max(room, 0)
-
-
-def follows_run(request: Request, num_new: int, extra: int, position: int, max_model_len: int) -> bool:
-    """May a plain decode follow a speculating step still in flight? Only a one-token decode, and only when even
-    the longest run that step may keep leaves room for it under max_tokens and the context limit (the ranks
-    place it after whatever the run kept; the head learns where when the run's answer comes)."""
-    if num_new != 1 or request.needs_resync or request.input_open:
-        return False
-    if position + extra + 1 > max_model_len:
-        return False
-    outputs = len(request.output_token_ids) + request.num_pending_samples + extra
-    return request.max_tokens is None or outputs < request.max_tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cluster.core.request import Request
 from cluster.core.sampling_params import SamplingParams
 from common.speculative_config import SpeculativeConfig
 from proto import step_pb2
@@ -171,3 +172,24 @@ class SpeculationPolicy:
                     per_position.extend([0] * (run.num_drafts - len(per_position)))
                 for position in range(len(run.tokens) - 1):
                     per_position[position] += 1
+
+
+def speculation_room(request: Request, lookahead: int, budget: int, context_room: int) -> int:
+    """Drafts a decode of `request` may verify: at most `lookahead`, within the step's remaining token budget, the
+    context limit and what max_tokens leaves after its next token (and the tokens of its steps in flight)."""
+    room = min(lookahead, budget, context_room)
+    if request.max_tokens is not None:
+        room = min(room, request.max_tokens - len(request.output_token_ids) - request.num_pending_samples - 1)
+    return max(room, 0)
+
+
+def follows_run(request: Request, num_new: int, extra: int, position: int, max_model_len: int) -> bool:
+    """May a plain decode follow a speculating step still in flight? Only a one-token decode, and only when even
+    the longest run that step may keep leaves room for it under max_tokens and the context limit (the ranks
+    place it after whatever the run kept; the head learns where when the run's answer comes)."""
+    if num_new != 1 or request.needs_resync or request.input_open:
+        return False
+    if position + extra + 1 > max_model_len:
+        return False
+    outputs = len(request.output_token_ids) + request.num_pending_samples + extra
+    return request.max_tokens is None or outputs < request.max_tokens
