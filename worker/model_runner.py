@@ -309,14 +309,11 @@ class ModelRunner:
         per_row = row_states(states) if drafting else states
         sampled = None
         rows = None
-        mask = (
-            (lambda: constraints.mask_speculating(logits, states))
-            if drafting
-            else (lambda: constraints.mask(logits, states))
-        )
+        # A speculating request's rows are masked as its grammar stands after the drafts before each.
+        mask = constraints.mask_speculating if drafting else constraints.mask
         if self.states.all_argmax_only or all(state.argmax_only for state in states):
             # The common greedy step: no per-row settings to build, one argmax after the constraint masks.
-            mask()
+            mask(logits, states)
             token_ids = row_argmax(logits, self.readback)
         else:
             if drafting:
@@ -336,13 +333,12 @@ class ModelRunner:
                     history = speculating_history(self.penalties, penalized_states, offsets, seen, counts)
                 else:
                     history = self.penalties.history(penalized_states, seen=seen, output_counts=counts)
-            mask()
+            mask(logits, states)
             sampled = self.sampler(logits, rows, history)
             token_ids = sampled.token_ids
         with_logprobs = sampled is not None and any(row.num_logprobs is not None for row in rows)
         if drafting:
-            # Speculating requests have no penalties (the head gives them no room otherwise); a run is cut after
-            # the token that completes its constraint.
+            # A run is cut after the token that completes its constraint.
             done, runs = constraints.advance_runs(states, split_runs(states, token_ids))
             result.constraint_done.extend(done)
             result.constraint_seconds = constraints.seconds
