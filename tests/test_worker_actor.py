@@ -20,6 +20,8 @@ from worker.worker import Worker
 
 ray = require_module("ray", "needs Ray")
 
+pytestmark = pytest.mark.slow  # a local Ray with two worker actors
+
 TOKEN = "actor-test-token"
 PROMPT = [5, 6, 7, 8, 9]
 TIMEOUT_S = 60
