@@ -12,8 +12,8 @@ from torch import nn
 
 from worker.layers.quantization.config import QuantConfig, QuantizationConfigError
 from worker.layers.quantization.fp8_linear import FP8_DTYPE, Fp8LinearMethod, expand_block_scales
-from worker.layers.quantization.int4_layout import unpack_int4
-from worker.layers.quantization.int4_linear import AWQ_ORDER, Int4LinearMethod, unpack_columns
+from worker.layers.quantization.int4_layout import dequantize_int4
+from worker.layers.quantization.int4_linear import Int4LinearMethod, canonical_int4
 from worker.layers.quantization.linear_method import LINEAR_FORMATS, LinearMethod
 
 logger = logging.getLogger(__name__)
@@ -146,18 +146,11 @@ def _dequantize(config: QuantConfig, prefix: str, group: dict[str, torch.Tensor]
             return weight * expand_block_scales(scale, weight.shape, config.block_size)
         return weight * scale.reshape(-1, 1) if scale.numel() > 1 else weight * scale.reshape(())
     qweight, qzeros, scales = group[".qweight"], group[".qzeros"], group[".scales"].float()
-    if config.method == "awq":
-        values, zeros = unpack_columns(qweight, AWQ_ORDER), unpack_columns(qzeros, AWQ_ORDER)
-    else:
-        values = unpack_int4(qweight)
-        zeros = (unpack_columns(qzeros) + config.zero_offset) & 0xF
-    in_features = values.shape[0]
-    if config.method == "gptq" and config.desc_act:
-        g_idx = group[".g_idx"].long()
-    else:
-        size = config.group_size if config.group_size != -1 else in_features
-        g_idx = torch.arange(in_features) // size
-    if values.shape != (in_features, scales.shape[1]):
-        raise QuantizationConfigError(f"checkpoint module {prefix!r} has inconsistent qweight/scales shapes")
-    weight = (values - zeros[g_idx]).float() * scales[g_idx]
-    return weight.t().contiguous()
+    # The layout a quantized layer converts to after loading, then its one dequantization.
+    in_features = qweight.shape[0] * (1 if config.method == "awq" else 8)
+    size = config.group_size if config.group_size != -1 else in_features
+    try:
+        layout = canonical_int4(config, qweight, qzeros, scales, group.get(".g_idx"), size)
+        return dequantize_int4(*layout).t().contiguous()
+    except ValueError as error:
+        raise QuantizationConfigError(f"checkpoint module {prefix!r}: {error}") from None

@@ -96,34 +96,45 @@ class Int4LinearMethod(LinearMethod):
         layer.int4_group = group
 
     def after_loading(self, layer: nn.Module) -> None:
-        config = self.config
-        in_features = layer.in_features
-        if config.method == "awq":
-            values = unpack_columns(layer.qweight.data, AWQ_ORDER)  # [K, N]
-            qweight = pack_int4(values)
-            zeros = unpack_columns(layer.qzeros.data, AWQ_ORDER)
-        else:
-            qweight = layer.qweight.data
-            zeros = (unpack_columns(layer.qzeros.data) + config.zero_offset) & 0xF
-        device = qweight.device
-        if config.method == "gptq" and config.desc_act:
-            g_idx = layer.g_idx.data.to(torch.int32)
-            groups = layer.scales.shape[0]
-            if bool(((g_idx < 0) | (g_idx >= groups)).any()):
-                raise QuantizationConfigError(f"g_idx of a {type(layer).__name__} points outside its {groups} groups")
-        elif config.group_size == -1:
-            g_idx = torch.zeros(in_features, dtype=torch.int32, device=device)
-        else:
-            g_idx = (torch.arange(in_features, device=device) // layer.int4_group).to(torch.int32)
-        scales = layer.scales.data
+        g_idx = layer.g_idx.data if hasattr(layer, "g_idx") else None
+        qweight, scales, zeros, g_idx = canonical_int4(
+            self.config, layer.qweight.data, layer.qzeros.data, layer.scales.data, g_idx, layer.int4_group
+        )
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             if hasattr(layer, name):
                 delattr(layer, name)
-        layer.register_buffer("qweight", qweight.contiguous())
-        layer.register_buffer("scales", scales.contiguous())
-        layer.register_buffer("zeros", zeros.to(torch.uint8).contiguous())
-        layer.register_buffer("g_idx", g_idx.contiguous())
+        layer.register_buffer("qweight", qweight)
+        layer.register_buffer("scales", scales)
+        layer.register_buffer("zeros", zeros)
+        layer.register_buffer("g_idx", g_idx)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         scales = layer.scales if layer.scales.dtype == x.dtype else layer.scales.to(x.dtype)
         return int4_gemm(x, layer.qweight, scales, layer.zeros, layer.g_idx)
+
+
+def canonical_int4(
+    config: QuantConfig,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    group: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's AWQ or GPTQ tensors, as loaded, in int4_layout's form: (qweight int32 [K/8, N], scales [G, N],
+    zeros uint8 [G, N], g_idx int32 [K]). `group` is the input rows per scale (K for one group); act-order GPTQ
+    keeps its own group indices, checked against the scales."""
+    if config.method == "awq":
+        qweight = pack_int4(unpack_columns(qweight, AWQ_ORDER))  # [K, N/8] → [K/8, N]
+        zeros = unpack_columns(qzeros, AWQ_ORDER)
+    else:
+        zeros = (unpack_columns(qzeros) + config.zero_offset) & 0xF
+    in_features = qweight.shape[0] * PACK_FACTOR
+    if config.method == "gptq" and config.desc_act:
+        g_idx = g_idx.to(torch.int32)
+        groups = scales.shape[0]
+        if bool(((g_idx < 0) | (g_idx >= groups)).any()):
+            raise QuantizationConfigError(f"g_idx points outside the layer's {groups} groups")
+    else:
+        g_idx = (torch.arange(in_features, device=qweight.device) // group).to(torch.int32)
+    return qweight.contiguous(), scales.contiguous(), zeros.to(torch.uint8).contiguous(), g_idx.contiguous()
