@@ -152,18 +152,21 @@ class DraftModelProposer:
         """The draft's state for `state`, caught up with its tokens and blocks: the first draft step recomputes
         whatever the draft's KV lacks, then samples after the last token."""
         draft = self._states.get(state.handle)
-        if draft is None or draft.block_epoch != state.block_epoch or draft.block_ids != state.block_ids:
-            written = 0 if draft is None or draft.block_epoch != state.block_epoch else draft.num_computed_tokens
+        if draft is None or draft.block_epoch != state.block_epoch:
+            # New, or its blocks were replaced (preempted and resumed): the draft's KV starts over.
             if draft is not None:
                 self.buffers.release(draft)
-            draft = RequestState(
-                state.handle, [], state.num_prompt_tokens, state.sampling, list(state.block_ids), written, None
-            )
+            draft = RequestState(state.handle, [], state.num_prompt_tokens, state.sampling, [], 0, None)
             draft.block_epoch = state.block_epoch
             self._states[state.handle] = draft
+        if len(draft.block_ids) != len(state.block_ids):
+            draft.block_ids.extend(state.block_ids[len(draft.block_ids) :])
+            draft.table_row = -1  # its table row is rewritten with the new blocks
+        # Tokens through the draft's written KV are the request's own (kept() keeps it so): only the rest is copied.
         position = state.num_computed_tokens
-        draft.token_ids = list(state.token_ids[: position + 1])
-        draft.num_computed_tokens = min(draft.num_computed_tokens, position)
+        written = draft.num_computed_tokens = min(draft.num_computed_tokens, position)
+        del draft.token_ids[written:]
+        draft.token_ids.extend(state.token_ids[written : position + 1])
         draft.num_scheduled_tokens = position + 1 - draft.num_computed_tokens
         draft.skip_sampling = False
         return draft
