@@ -160,11 +160,6 @@ def test_the_step_time_line_decides_the_crossover() -> None:
     assert [policy.lookahead(40) for _ in range(40)].count(4) == 1  # one probe in PROBE_EVERY steps
 
 
-def test_methods_the_ranks_cannot_serve_yet_are_refused_at_start(llama_dir: Path) -> None:
-    with pytest.raises(Exception, match="not served by the ranks yet"):
-        LLM(str(llama_dir), speculative_config={"method": "eagle", "num_speculative_tokens": 2, "model": "x"})
-
-
 def test_a_draft_model_equal_to_the_target_has_every_draft_kept(llama_dir: Path) -> None:
     """The target as its own draft proposes exactly what verification samples: any stale or misplaced draft KV
     (catch-up after preemption, prefix-cache hits, lookahead slots, kept-run bookkeeping) would show as a

@@ -116,6 +116,10 @@ class ModelRunner:
         # CUDA only, where that costs seconds; the CPU has nothing to compile).
         if device.type == "cuda" if warm_up is None else warm_up:
             self.warm_up(max_num_tokens, max_blocks_per_seq * block_size)
+        if getattr(proposer, "reads_layer_states", False) and not enforce_eager:
+            # EAGLE-3 reads states inside the forward, which a replayed graph would not hand over.
+            logger.info("rank %d: EAGLE-3 speculation reads the target's layers, decode steps run eagerly", tp.rank)
+            enforce_eager = True
         if not enforce_eager:
             # The scheduler never runs more decodes in a step than it has tokens for.
             plan = CapturePlan.for_limits(max(1, min(max_num_seqs, max_num_tokens)), max_capture_size)
@@ -204,6 +208,8 @@ class ModelRunner:
                 events[0].record()
             with traced(_tracer, "forward"):
                 hidden = self._forward(flat)
+                if self.proposer is not None:
+                    self.proposer.observe(flat.ordered, hidden)  # an EAGLE head reads the target's states
                 logits = None
                 if flat.sample_states:
                     # Every rank sends its vocabulary slice; only rank 0 receives the logits, samples and answers.
@@ -217,6 +223,8 @@ class ModelRunner:
                 with traced(_tracer, "sample"):
                     token_ids = self._sample(logits, flat.sample_states, result)
             self._advance(flat, token_ids)
+            if self.proposer is not None:
+                self.proposer.advanced()
             if events is not None:
                 # The device's own time for the forward. Where the step sampled, the tokens' wait already covered
                 # this event; otherwise it is the step's one wait, so no step returns with work still queued.

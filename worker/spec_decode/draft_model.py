@@ -23,6 +23,7 @@ from worker.model_loader import load_hf_config, load_model, resolve_model_dir
 from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 from worker.request_state import RequestState
 from worker.sampler import row_argmax
+from worker.spec_decode.shared_drafts import append_drafts, share_drafts
 from worker.step_inputs import prepare_step
 
 logger = logging.getLogger(__name__)
@@ -112,19 +113,7 @@ class DraftModelProposer:
         if not wanted:
             return []
         drafts = self._draft(wanted) if self.model is not None else None
-        if self.tp.size > 1:
-            table = torch.full((len(wanted), self.k), -1, dtype=torch.long)
-            if drafts is not None:
-                for row, tokens in enumerate(drafts):
-                    table[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            table = self.tp.broadcast(table.to(self.device)).cpu()
-            drafts = [[t for t in row.tolist() if t >= 0] for row in table]
-        for state, tokens in zip(wanted, drafts, strict=True):
-            if tokens:
-                state.drafts = tokens
-                state.token_ids.extend(tokens)
-                state.num_scheduled_tokens = 1 + len(tokens)
-        return [state for state in wanted if state.drafts]
+        return append_drafts(wanted, share_drafts(self.tp, self.device, self.k, len(wanted), drafts))
 
     def _draft(self, wanted: list[RequestState]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in wanted]
@@ -170,6 +159,12 @@ class DraftModelProposer:
         draft.num_scheduled_tokens = position + 1 - draft.num_computed_tokens
         draft.skip_sampling = False
         return draft
+
+    def observe(self, ordered: list[RequestState], hidden: torch.Tensor) -> None:
+        """The draft reads tokens only, not the target's hidden states."""
+
+    def advanced(self) -> None:
+        """Nothing kept from the step: the next proposal copies the new tokens."""
 
     def kept(self, state: RequestState) -> None:
         """After verification: the draft's KV holds the request's tokens through the last kept draft."""

@@ -37,6 +37,12 @@ class NgramProposer:
     def allocate(self, num_blocks: int) -> None:
         """Nothing to allocate: lookups read the request's own tokens."""
 
+    def observe(self, ordered: list[RequestState], hidden) -> None:
+        """Nothing read from the target's forward."""
+
+    def advanced(self) -> None:
+        """Nothing kept from the step."""
+
     def kept(self, state: RequestState) -> None:
         """Nothing to update after verification."""
 
@@ -55,6 +61,6 @@ def make_proposer(config: SpeculativeConfig | None, **draft_args):
         from worker.spec_decode.draft_model import DraftModelProposer
 
         return DraftModelProposer(config, **draft_args)
-    raise ValueError(
-        f"speculative_config.method={config.method!r} is not served by the ranks yet; use 'ngram' or 'draft_model'"
-    )
+    from worker.spec_decode.eagle import EagleProposer
+
+    return EagleProposer(config, **draft_args)
