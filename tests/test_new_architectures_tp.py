@@ -76,17 +76,24 @@ def test_tp2_matches_transformers(local_ray, kind, expert_parallel, tmp_path):
     assert moe_bytes >= row * NEW_TOKENS * len(PROMPTS) and moe_bytes % row == 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle", "eagle3"])
 def test_tp2_speculative_decoding_matches_transformers(local_ray, method, tmp_path):
     """Speculation at tensor parallel size 2, with steps overlapped (Ray ranks schedule ahead). n-gram: both ranks
     propose the same drafts from their own tokens. A draft model (here the target itself, so every draft must be
-    kept) runs on rank 0, which broadcasts its drafts."""
-    model_dir = make_tiny_model("llama", tmp_path / "llama")
+    kept) runs on rank 0, which broadcasts its drafts. EAGLE heads (built to reproduce a transparent target, so
+    every draft must be kept) run on rank 0 with whole copies of the split target's embeddings and LM head, read
+    from its checkpoint, and EAGLE-3 reads rank 0's residual stream."""
+    model_dir = make_tiny_model("llama", tmp_path / "llama", num_layers=4 if method.startswith("eagle") else None)
     speculative = {"method": method, "num_speculative_tokens": 4, "disable_by_batch_size": 1000}
     if method == "ngram":
         speculative.update(prompt_lookup_min=1, prompt_lookup_max=3)
-    else:
+    elif method == "draft_model":
         speculative["model"] = str(model_dir)
+    else:
+        from cluster.bench.random_eagle_heads import make_eagle_head, make_transparent
+
+        make_transparent(model_dir)
+        speculative["model"] = str(make_eagle_head(model_dir, tmp_path / "head", method == "eagle3", exact=True))
     llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=128, tensor_parallel_size=2, speculative_config=speculative)
     try:
         ours = engine_greedy(llm, PROMPTS, NEW_TOKENS)
