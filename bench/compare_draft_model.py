@@ -1,7 +1,9 @@
-"""Draft-model speculation on tiny random models, in one process: output tokens/s of a random Llama target without
-speculation, with its own first layers as the draft, and with itself as the draft (every draft kept: the upper
-bound), greedy at batch 1, with acceptance figures. Random weights say nothing about real acceptance; the figures
-show what the machinery costs and returns at a given acceptance.
+"""Draft-model and EAGLE speculation on tiny random models, in one process: output tokens/s of a random Llama target
+without speculation, with its own first layers as the draft, with itself as the draft (every draft kept: the upper
+bound), and with random EAGLE and EAGLE-3 heads; then of a transparent target of the same shapes (its layers add
+nothing, see cluster/bench/random_eagle_heads.py) without speculation and with EAGLE / EAGLE-3 heads built to
+reproduce it (every draft kept). Greedy at batch 1, with acceptance figures. Random weights say nothing about real
+acceptance; the figures show what the machinery costs and returns at a given acceptance.
 
 Usage:
   .venv/bin/python bench/compare_draft_model.py                 # 8-layer target, 2-layer draft, k=4
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -59,20 +62,43 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
+    from cluster.bench.random_eagle_heads import make_eagle_head, make_transparent
+
     root = Path(tempfile.mkdtemp(prefix="pagerail-draft-"))
     target, draft = write_models(root, args.layers, args.draft_layers)
+    transparent = root / "transparent"
+    shutil.copytree(target, transparent)
+    make_transparent(transparent)
     prompt = [[5 + (i * 37) % 4000 for i in range(48)]]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    # name → (target, speculative_config, the run it must match)
     configs = {
-        "off": None,
-        f"draft_{args.draft_layers}_layers": {"method": "draft_model", "model": str(draft)},
-        "draft_is_target": {"method": "draft_model", "model": str(target)},
+        "off": (target, None, "off"),
+        f"draft_{args.draft_layers}_layers": (target, {"method": "draft_model", "model": str(draft)}, "off"),
+        "draft_is_target": (target, {"method": "draft_model", "model": str(target)}, "off"),
+        "eagle_random": (target, {"method": "eagle", "model": str(make_eagle_head(target, root / "e1", False))}, "off"),
+        "eagle3_random": (
+            target,
+            {"method": "eagle3", "model": str(make_eagle_head(target, root / "e3", True))},
+            "off",
+        ),
+        "transparent_off": (transparent, None, "transparent_off"),
+        "transparent_eagle_exact": (
+            transparent,
+            {"method": "eagle", "model": str(make_eagle_head(transparent, root / "x1", False, exact=True))},
+            "transparent_off",
+        ),
+        "transparent_eagle3_exact": (
+            transparent,
+            {"method": "eagle3", "model": str(make_eagle_head(transparent, root / "x3", True, exact=True))},
+            "transparent_off",
+        ),
     }
     engines = {}
-    for name, speculative in configs.items():
+    for name, (model, speculative, _) in configs.items():
         if speculative is not None:
             speculative = {**speculative, "num_speculative_tokens": args.k, "disable_by_batch_size": 1000}
-        engines[name] = LLM(str(target), num_gpu_blocks=512, speculative_config=speculative)
+        engines[name] = LLM(str(model), num_gpu_blocks=512, speculative_config=speculative)
         engines[name].generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     report: dict = {"k": args.k, "layers": args.layers, "draft_layers": args.draft_layers, "engines": {}}
     outputs = {}
@@ -89,8 +115,9 @@ def main() -> None:
         if policy.enabled:
             row["acceptance_rate"] = round(policy.num_accepted_tokens / max(policy.num_draft_tokens, 1), 3)
             row["mean_acceptance_length"] = round(policy.mean_acceptance_length, 2)
-        row["identical_to_off"] = outputs[name] == outputs["off"]
-        row["speedup"] = round(max(row["tok_per_s"]) / max(report["engines"]["off"]["tok_per_s"]), 2)
+        baseline = configs[name][2]
+        row["identical_to_off"] = outputs[name] == outputs[baseline]
+        row["speedup"] = round(max(row["tok_per_s"]) / max(report["engines"][baseline]["tok_per_s"]), 2)
         llm.shutdown()
     if args.json:
         print(json.dumps(report))
