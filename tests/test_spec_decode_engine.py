@@ -219,10 +219,13 @@ def test_a_draft_with_another_vocabulary_or_tokenizer_is_refused(llama_dir: Path
 
 
 @pytest.mark.slow
-def test_the_embedded_model_gives_the_same_text_with_and_without_speculation(smollm2_dir: Path) -> None:
+def test_the_embedded_model_gives_the_same_text_with_and_without_speculation(smollm2_dir: Path, tmp_path: Path) -> None:
     """32 chat prompts, half of them asking for a text back (n-gram lookups find it), some with stop strings that
-    fall inside what is copied: identical tokens and text, and speculation kept drafts."""
+    fall inside what is copied: identical tokens and text, and speculation kept drafts. Random EAGLE and EAGLE-3
+    heads for the model draft too (EAGLE-3 over the residual stream of layers 2, 15 and 27), with the same text."""
     import sys
+
+    from cluster.bench.random_eagle_heads import make_eagle_head
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     from compare_speculation import TEXTS
@@ -232,8 +235,17 @@ def test_the_embedded_model_gives_the_same_text_with_and_without_speculation(smo
         f"Copy this text exactly:\n\n{TEXTS[i % len(TEXTS)]}" if i % 2 == 0 else questions[i % len(questions)]
         for i in range(32)
     ]
-    runs = {}
-    for name, speculative in (("off", None), ("ngram", NGRAM)):
+    runs, drafted = {}, {}
+    heads = {
+        method: {
+            "method": method,
+            "model": str(make_eagle_head(smollm2_dir, tmp_path / method, method == "eagle3")),
+            "num_speculative_tokens": 3,
+            "disable_by_batch_size": 1000,
+        }
+        for method in ("eagle", "eagle3")
+    }
+    for name, speculative in (("off", None), ("ngram", NGRAM), *heads.items()):
         with LLM(str(smollm2_dir), num_gpu_blocks=1024, speculative_config=speculative) as llm:
             prompts = [
                 llm.tokenizer.apply_chat_template(
@@ -247,9 +259,9 @@ def test_the_embedded_model_gives_the_same_text_with_and_without_speculation(smo
             ]
             outputs = llm.generate(prompts, params)
             runs[name] = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs]
-            kept = llm.engine.speculation.num_accepted_tokens
-    assert runs["ngram"] == runs["off"]
-    assert kept > 100
+            drafted[name] = (llm.engine.speculation.num_draft_tokens, llm.engine.speculation.num_accepted_tokens)
+    assert runs["ngram"] == runs["off"] and runs["eagle"] == runs["off"] and runs["eagle3"] == runs["off"]
+    assert drafted["ngram"][1] > 100 and drafted["eagle"][0] > 1000 and drafted["eagle3"][0] > 1000
     # The stop strings cut the copies they occur in, runs of kept drafts included.
     stopped = [text for _, text, reason in runs["ngram"][::4] if reason == "stop"]
     assert len(stopped) >= 4 and not any("reading room" in t or "password" in t for t in stopped)
