@@ -128,6 +128,7 @@ def _dense_head(t: dict, config: dict, eagle3: bool, embed, lm_head, ids, featur
     return r2 @ lm_head.T, r2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_drafts_equal_a_dense_reference_of_the_head(
     method: str, target_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
