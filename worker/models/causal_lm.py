@@ -65,6 +65,8 @@ class CausalLM(nn.Module):
     model: nn.Module
     lm_head: ParallelLMHead
     tie_word_embeddings: bool = False
+    # Parameters filled from elsewhere than this checkpoint (an EAGLE head's borrowed embeddings): never missing.
+    loaded_elsewhere: frozenset[str] = frozenset()
 
     @property
     def num_layers(self) -> int:
@@ -131,7 +133,7 @@ class CausalLM(nn.Module):
             loaded.add(name)
         if self.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
             loaded.add("lm_head.weight")
-        missing = sorted(set(params) - loaded)
+        missing = sorted(set(params) - loaded - self.loaded_elsewhere)
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")

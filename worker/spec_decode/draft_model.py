@@ -16,14 +16,11 @@ import torch
 from torch import nn
 
 from common.speculative_config import SpeculativeConfig
-from worker.attention_backends.settings import AttentionSettings
-from worker.input_buffers import InputBuffers
-from worker.kv_cache import allocate_kv_caches, bytes_per_block
 from worker.model_loader import load_hf_config, load_model, resolve_model_dir
 from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 from worker.request_state import RequestState
 from worker.sampler import row_argmax
-from worker.spec_decode.shared_drafts import append_drafts, share_drafts
+from worker.spec_decode.shared_drafts import RankZeroDrafter, append_drafts, share_drafts
 from worker.step_inputs import prepare_step
 
 logger = logging.getLogger(__name__)
@@ -51,7 +48,7 @@ def _tokenizer_digest(model_dir: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
-class DraftModelProposer:
+class DraftModelProposer(RankZeroDrafter):
     """Greedy drafts from a small model; `propose` runs on every rank (rank 0 drafts, the others receive)."""
 
     def __init__(
@@ -64,47 +61,13 @@ class DraftModelProposer:
         target: nn.Module,
         target_dir: Path | None = None,
     ) -> None:
-        self.tp = tp
-        self.device = device
-        self.model: nn.Module | None = None
-        self.k = config.num_speculative_tokens
-        # Per request on rank 0: the draft's own view (tokens, blocks, how far its KV is written).
-        self._states: dict[int, RequestState] = {}
+        super().__init__(tp, device, config.num_speculative_tokens)
         if tp.rank != 0:
             return
         draft_dir = resolve_model_dir(config.model)
         check_draft_config(draft_dir, target.config, target_dir)
-        self.model = load_model(draft_dir, SINGLE_RANK, dtype, device)
-        self.dtype, self.block_size = dtype, block_size
-        self.settings = AttentionSettings.for_model(self.model, device, dtype, block_size)
-        self.buffers = InputBuffers(block_size, device)
+        self.bind(load_model(draft_dir, SINGLE_RANK, dtype, device), dtype, block_size)
         logger.info("rank 0: draft model %s loaded for speculative decoding", draft_dir)
-
-    def bytes_per_block(self) -> int:
-        """What the draft's KV adds to each block of this rank (0 off rank 0)."""
-        if self.model is None:
-            return 0
-        model = self.model
-        return bytes_per_block(
-            model.num_layers, model.num_kv_heads_per_rank, model.head_dim, self.block_size, self.dtype
-        )
-
-    def allocate(self, num_blocks: int) -> None:
-        """The draft's KV cache, in the target's slot space of `num_blocks` blocks."""
-        if self.model is None:
-            return
-        model = self.model
-        caches = allocate_kv_caches(
-            model.num_layers,
-            num_blocks,
-            self.block_size,
-            model.num_kv_heads_per_rank,
-            model.head_dim,
-            self.dtype,
-            self.device,
-        )
-        for layer, cache in zip(model.attention_layers(), caches, strict=True):
-            layer.kv_cache = cache
 
     @torch.inference_mode()
     def propose(self, scheduled: list[RequestState]) -> list[RequestState]:
@@ -171,8 +134,3 @@ class DraftModelProposer:
         draft = self._states.get(state.handle)
         if draft is not None:
             draft.num_computed_tokens = min(draft.num_computed_tokens, state.num_computed_tokens)
-
-    def forget(self, state: RequestState) -> None:
-        draft = self._states.pop(state.handle, None)
-        if draft is not None and self.model is not None:
-            self.buffers.release(draft)

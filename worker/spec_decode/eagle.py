@@ -17,15 +17,12 @@ import torch
 from torch import nn
 
 from common.speculative_config import SpeculativeConfig
-from worker.attention_backends.settings import AttentionSettings
-from worker.input_buffers import InputBuffers
-from worker.kv_cache import allocate_kv_caches, bytes_per_block
 from worker.layers.cpu_matmul import attach_cpu_weights
 from worker.model_loader import checkpoint_tensor_names, iter_lazy_safetensors, load_hf_config, resolve_model_dir
 from worker.parallel_state import TensorParallelGroup
 from worker.request_state import RequestState
 from worker.spec_decode.eagle_head import EagleHead, check_head_config, eagle3_layers, head_checkpoint_name
-from worker.spec_decode.shared_drafts import append_drafts, share_drafts
+from worker.spec_decode.shared_drafts import RankZeroDrafter, append_drafts, share_drafts
 from worker.step_inputs import prepare_step
 
 logger = logging.getLogger(__name__)
@@ -51,7 +48,8 @@ def load_eagle_head(
     if not eagle3:
         borrowed["lm_head"] = "lm_head.weight" not in names
     borrowed = [name for name, wanted in borrowed.items() if wanted]
-    head.load_head(iter_lazy_safetensors(head_dir), {f"{name}.weight" for name in borrowed})
+    head.loaded_elsewhere = frozenset(f"{name}.weight" for name in borrowed)
+    head.load_weights(iter_lazy_safetensors(head_dir))
     if borrowed and tp.size > 1:
         _read_target_tensors(head, borrowed, target, target_dir)
     if device.type == "cpu":
@@ -88,7 +86,7 @@ def _read_target_tensors(head: EagleHead, borrowed: list[str], target: nn.Module
         raise ValueError(f"the target checkpoint lacks {sorted(wanted)} for the EAGLE head")
 
 
-class EagleProposer:
+class EagleProposer(RankZeroDrafter):
     """Drafts from an EAGLE or EAGLE-3 head; `propose` runs on every rank (rank 0 drafts, the others receive)."""
 
     def __init__(
@@ -101,26 +99,23 @@ class EagleProposer:
         target: nn.Module,
         target_dir: Path | None = None,
     ) -> None:
-        self.tp, self.device, self.k = tp, device, config.num_speculative_tokens
-        self.head: EagleHead | None = None
+        super().__init__(tp, device, config.num_speculative_tokens)
         # EAGLE-3 reads states inside the target's forward (hooks), which a replayed graph would skip.
         self.reads_layer_states = config.method == "eagle3"
-        # Rank 0, per request: the head's view (its tokens shifted by one, how far its KV is written), and the
-        # target features of kept positions it has not read yet, as (first position, features) pieces.
-        self._states: dict[int, RequestState] = {}
+        # Rank 0, per request: the target features of kept positions the head has not read yet, as (first
+        # position, features) pieces. The head's own state holds its tokens shifted by one.
         self._pending: dict[int, list[tuple[int, torch.Tensor]]] = {}
         self._step: tuple | None = None
         self._layer_states: dict[int, torch.Tensor] = {}
         if tp.rank != 0:
             return
         head_dir = resolve_model_dir(config.model)
-        self.head = load_eagle_head(head_dir, self.reads_layer_states, target, tp, dtype, device, target_dir)
-        self.dtype, self.block_size = dtype, block_size
-        self.settings = AttentionSettings.for_model(self.head, device, dtype, block_size)
-        self.buffers = InputBuffers(block_size, device)
+        self.bind(
+            load_eagle_head(head_dir, self.reads_layer_states, target, tp, dtype, device, target_dir), dtype, block_size
+        )
         if self.reads_layer_states:
             layers = target.model.layers
-            self._layer_ids = eagle3_layers(len(layers), self.head.config)
+            self._layer_ids = eagle3_layers(len(layers), self.model.config)
             for index in set(self._layer_ids):
                 layers[index].register_forward_pre_hook(self._layer_hook(index))
         logger.info("rank 0: %s head %s loaded for speculative decoding", config.method, head_dir)
@@ -133,33 +128,9 @@ class EagleProposer:
 
         return keep_input
 
-    def bytes_per_block(self) -> int:
-        """What the head's KV adds to each block of this rank (0 off rank 0)."""
-        if self.head is None:
-            return 0
-        head = self.head
-        return bytes_per_block(head.num_layers, head.num_kv_heads_per_rank, head.head_dim, self.block_size, self.dtype)
-
-    def allocate(self, num_blocks: int) -> None:
-        """The head's KV cache, in the target's slot space of `num_blocks` blocks."""
-        if self.head is None:
-            return
-        head = self.head
-        caches = allocate_kv_caches(
-            head.num_layers,
-            num_blocks,
-            self.block_size,
-            head.num_kv_heads_per_rank,
-            head.head_dim,
-            self.dtype,
-            self.device,
-        )
-        for layer, cache in zip(head.attention_layers(), caches, strict=True):
-            layer.kv_cache = cache
-
     def observe(self, ordered: list[RequestState], hidden: torch.Tensor) -> None:
         """After the target's forward (rank 0): remember where each request's rows are and how far it had computed."""
-        if self.head is None:
+        if self.model is None:
             return
         layer_states = None
         if self.reads_layer_states:
@@ -191,7 +162,7 @@ class EagleProposer:
         if layer_states is None:
             features = hidden.index_select(0, index)
         else:
-            features = self.head.combine(torch.cat([s.index_select(0, index) for s in layer_states], dim=-1))
+            features = self.model.combine(torch.cat([s.index_select(0, index) for s in layer_states], dim=-1))
         at = 0
         for handle, computed, kept in pieces:
             self._pending.setdefault(handle, []).append((computed, features[at : at + kept]))
@@ -201,7 +172,7 @@ class EagleProposer:
     def propose(self, scheduled: list[RequestState]) -> list[RequestState]:
         """Feed every scheduled request's new features to the head; drafts for those with lookahead room."""
         wanted = [s for s in scheduled if s.num_lookahead and s.num_scheduled_tokens == 1]
-        drafts = self._draft(scheduled, wanted) if self.head is not None else None
+        drafts = self._draft(scheduled, wanted) if self.model is not None else None
         if not wanted:
             return []
         return append_drafts(wanted, share_drafts(self.tp, self.device, self.k, len(wanted), drafts))
@@ -249,10 +220,10 @@ class EagleProposer:
         """One head forward over `heads`' scheduled rows; (head, greedy token, next feature) for each sampling one."""
         flat = prepare_step(self.buffers, self.settings, heads)
         rows = torch.cat([features[id(head)] for head in flat.ordered], dim=0)
-        out, chained = self.head(flat.input_ids, flat.positions, flat.attention, rows)
+        out, chained = self.model(flat.input_ids, flat.positions, flat.attention, rows)
         if not flat.sample_states:
             return []
-        tokens = self.head.greedy_tokens(out[flat.sample_rows])
+        tokens = self.model.greedy_tokens(out[flat.sample_rows])
         following = chained[flat.sample_rows]
         pairs = enumerate(zip(flat.sample_states, tokens, strict=True))
         return [(head, token, following[i : i + 1]) for i, (head, token) in pairs]
@@ -301,6 +272,4 @@ class EagleProposer:
 
     def forget(self, state: RequestState) -> None:
         self._pending.pop(state.handle, None)
-        head = self._states.pop(state.handle, None)
-        if head is not None and self.head is not None:
-            self.buffers.release(head)
+        super().forget(state)

@@ -13,7 +13,6 @@ the target's.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -108,7 +107,9 @@ class EagleHead(CausalLM):
             self.fc = ReplicatedLinear(3 * target_hidden, hidden, fc_bias, dtype)
             draft_vocab = getattr(config, "draft_vocab_size", None) or config.vocab_size
             self.lm_head = ParallelLMHead(draft_vocab, hidden, SINGLE_RANK, dtype)
-            self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+            # draft id → target id - draft id, a checkpoint tensor like the weights.
+            self.d2t = nn.Parameter(torch.zeros(draft_vocab, dtype=torch.long), requires_grad=False)
+            self.d2t.weight_loader = self._load_d2t
             self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
         else:
             self.fc = ReplicatedLinear(2 * hidden, hidden, fc_bias, dtype)
@@ -153,41 +154,17 @@ class EagleHead(CausalLM):
             best = best + self.d2t[best]
         return best.tolist()
 
+    @staticmethod
+    def _load_d2t(param: nn.Parameter, full, shard_id: object = None) -> None:
+        if tuple(full.shape) != tuple(param.shape):
+            raise ValueError(
+                f"speculative_config.model: d2t has shape {tuple(full.shape)}, expected {tuple(param.shape)} "
+                "(draft_vocab_size)"
+            )
+        param.data.copy_(materialize(full).to(torch.long))
+
     def checkpoint_name(self, hf_name: str) -> tuple[str, object] | None:
         name = head_checkpoint_name(hf_name)
         if name == "t2d":
             return None  # the reverse map: not needed to draft
-        if name == "d2t":
-            return "d2t", None
         return super().checkpoint_name(name)
-
-    def load_head(self, weights: Iterable[tuple[str, torch.Tensor]], shared: set[str]) -> None:
-        """Load the head's tensors; `shared` names the parameters taken from the target instead."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            mapped = self.checkpoint_name(hf_name)
-            if mapped is None:
-                continue
-            name, shard_id = mapped
-            if name == "d2t":
-                if tuple(tensor.shape) != tuple(self.d2t.shape):
-                    raise ValueError(
-                        f"speculative_config.model: d2t has shape {tuple(tensor.shape)}, expected "
-                        f"{tuple(self.d2t.shape)} (draft_vocab_size)"
-                    )
-                self.d2t.copy_(materialize(tensor).to(torch.long))
-                continue
-            if name in shared or name not in params:
-                if name in shared:
-                    continue
-                raise ValueError(
-                    f"speculative_config.model: tensor {hf_name!r} has no place in an "
-                    f"{'EAGLE-3' if self.eagle3 else 'EAGLE'} head"
-                )
-            param = params[name]
-            param.weight_loader(param, tensor, shard_id)
-            loaded.add(name)
-        missing = sorted(set(params) - loaded - shared)
-        if missing:
-            raise ValueError(f"speculative_config.model is missing {len(missing)} tensors: {', '.join(missing[:5])}")

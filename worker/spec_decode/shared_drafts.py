@@ -1,11 +1,65 @@
-"""Drafts proposed on rank 0 reach every tensor-parallel rank by one broadcast, so all ranks verify the same tokens."""
+"""Drafters that run on rank 0 (a draft model, an EAGLE head): their KV in the target's slot space, and drafts that
+reach every tensor-parallel rank by one broadcast, so all ranks verify the same tokens."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
+from worker.attention_backends.settings import AttentionSettings
+from worker.input_buffers import InputBuffers
+from worker.kv_cache import allocate_kv_caches, bytes_per_block
 from worker.parallel_state import TensorParallelGroup
 from worker.request_state import RequestState
+
+
+class RankZeroDrafter:
+    """What a drafting model on rank 0 needs around it: its per-request states, its input buffers and attention
+    settings, and its KV cache (allocated in the target's slot space, counted in the cache sizing)."""
+
+    def __init__(self, tp: TensorParallelGroup, device: torch.device, k: int) -> None:
+        self.tp, self.device, self.k = tp, device, k
+        # Set on rank 0 only (see bind).
+        self.model: nn.Module | None = None
+        # Per request on rank 0: the drafter's own view (tokens, blocks, how far its KV is written).
+        self._states: dict[int, RequestState] = {}
+
+    def bind(self, model: nn.Module, dtype: torch.dtype, block_size: int) -> None:
+        """Rank 0: draft with `model`."""
+        self.model, self.dtype, self.block_size = model, dtype, block_size
+        self.settings = AttentionSettings.for_model(model, self.device, dtype, block_size)
+        self.buffers = InputBuffers(block_size, self.device)
+
+    def bytes_per_block(self) -> int:
+        """What the drafter's KV adds to each block of this rank (0 off rank 0)."""
+        model = self.model
+        if model is None:
+            return 0
+        return bytes_per_block(
+            model.num_layers, model.num_kv_heads_per_rank, model.head_dim, self.block_size, self.dtype
+        )
+
+    def allocate(self, num_blocks: int) -> None:
+        """The drafter's KV cache, in the target's slot space of `num_blocks` blocks."""
+        model = self.model
+        if model is None:
+            return
+        caches = allocate_kv_caches(
+            model.num_layers,
+            num_blocks,
+            self.block_size,
+            model.num_kv_heads_per_rank,
+            model.head_dim,
+            self.dtype,
+            self.device,
+        )
+        for layer, cache in zip(model.attention_layers(), caches, strict=True):
+            layer.kv_cache = cache
+
+    def forget(self, state: RequestState) -> None:
+        own = self._states.pop(state.handle, None)
+        if own is not None and self.model is not None:
+            self.buffers.release(own)
 
 
 def share_drafts(
