@@ -90,6 +90,13 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         KV_CACHE_DTYPES,
     ),
     EngineArg("enable_prefix_caching", "cache", bool, "reuse KV blocks of prompts that share a prefix"),
+    EngineArg(
+        "kv_offload_bytes",
+        "cache",
+        int,
+        "bytes of host memory per rank for a second KV tier: prefix blocks evicted from the device cache are "
+        "copied there and loaded back on a hit (default: off)",
+    ),
     EngineArg("max_num_batched_tokens", "scheduler", int, "token budget of one step"),
     EngineArg("max_num_seqs", "scheduler", int, "sequences in one step"),
     EngineArg("max_model_len", "scheduler", int, "longest context a request may reach (default: the model's)"),

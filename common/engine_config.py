@@ -29,6 +29,8 @@ class CacheConfig:
     num_gpu_blocks: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    # Bytes of host memory per rank for the second KV tier (evicted prefix blocks); None: no host tier.
+    kv_offload_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -39,6 +41,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not (self.kv_offload_bytes is None or self.kv_offload_bytes > 0):
+            raise ValueError(f"kv_offload_bytes must be > 0, got {self.kv_offload_bytes}")
         if not (self.num_gpu_blocks is None or self.num_gpu_blocks >= 1):
             raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
 

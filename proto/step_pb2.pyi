@@ -81,7 +81,7 @@ class CachedRequest(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., resumed: _Optional[bool] = ..., num_computed_tokens: _Optional[int] = ..., skip_sampling: _Optional[bool] = ..., num_prompt_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "finished", "preempted", "trace_context", "decode_handles")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "finished", "preempted", "trace_context", "decode_handles", "offload_blocks", "offload_slots", "load_slots", "load_blocks")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,10 @@ class StepBatch(_message.Message):
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     DECODE_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -103,7 +107,11 @@ class StepBatch(_message.Message):
     preempted: _containers.RepeatedScalarFieldContainer[int]
     trace_context: _containers.ScalarMap[str, str]
     decode_handles: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., preempted: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., decode_handles: _Optional[_Iterable[int]] = ...) -> None: ...
+    offload_blocks: _containers.RepeatedScalarFieldContainer[int]
+    offload_slots: _containers.RepeatedScalarFieldContainer[int]
+    load_slots: _containers.RepeatedScalarFieldContainer[int]
+    load_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., preempted: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., decode_handles: _Optional[_Iterable[int]] = ..., offload_blocks: _Optional[_Iterable[int]] = ..., offload_slots: _Optional[_Iterable[int]] = ..., load_slots: _Optional[_Iterable[int]] = ..., load_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
@@ -114,7 +122,7 @@ class TopLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "handles", "token_ids", "logprobs", "top_logprobs", "compute_seconds", "forward_seconds", "constraint_done", "constraint_seconds", "error", "moe_collective_bytes", "spec_handles", "spec_counts", "spec_num_drafts", "spec_token_ids", "spec_logprobs", "spec_top_logprobs")
+    __slots__ = ("step_id", "handles", "token_ids", "logprobs", "top_logprobs", "compute_seconds", "forward_seconds", "constraint_done", "constraint_seconds", "error", "moe_collective_bytes", "spec_handles", "spec_counts", "spec_num_drafts", "spec_token_ids", "spec_logprobs", "spec_top_logprobs", "kv_transfer_seconds", "kv_transfer_bytes")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +140,8 @@ class StepResult(_message.Message):
     SPEC_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPEC_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SPEC_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     handles: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -149,4 +159,6 @@ class StepResult(_message.Message):
     spec_token_ids: _containers.RepeatedScalarFieldContainer[int]
     spec_logprobs: _containers.RepeatedScalarFieldContainer[float]
     spec_top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., constraint_done: _Optional[_Iterable[int]] = ..., constraint_seconds: _Optional[float] = ..., error: _Optional[str] = ..., moe_collective_bytes: _Optional[int] = ..., spec_handles: _Optional[_Iterable[int]] = ..., spec_counts: _Optional[_Iterable[int]] = ..., spec_num_drafts: _Optional[_Iterable[int]] = ..., spec_token_ids: _Optional[_Iterable[int]] = ..., spec_logprobs: _Optional[_Iterable[float]] = ..., spec_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+    kv_transfer_seconds: float
+    kv_transfer_bytes: int
+    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., constraint_done: _Optional[_Iterable[int]] = ..., constraint_seconds: _Optional[float] = ..., error: _Optional[str] = ..., moe_collective_bytes: _Optional[int] = ..., spec_handles: _Optional[_Iterable[int]] = ..., spec_counts: _Optional[_Iterable[int]] = ..., spec_num_drafts: _Optional[_Iterable[int]] = ..., spec_token_ids: _Optional[_Iterable[int]] = ..., spec_logprobs: _Optional[_Iterable[float]] = ..., spec_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...

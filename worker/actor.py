@@ -142,6 +142,7 @@ class WorkerActor:
         return {
             "address": address,
             "num_blocks": self.worker.num_blocks,
+            "num_host_blocks": self.worker.num_host_blocks,
             "weights": self.worker.weights,
             "pid": os.getpid(),
             "rank": self.rank,

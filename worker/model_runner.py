@@ -70,6 +70,7 @@ class ModelRunner:
         graph_backend: GraphBackend | None = None,
         warm_up: bool | None = None,
         proposer=None,
+        host_kv=None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -106,6 +107,8 @@ class ModelRunner:
             max_num_seqs=max_num_seqs,
             max_blocks_per_seq=max_blocks_per_seq,
         )
+        # The host KV tier's slots (worker/kv_offload.py): each step's copies run before its forward.
+        self.host_kv = host_kv
         # Speculative decoding: proposes the drafts the head made room for; the requests that got some this step.
         self.proposer = proposer
         self._drafted: list[RequestState] = []
@@ -194,6 +197,11 @@ class ModelRunner:
     def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
         started = time.perf_counter()
         result = step_pb2.StepResult(step_id=batch.step_id)
+        if self.host_kv is not None and (batch.offload_blocks or batch.load_slots):
+            result.kv_transfer_seconds = self.host_kv.transfer(batch)
+            result.kv_transfer_bytes = self.host_kv.bytes_per_block * (
+                len(batch.offload_blocks) + len(batch.load_slots)
+            )
         with traced(_tracer, "prepare_inputs"):
             flat = self.prepare(batch)
         if self.constraints is not None and batch.new_requests:

@@ -13,6 +13,7 @@ from proto import step_pb2
 from worker.config import WorkerConfig
 from worker.host_memory import keep_freed_memory
 from worker.kv_cache import allocate_kv_caches, bytes_per_block, memory_budget, resolve_kv_cache_dtype
+from worker.kv_offload import HostKvPool, available_host_memory, host_slots_for
 from worker.layers.quantization.summary import weight_bytes, weight_format
 from worker.memory_profile import KvCacheProfile, memory_probe, profile_kv_cache
 from worker.model_loader import load_model, resolve_model_dir
@@ -121,6 +122,25 @@ class Worker:
         )
         for layer, layer_cache in zip(self.model.attention_layers(), caches, strict=True):
             layer.kv_cache = layer_cache
+        # The host KV tier's slots on this rank (none without kv_offload_bytes).
+        self.host_kv: HostKvPool | None = None
+        self.num_host_blocks = 0
+        if cache.kv_offload_bytes:
+            per_block = bytes_per_block(
+                self.model.num_layers,
+                self.model.num_kv_heads_per_rank,
+                self.model.head_dim,
+                cache.block_size,
+                self.kv_dtype,
+            )
+            self.num_host_blocks = host_slots_for(cache.kv_offload_bytes, per_block, available_host_memory())
+            self.host_kv = HostKvPool(caches, self.num_host_blocks, cache.block_size)
+            logger.info(
+                "rank %d: host KV tier of %d blocks (%d bytes)",
+                tp.rank,
+                self.num_host_blocks,
+                self.num_host_blocks * per_block,
+            )
         if self.proposer is not None:
             self.proposer.allocate(self.num_blocks + SCRATCH_BLOCKS)
         self.runner = ModelRunner(
@@ -135,6 +155,7 @@ class Worker:
             enforce_eager=engine.enforce_eager,
             scratch_block=self.num_blocks,
             proposer=self.proposer,
+            host_kv=self.host_kv,
         )
         torch.manual_seed(engine.seed)
 

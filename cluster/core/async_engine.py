@@ -137,6 +137,7 @@ class AsyncEngine:
             "num_aborted": scheduler.stats.num_aborted,
             "num_computed_tokens": scheduler.stats.num_computed_tokens,
             "num_prefix_hit_tokens": scheduler.stats.num_prefix_hit_tokens,
+            "num_host_hit_tokens": scheduler.stats.num_host_hit_tokens,
             "schedule_p50_s": statistics.median(engine.schedule_seconds) if engine.schedule_seconds else 0.0,
             "num_steps": scheduler.stats.num_steps,
             "num_output_deliveries": self.num_deliveries,

@@ -6,6 +6,8 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from cluster.core.host_kv_tier import HostBlock, HostKvTier
+
 # Parent hash of the first block of every sequence. Any fixed value works; it only has to be the same for
 # every request so that identical first blocks hash identically.
 ROOT_PARENT_HASH = 0x5EED_B10C
@@ -67,6 +69,7 @@ class BlockTable:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
+        host_tier: HostKvTier | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -78,10 +81,14 @@ class BlockTable:
         self._block_size = block_size
         self._enable_prefix_caching = enable_prefix_caching
         self._sliding_window = sliding_window
+        # Where evicted cached blocks go, and where prompts continue past a device hit (None: no second tier).
+        self.host_tier = host_tier if enable_prefix_caching else None
         self.reset()
 
     def reset(self) -> None:
         """Forget every request and every hash: all blocks are free (the workers' caches are empty)."""
+        if self.host_tier is not None:
+            self.host_tier.reset()
         self._ref_counts: list[int] = [0] * self._num_blocks
         # Hash of each block, or None. Kept per block so eviction can drop the map entry in O(1).
         self._block_hashes: list[int | None] = [None] * self._num_blocks
@@ -180,6 +187,17 @@ class BlockTable:
             parent = h
         return found
 
+    def find_host_prefix(self, token_ids: Sequence[int], cached_block_ids: Sequence[int]) -> list[HostBlock]:
+        """The host-tier blocks that continue the device hit `cached_block_ids` (from find_cached_prefix)."""
+        if self.host_tier is None or not token_ids:
+            return []
+        parent = self._block_hashes[cached_block_ids[-1]] if cached_block_ids else ROOT_PARENT_HASH
+        return self.host_tier.match(token_ids, len(cached_block_ids), parent, self._block_size, hash_block)
+
+    def take_host_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host-tier copies this step must make before its forward (offloads, loads); empty without a tier."""
+        return self.host_tier.take_transfers() if self.host_tier is not None else ([], [])
+
     # ------------------------------------------------------------------ allocation
 
     def allocate_slots(
@@ -188,12 +206,28 @@ class BlockTable:
         token_ids: Sequence[int],
         num_tokens: int,
         cached_block_ids: Sequence[int] = (),
+        host_blocks: Sequence[HostBlock] = (),
     ) -> list[int] | None:
         """Make the request own blocks for its first num_tokens tokens; None (and no change) if they don't fit.
 
-        cached_block_ids (from find_cached_prefix, only for a request without blocks) are attached first.
+        cached_block_ids (from find_cached_prefix, only for a request without blocks) are attached first; the
+        first new blocks are then filled from `host_blocks` (from find_host_prefix) in this step.
         Returns only the newly allocated block ids, in sequence order.
         """
+        if host_blocks:
+            # Pinned first: evictions this allocation makes must not take the slots it loads from.
+            self.host_tier.pin(host_blocks)
+            new_ids = self._allocate(request_id, token_ids, num_tokens, cached_block_ids)
+            if new_ids is None:
+                self.host_tier.unpin(host_blocks)
+            else:
+                self.host_tier.load(host_blocks, new_ids[: len(host_blocks)])
+            return new_ids
+        return self._allocate(request_id, token_ids, num_tokens, cached_block_ids)
+
+    def _allocate(
+        self, request_id: str, token_ids: Sequence[int], num_tokens: int, cached_block_ids: Sequence[int]
+    ) -> list[int] | None:
         req = self._requests.get(request_id)
         num_owned = len(req.block_ids) if req is not None else 0
         if not cached_block_ids and 0 <= num_tokens <= num_owned * self._block_size:
@@ -310,8 +344,10 @@ class BlockTable:
         block_id, _ = self._free_queue.popitem(last=False)
         h = self._block_hashes[block_id]
         if h is not None:
-            # Reused for new content: its old hash must no longer lead here.
-            del self._cached[h]
+            # Reused for new content: its old hash must no longer lead here (the host tier may keep a copy).
+            entry = self._cached.pop(h)
+            if self.host_tier is not None:
+                self.host_tier.store(block_id, h, entry.parent_hash, entry.token_ids)
             self._block_hashes[block_id] = None
         return block_id
 

@@ -14,6 +14,7 @@ from cluster.core.engine_metrics import EngineMetrics
 from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
 from cluster.core.executor import Executor, PendingStep, WorkerGroupError
+from cluster.core.host_kv_tier import HostKvTier
 from cluster.core.model_info import ModelInfo
 from cluster.core.quarantine import Quarantine
 from cluster.core.request import Request, RequestStatus
@@ -112,7 +113,9 @@ class EngineCore:
 
     def _new_block_table(self, num_blocks: int) -> BlockTable:
         cache = self.config.cache
-        return BlockTable(num_blocks, cache.block_size, cache.enable_prefix_caching, self.sliding_window)
+        host_slots = getattr(self.executor, "num_host_blocks", 0)
+        host_tier = HostKvTier(host_slots) if host_slots else None
+        return BlockTable(num_blocks, cache.block_size, cache.enable_prefix_caching, self.sliding_window, host_tier)
 
     def add_request(self, request: EngineRequest) -> Request:
         """Queue a new request (final=False: the first chunk of a streaming-input session).

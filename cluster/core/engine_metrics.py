@@ -79,7 +79,17 @@ class EngineMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = FastCounter(PREFIX + "generation_tokens", "Generated tokens.", labels, self.registry)
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (on the device).")
+        self.host_hits = counter(
+            "prefix_cache_host_hits", "Prompt tokens found in the host KV tier and loaded back instead of recomputed."
+        )
+        self.kv_offload_blocks = counter(
+            "kv_offload_blocks", "KV blocks copied to the host tier (offload) and back (load).", ("direction",)
+        )
+        self.kv_transfer_seconds = counter(
+            "kv_offload_transfer_seconds", "Rank 0's time issuing host KV tier copies (with the bytes: bandwidth)."
+        )
+        self.kv_transfer_bytes = counter("kv_offload_transfer_bytes", "Bytes of host KV tier copies on rank 0.")
         self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
         self.success = counter("request_success", "Finished requests by reason.", ("finished_reason",))
         self.restarts = counter("worker_restarts", "Worker group restarts after a failure.")
@@ -125,7 +135,8 @@ class EngineMetrics:
         self._phases = {phase: self.step_duration.labels(name, phase) for phase in STEP_PHASES}
         self._name_label = (name,)
         self._seen_preemptions = 0
-        self._seen_prefix = (0, 0)
+        self._seen_prefix = (0, 0, 0)
+        self._seen_offload = (0, 0)
         self._seen_restarts = 0
         self._moe_bytes = self.moe_collective_bytes.labels(name)
 
@@ -176,8 +187,11 @@ class EngineMetrics:
         phases["schedule"].observe(schedule_s)
         phases["dispatch"].observe(max(0.0, round_trip_s - compute))
         phases["forward"].observe(forward)
-        constrain = result.constraint_seconds
-        phases["sample"].observe(max(0.0, compute - forward - constrain))
+        constrain, transfer = result.constraint_seconds, result.kv_transfer_seconds
+        phases["sample"].observe(max(0.0, compute - forward - constrain - transfer))
+        if transfer:
+            self.kv_transfer_seconds.labels(self.model_name).inc(transfer)
+            self.kv_transfer_bytes.labels(self.model_name).inc(result.kv_transfer_bytes)
         if constrain:
             phases["constrain"].observe(constrain)
         if result.moe_collective_bytes:
@@ -272,10 +286,17 @@ class EngineMetrics:
         stats = scheduler.stats
         self.preemptions.labels(name).inc(stats.num_preemptions - self._seen_preemptions)
         self._seen_preemptions = stats.num_preemptions
-        queries, hits = stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens
+        queries, hits, host_hits = stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens, stats.num_host_hit_tokens
         self.prefix_queries.labels(name).inc(queries - self._seen_prefix[0])
         self.prefix_hits.labels(name).inc(hits - self._seen_prefix[1])
-        self._seen_prefix = (queries, hits)
+        self.host_hits.labels(name).inc(host_hits - self._seen_prefix[2])
+        self._seen_prefix = (queries, hits, host_hits)
+        tier = table.host_tier
+        if tier is not None:
+            seen = self._seen_offload if tier.num_offloaded >= self._seen_offload[0] else (0, 0)  # a new tier
+            self.kv_offload_blocks.labels(name, "offload").inc(tier.num_offloaded - seen[0])
+            self.kv_offload_blocks.labels(name, "load").inc(tier.num_loaded - seen[1])
+            self._seen_offload = (tier.num_offloaded, tier.num_loaded)
         self.restarts.labels(name).inc(engine.num_restarts - self._seen_restarts)
         self._seen_restarts = engine.num_restarts
 

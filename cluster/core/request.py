@@ -61,6 +61,7 @@ class Request:
     epoch: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = 0  # prefix-cache hit on the latest admission
+    num_host_cached_tokens: int = 0  # of which the host KV tier held
     error: str | None = None  # why the engine gave up on it, when it did
     # What kind of failure `error` is: "worker_failure" (retriable), "session_idle_timeout", "quarantined".
     error_code: str | None = None

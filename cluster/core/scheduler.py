@@ -133,6 +133,7 @@ class Scheduler:
         if not preempted_running and self.pause_mode is PauseMode.NONE:
             budget = self._schedule_waiting(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.kv_offloads, out.kv_loads = self.block_table.take_host_transfers()
         self.stats.record_step(out, self.running, self.block_table)
         return out
 
@@ -238,21 +239,22 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_inflight_tokens or request.num_pending_samples:
                 break  # preempted while a step of it was in flight: it resumes once that step answered
-            cached: list[int] = []
-            # A returning streaming-input session still owns its blocks; everything else starts empty.
+            cached, hosted = [], []  # the device prefix hit, and the host tier's continuation of it
+            # A returning streaming-input session still owns its blocks; everything else starts empty (and looks up).
             admitted = not self.block_table.has_request(request.request_id)
             if admitted:
                 cached = self.block_table.find_cached_prefix(request.all_token_ids)
-                request.num_computed_tokens = len(cached) * self.block_table.block_size
+                hosted = self.block_table.find_host_prefix(request.all_token_ids, cached)
+                request.num_computed_tokens = (len(cached) + len(hosted)) * self.block_table.block_size
             num_new = request.num_tokens - request.num_computed_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
             new_blocks = self.block_table.allocate_slots(
-                request.request_id, request.all_token_ids, request.num_computed_tokens + num_new, cached
+                request.request_id, request.all_token_ids, request.num_computed_tokens + num_new, cached, hosted
             )
             if new_blocks is None:
-                if cached:
+                if cached or hosted:
                     request.num_computed_tokens = 0
                 if self._release_parked_blocks(out, keep=request):
                     continue
@@ -262,9 +264,8 @@ class Scheduler:
                 self.stats.num_prefix_query_tokens += request.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            if cached:
-                request.num_cached_tokens = request.num_computed_tokens
-                self.stats.num_prefix_hit_tokens += request.num_computed_tokens
+            if cached or hosted:
+                self.stats.record_hit(request, len(hosted) * self.block_table.block_size)
             # A new or resumed request gets its whole block list; a session chunk only the new blocks.
             resync = admitted or request.needs_resync
             request.needs_resync = False

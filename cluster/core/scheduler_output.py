@@ -59,6 +59,10 @@ class SchedulerOutput:
     has_admissions: bool = False
     # Some item is a prefill chunk that does not reach the end of its prompt (for the mixed-step count).
     has_partial_prefill: bool = False
+    # Host KV tier copies the ranks make before this step's forward: (device block, host slot) offloads, then
+    # (host slot, device block) loads.
+    kv_offloads: list[tuple[int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -74,13 +78,21 @@ class SchedulerStats:
     num_aborted: int = 0  # requests a caller aborted (disconnects included)
     num_finished: int = 0  # requests that ended, for any reason (so a caller can tell a step ended none)
     num_idle_sessions_released: int = 0  # idle sessions whose blocks were reclaimed (also in num_preemptions)
-    num_prefix_hit_tokens: int = 0
+    num_prefix_hit_tokens: int = 0  # found on the device
+    num_host_hit_tokens: int = 0  # found in the host KV tier and loaded back
     num_prefix_query_tokens: int = 0
     num_computed_tokens: int = 0
     num_mixed_steps: int = 0  # steps with a partial prefill chunk next to decodes
     peak_used_slots: int = 0
     peak_utilisation: float = 0.0
     peak_running: int = 0  # most sequences holding KV blocks at once
+
+    def record_hit(self, request: Request, host_tokens: int) -> None:
+        """An admission found its first num_computed_tokens cached, `host_tokens` of them in the host tier."""
+        request.num_cached_tokens = request.num_computed_tokens
+        request.num_host_cached_tokens = host_tokens
+        self.num_prefix_hit_tokens += request.num_computed_tokens - host_tokens
+        self.num_host_hit_tokens += host_tokens
 
     def record_step(self, out: SchedulerOutput, running: list[Request], block_table: BlockTable) -> None:
         """Count a scheduled step: its tokens, the running batch's peak, and the KV slots' peak utilisation."""

@@ -35,6 +35,7 @@ class InProcessExecutor:
     def __init__(self, config: WorkerConfig) -> None:
         self.worker = Worker(config)
         self.num_blocks = self.worker.num_blocks
+        self.num_host_blocks = self.worker.num_host_blocks
         self.weights = self.worker.weights
         # A CPU rank's forward needs this thread and every core: its steps run inline and do not overlap.
         self.overlap_by_default = self.worker.device.type == "cuda"

@@ -68,6 +68,7 @@ class WorkerGroup:
         self._pings: dict[int, ray.ObjectRef] = {}  # one liveness call in flight per rank, while a step runs
         self._executor: RemoteExecutor | None = None
         self.num_blocks = 0
+        self.num_host_blocks = 0  # the host KV tier's slots per rank (0: no tier)
         self.weights: dict | None = None
         self.pids: list[int] = []
         self.node_ids: list[str] = []
@@ -116,6 +117,7 @@ class WorkerGroup:
         self.node_ids = [info["node_id"] for info in infos]
         # Every rank holds a shard of the same blocks: the table is as large as the smallest shard.
         self.num_blocks = min(info["num_blocks"] for info in infos)
+        self.num_host_blocks = min(info.get("num_host_blocks", 0) for info in infos)
         # The replica's weights: one format, bytes summed over the ranks' shards.
         self.weights = {**infos[0]["weights"], "weight_bytes": sum(info["weights"]["weight_bytes"] for info in infos)}
         self._pings = {}

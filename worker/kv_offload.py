@@ -1,0 +1,90 @@
+"""The rank's share of the host KV tier: host-memory slots that hold copies of KV blocks, filled and read back as
+each step's message says (the head decides which; see cluster/core/host_kv_tier.py)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from proto import step_pb2
+
+
+def available_host_memory() -> int | None:
+    """Bytes of host memory the kernel reports available (MemAvailable), or None where it cannot tell."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def host_slots_for(kv_offload_bytes: int, bytes_per_block: int, available: int | None) -> int:
+    """How many host blocks `kv_offload_bytes` holds; refused, naming both numbers, beyond available memory."""
+    if available is not None and kv_offload_bytes > available:
+        raise ValueError(
+            f"kv_offload_bytes={kv_offload_bytes} exceeds the host memory available to this rank ({available} bytes)"
+        )
+    slots = kv_offload_bytes // bytes_per_block
+    if slots < 1:
+        raise ValueError(f"kv_offload_bytes={kv_offload_bytes} holds no KV block of {bytes_per_block} bytes")
+    return slots
+
+
+class HostKvPool:
+    """One [num_slots, 2, kv_heads, block_size, head_dim] host tensor per layer of the device cache (whose layers
+    are [2, kv_heads, num_blocks * block_size, head_dim]); pinned on CUDA, so the copies queue on the step's
+    stream without a host wait and the forward that follows sees them done."""
+
+    def __init__(self, caches: list[torch.Tensor], num_slots: int, block_size: int) -> None:
+        self.caches = caches
+        self.num_slots = num_slots
+        self.block_size = block_size
+        self.device = caches[0].device
+        pin = self.device.type == "cuda"
+        _, heads, _, head_dim = caches[0].shape
+        self.pools = [
+            torch.zeros((num_slots, 2, heads, block_size, head_dim), dtype=cache.dtype, pin_memory=pin)
+            for cache in caches
+        ]
+        self.bytes_per_block = self.pools[0][0].numel() * self.pools[0].element_size() * len(caches)
+
+    def transfer(self, batch: step_pb2.StepBatch) -> float:
+        """The step's copies, offloads first; seconds the host spent issuing them (on CUDA they run queued)."""
+        started = time.perf_counter()
+        if batch.offload_blocks:
+            self._offload(list(batch.offload_blocks), list(batch.offload_slots))
+        if batch.load_slots:
+            self._load(list(batch.load_slots), list(batch.load_blocks))
+        return time.perf_counter() - started
+
+    def _blocks(self, cache: torch.Tensor) -> torch.Tensor:
+        """The cache as [2, kv_heads, num_blocks, block_size, head_dim] (a view)."""
+        two, heads, slots, head_dim = cache.shape
+        return cache.view(two, heads, slots // self.block_size, self.block_size, head_dim)
+
+    def _offload(self, block_ids: list[int], slots: list[int]) -> None:
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        where = torch.tensor(slots, dtype=torch.long)
+        for cache, pool in zip(self.caches, self.pools, strict=True):
+            # [n, 2, heads, block_size, head_dim], contiguous per block.
+            gathered = self._blocks(cache).index_select(2, blocks).permute(2, 0, 1, 3, 4).contiguous()
+            if self.device.type == "cpu":
+                pool.index_copy_(0, where, gathered)
+            else:
+                for row, slot in enumerate(slots):
+                    pool[slot].copy_(gathered[row], non_blocking=True)
+
+    def _load(self, slots: list[int], block_ids: list[int]) -> None:
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for cache, pool in zip(self.caches, self.pools, strict=True):
+            if self.device.type == "cpu":
+                staged = pool.index_select(0, torch.tensor(slots, dtype=torch.long))
+            else:
+                staged = torch.empty((len(slots), *pool.shape[1:]), dtype=pool.dtype, device=self.device)
+                for row, slot in enumerate(slots):
+                    staged[row].copy_(pool[slot], non_blocking=True)
+            self._blocks(cache).index_copy_(2, blocks, staged.permute(1, 2, 0, 3, 4))
