@@ -42,6 +42,9 @@ class HostKvTier:
 
     def reset(self) -> None:
         """Forget every block (the ranks' host memory is gone or untrusted)."""
+        self._reset()
+
+    def _reset(self) -> None:
         # block hash → HostBlock, least recently used first.
         self._entries: OrderedDict[int, HostBlock] = OrderedDict()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
