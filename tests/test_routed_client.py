@@ -84,6 +84,10 @@ class Recorder:
         self._check()
         return await self.inner.metrics()
 
+    async def kv_events(self, epoch, seq):
+        self._check()
+        return await self.inner.kv_events(epoch, seq)
+
     def ids(self, method: str = "generate") -> set[str]:
         return {request_id for kind, request_id in self.calls if kind == method}
 
@@ -476,3 +480,30 @@ def test_the_routing_decision_is_an_event_on_the_request_span(replicas):
     (event,) = [event for event in span.events if event.name == "routed"]
     assert event.attributes[ROUTE_REPLICA] in NAMES
     assert event.attributes[ROUTE_REASON] == "round_robin" and event.attributes[ROUTE_CACHED_TOKENS] == 0
+
+
+def test_routing_on_the_replicas_block_events(replicas):
+    """With index="events" the router learns what each replica caches from its block events (read with its load):
+    a later request sharing a served prompt's prefix goes where those blocks are, with the exact count, even with
+    the router's own send hints off; a replica that dies is forgotten, and read whole again once it answers."""
+    clients = replicas()
+    routed = RoutedEngineClient(clients, index="events")
+    routed.router.index.recent_s = 0  # only the events count
+    prompt = [7] * 16 + list(range(20, 84))  # five full blocks of 16
+
+    async def scenario():
+        await collect(routed.generate(EngineRequest("first", prompt, greedy(4))), len(prompt))
+        served = next(name for name in NAMES if clients[name].ids() == {"first"})
+        await routed.refresh_loads()
+        assert routed.router.index.match(prompt) == {served: 80}
+        route = routed.router.rank(prompt[:48] + [1, 2, 3])[0]
+        assert (route.replica, route.cached_tokens) == (served, 48)
+        await collect(routed.generate(EngineRequest("second", prompt[:48] + [1, 2, 3], greedy(2))), 51)
+        clients[served].dead = True
+        await routed.refresh_loads()  # it does not answer: out of rotation, its holdings still listed
+        routed.remove_replica(served)
+        assert routed.router.index.match(prompt) == {}
+        return served
+
+    served = run(scenario())
+    assert clients[served].ids() == {"first", "second"}

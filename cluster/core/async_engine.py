@@ -124,6 +124,10 @@ class AsyncEngine:
     def resume(self) -> None:
         self._submit(Pause(PauseMode.NONE))
 
+    def kv_events(self, epoch: int | None, seq: int) -> dict:
+        """This replica's block events after (epoch, seq), or a snapshot of its caches (cluster/core/kv_events.py)."""
+        return self.engine.kv_events.since(epoch, seq)
+
     def stats(self) -> dict:
         engine, scheduler = self.engine, self.engine.scheduler
         return {

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cluster.core.host_kv_tier import HostBlock, HostKvTier
+from cluster.core.kv_events import DEVICE, KvEventLog
 
 # Parent hash of the first block of every sequence. Any fixed value works; it only has to be the same for
 # every request so that identical first blocks hash identically.
@@ -70,6 +71,7 @@ class BlockTable:
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
         host_tier: HostKvTier | None = None,
+        events: KvEventLog | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
@@ -83,12 +85,18 @@ class BlockTable:
         self._sliding_window = sliding_window
         # Where evicted cached blocks go, and where prompts continue past a device hit (None: no second tier).
         self.host_tier = host_tier if enable_prefix_caching else None
+        # Told of every hash that becomes findable or stops being findable (a router follows them).
+        self.events = events
+        if host_tier is not None:
+            host_tier.events = events
         self.reset()
 
     def reset(self) -> None:
         """Forget every request and every hash: all blocks are free (the workers' caches are empty)."""
         if self.host_tier is not None:
             self.host_tier.reset()
+        if self.events is not None:
+            self.events.cleared(DEVICE)
         self._ref_counts: list[int] = [0] * self._num_blocks
         # Hash of each block, or None. Kept per block so eviction can drop the map entry in O(1).
         self._block_hashes: list[int | None] = [None] * self._num_blocks
@@ -346,6 +354,8 @@ class BlockTable:
         if h is not None:
             # Reused for new content: its old hash must no longer lead here (the host tier may keep a copy).
             entry = self._cached.pop(h)
+            if self.events is not None:
+                self.events.removed(h, DEVICE)
             if self.host_tier is not None:
                 self.host_tier.store(block_id, h, entry.parent_hash, entry.token_ids)
             self._block_hashes[block_id] = None
@@ -364,6 +374,8 @@ class BlockTable:
                 block_id = req.block_ids[i]
                 self._cached[h] = _CachedBlock(block_id, parent, tokens)
                 self._block_hashes[block_id] = h
+                if self.events is not None:
+                    self.events.stored(h, DEVICE)
             parent = h
         if num_full > req.num_hashed:
             req.num_hashed = num_full

@@ -15,6 +15,7 @@ from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
 from cluster.core.executor import Executor, PendingStep, WorkerGroupError
 from cluster.core.host_kv_tier import HostKvTier
+from cluster.core.kv_events import KvEventLog
 from cluster.core.model_info import ModelInfo
 from cluster.core.quarantine import Quarantine
 from cluster.core.request import Request, RequestStatus
@@ -78,6 +79,8 @@ class EngineCore:
         self.max_model_len = effective_max_model_len(config, max_model_len, executor.num_blocks)
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Block events for a router that follows what this replica's caches hold (cluster/core/kv_events.py).
+        self.kv_events = KvEventLog()
         self.block_table = self._new_block_table(executor.num_blocks)
         self.scheduler = Scheduler(config.scheduler, self.block_table, self.max_model_len)
         self.speculation = SpeculationPolicy(config.speculative_config)
@@ -115,7 +118,9 @@ class EngineCore:
         cache = self.config.cache
         host_slots = getattr(self.executor, "num_host_blocks", 0)
         host_tier = HostKvTier(host_slots) if host_slots else None
-        return BlockTable(num_blocks, cache.block_size, cache.enable_prefix_caching, self.sliding_window, host_tier)
+        return BlockTable(
+            num_blocks, cache.block_size, cache.enable_prefix_caching, self.sliding_window, host_tier, self.kv_events
+        )
 
     def add_request(self, request: EngineRequest) -> Request:
         """Queue a new request (final=False: the first chunk of a streaming-input session).

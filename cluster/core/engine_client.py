@@ -109,6 +109,10 @@ class EngineClient(Protocol):
 
     async def stats(self) -> dict: ...
 
+    async def kv_events(self, epoch: int | None, seq: int) -> dict:
+        """Block events of the replica's caches after (epoch, seq), or a snapshot (cluster/core/kv_events.py)."""
+        ...
+
     async def metrics(self) -> str:
         """Prometheus text exposition of the engine (head and worker ranks)."""
         ...

@@ -17,6 +17,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cluster.core.kv_events import HOST, KvEventLog
+
 
 @dataclass(frozen=True, slots=True)
 class HostBlock:
@@ -38,6 +40,7 @@ class HostKvTier:
         self.num_offloaded = 0  # blocks copied to the host, ever
         self.num_loaded = 0  # blocks copied back, ever
         self.num_not_offloaded = 0  # evicted blocks that found no slot (every slot read by this step's loads)
+        self.events: KvEventLog | None = None  # set by the block table that owns the tier
         self.reset()
 
     def reset(self) -> None:
@@ -45,6 +48,8 @@ class HostKvTier:
         self._reset()
 
     def _reset(self) -> None:
+        if self.events is not None:
+            self.events.cleared(HOST)
         # block hash → HostBlock, least recently used first.
         self._entries: OrderedDict[int, HostBlock] = OrderedDict()
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
@@ -69,6 +74,8 @@ class HostKvTier:
             return
         self._entries[block_hash] = HostBlock(slot, block_hash, parent_hash, token_ids)
         self._offloads.append((block_id, slot))
+        if self.events is not None:
+            self.events.stored(block_hash, HOST)
         self.num_offloaded += 1
 
     def match(
@@ -121,4 +128,6 @@ class HostKvTier:
         victim = next((h for h, entry in self._entries.items() if entry.slot not in self._pinned), None)
         if victim is None:
             return None
+        if self.events is not None:
+            self.events.removed(victim, HOST)
         return self._entries.pop(victim).slot

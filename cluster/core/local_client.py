@@ -39,5 +39,8 @@ class LocalEngineClient:
     async def stats(self) -> dict:
         return self._engine.stats()
 
+    async def kv_events(self, epoch: int | None, seq: int) -> dict:
+        return self._engine.kv_events(epoch, seq)
+
     async def metrics(self) -> str:
         return self._engine.metrics_text()

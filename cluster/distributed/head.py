@@ -155,6 +155,10 @@ class HeadActor:
     def metrics(self) -> str:
         return self.async_engine.metrics_text()
 
+    def kv_events(self, epoch: int | None, seq: int) -> dict:
+        """The block events of this replica's caches after (epoch, seq), or a snapshot (cluster/core/kv_events.py)."""
+        return self.async_engine.kv_events(epoch, seq)
+
     def reset_dispatch_stats(self) -> None:
         if self.group.dispatch_stats is not None:
             self.group.dispatch_stats.reset()

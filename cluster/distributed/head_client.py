@@ -134,5 +134,8 @@ class HeadEngineClient:
     async def stats(self) -> dict:
         return await self._head.stats.remote()
 
+    async def kv_events(self, epoch: int | None, seq: int) -> dict:
+        return await self._head.kv_events.remote(epoch, seq)
+
     async def metrics(self) -> str:
         return await self._head.metrics.remote()

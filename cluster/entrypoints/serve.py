@@ -11,6 +11,7 @@ import time
 
 from cluster.frontend.tool_calls import TOOL_CALL_PARSERS
 from cluster.routing.autoscale import ScalingPolicy
+from cluster.routing.routed_client import ROUTING_INDEXES
 from cluster.routing.router import POLICIES
 from common.engine_args import add_engine_arguments, engine_config_from_args
 from common.logs import LOG_FORMAT_ENV, configure_logging
@@ -58,6 +59,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         choices=POLICIES,
         help="how each request picks a replica: the one likely holding its prompt prefix (unless much busier), "
         "the least loaded, or in turn",
+    )
+    parser.add_argument(
+        "--routing-index",
+        default="events",
+        choices=ROUTING_INDEXES,
+        help="what prefix-aware routing knows of each replica's KV cache (device and host tier): the block events "
+        "the replicas publish, or an estimate from the prompts sent to each",
     )
     parser.add_argument(
         "--min-replicas",
@@ -245,6 +253,7 @@ def serve(args: argparse.Namespace) -> int:
     if routed:
         replicas = ReplicaSettings(
             routing_policy=args.routing_policy,
+            routing_index=args.routing_index,
             block_size=config.cache.block_size,
             min_replicas=min_replicas,
             max_replicas=max_replicas,

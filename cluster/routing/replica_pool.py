@@ -23,6 +23,9 @@ class ReplicaSettings:
     """How the frontend spreads requests over the replicas, and (with a launcher) how it scales them."""
 
     routing_policy: str = "prefix-aware"
+    # What prefix-aware routing knows of each replica's cache: its block events ("events"), or an estimate from
+    # the prompts sent to it ("estimate").
+    routing_index: str = "events"
     block_size: int = 16
     refresh_interval_s: float = 1.0  # how often the replicas' load and health are read
     min_replicas: int | None = None  # None: as many as started
@@ -64,6 +67,7 @@ class ReplicaPool:
             model_name=model_name,
             max_model_len=model_info["max_model_len"],
             vocab_size=model_info["vocab_size"],
+            index=settings.routing_index,
         )
         self._next_index = itertools.count(len(head_names))
         self._heads: dict[str, HeadEngineClient] = dict(self.engine.replicas)

@@ -12,6 +12,7 @@ from cluster.core.engine_client import EngineClient, RequestDelta
 from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
 from cluster.routing.failover import ReplicaFailed, ended, is_replica_failure
+from cluster.routing.kv_event_index import KvEventIndex
 from cluster.routing.replica_fanout import call_all, load_of, merged_metrics, merged_stats, on_every_replica, probe
 from cluster.routing.routed_streams import Aborted, OpenRequest, close_stream, next_delta, pin_key
 from cluster.routing.router import NoReplicaError, Route, Router, check_replica_name
@@ -25,6 +26,8 @@ logger = logging.getLogger(__name__)
 ROUTE_REPLICA = "pagerail.route.replica"
 ROUTE_REASON = "pagerail.route.reason"
 ROUTE_CACHED_TOKENS = "pagerail.route.estimated_cached_tokens"
+# Where the prefix-aware router learns what each replica caches: its block events, or the prompts sent to it.
+ROUTING_INDEXES = ("events", "estimate")
 
 
 class RoutedEngineClient:
@@ -47,14 +50,21 @@ class RoutedEngineClient:
         model_name: str | None = None,
         max_model_len: int | None = None,
         vocab_size: int | None = None,
+        index: str = "estimate",
     ) -> None:
+        if index not in ROUTING_INDEXES:
+            raise ValueError(f"index must be one of {ROUTING_INDEXES}, got {index!r}")
         if not isinstance(replicas, dict) or not replicas:
             raise ValueError("replicas must be a non-empty dict of name -> EngineClient")
         first = next(iter(replicas.values()))
         self.model_name = model_name if model_name is not None else first.model_name
         self.max_model_len = max_model_len if max_model_len is not None else first.max_model_len
         self.vocab_size = vocab_size if vocab_size is not None else first.vocab_size
-        self.router = Router(policy, block_size=block_size)
+        # "events": the router follows the replicas' block events (exact); "estimate": the prompts it sent.
+        self.follows_events = index == "events"
+        self.router = Router(
+            policy, block_size=block_size, index=KvEventIndex(block_size) if self.follows_events else None
+        )
         self.metrics_registry = RouterMetrics(self.model_name)
         self._clients: dict[str, EngineClient] = {}
         self._open: dict[str, OpenRequest] = {}
@@ -337,10 +347,23 @@ class RoutedEngineClient:
                 return  # removed or replaced meanwhile
             if stats is not None:
                 self.router.set_load(name, *load_of(stats))
+                if self.follows_events:
+                    await self._read_kv_events(name, client, timeout_s)
             self.router.set_healthy(name, ready)
 
         await asyncio.gather(*(one(name, client) for name, client in list(self._clients.items())))
         self._count_rotation()
+
+    async def _read_kv_events(self, name: str, client: EngineClient, timeout_s: float) -> None:
+        """The replica's block events since the last read (or a snapshot), into the router's index."""
+        index = self.router.index
+        try:
+            report = await asyncio.wait_for(client.kv_events(*index.position(name)), timeout_s)
+        except Exception as error:  # the next round asks again; routing goes on with what is known
+            logger.warning("replica %s did not report its block events: %r", name, error)
+            return
+        if self._clients.get(name) is client:
+            index.apply(name, report)
 
     async def stats(self) -> dict:
         """The replicas' counts summed at the top, each replica's stats under "replicas", the router's under

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from cluster.core.errors import QueueFullError
+from cluster.routing.kv_event_index import KvEventIndex
 from cluster.routing.prefix_index import PrefixIndex
 
 POLICIES = ("prefix-aware", "least-loaded", "round-robin")
@@ -76,7 +77,7 @@ class Router:
         balance_ratio: float = 1.5,
         balance_slack: float = 8.0,
         kv_weight: float = 4.0,
-        index: PrefixIndex | None = None,
+        index: PrefixIndex | KvEventIndex | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
