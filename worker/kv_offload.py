@@ -88,3 +88,10 @@ class HostKvPool:
                 for row, slot in enumerate(slots):
                     staged[row].copy_(pool[slot], non_blocking=True)
             self._blocks(cache).index_copy_(2, blocks, staged.permute(1, 2, 0, 3, 4))
+
+    def write(self, slots: list[int], data: torch.Tensor) -> None:
+        """Blocks that came from another replica into `slots`: data [n, layers, 2, this rank's heads, block_size,
+        head_dim] on the CPU (written between steps, when no step reads these slots)."""
+        where = torch.tensor(slots, dtype=torch.long)
+        for layer, pool in enumerate(self.pools):
+            pool.index_copy_(0, where, data[:, layer].to(pool.dtype))

@@ -14,6 +14,7 @@ from worker.config import WorkerConfig
 from worker.host_memory import keep_freed_memory
 from worker.kv_cache import allocate_kv_caches, bytes_per_block, memory_budget, resolve_kv_cache_dtype
 from worker.kv_offload import HostKvPool, available_host_memory, host_slots_for
+from worker.kv_transfer import kv_heads_of_rank, read_blocks
 from worker.layers.quantization.summary import weight_bytes, weight_format
 from worker.memory_profile import KvCacheProfile, memory_probe, profile_kv_cache
 from worker.model_loader import load_model, resolve_model_dir
@@ -200,6 +201,30 @@ class Worker:
             "rank %d: KV cache of %d blocks in %s (%d bytes each)", self.tp.rank, num_blocks, self.kv_dtype, per_block
         )
         return int(num_blocks)
+
+    @property
+    def kv_layout(self) -> dict:
+        """What a block of this replica's KV is: moved blocks must match it exactly."""
+        config = self.model.config
+        return {
+            "block_size": self.config.engine.cache.block_size,
+            "num_layers": self.model.num_layers,
+            "num_kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            "head_dim": self.model.head_dim,
+            "dtype": str(self.kv_dtype).removeprefix("torch."),
+        }
+
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """This rank's heads of `block_ids`' KV, [n, layers, 2, heads, block_size, head_dim] on the CPU."""
+        caches = [layer.kv_cache for layer in self.model.attention_layers()]
+        return read_blocks(caches, block_ids, self.config.engine.cache.block_size)
+
+    def import_host(self, slots: list[int], data: torch.Tensor) -> None:
+        """Blocks of every KV head from another replica into this rank's host slots (its own heads of them)."""
+        if self.host_kv is None:
+            raise ValueError("this replica has no host KV tier to receive blocks into (kv_offload_bytes)")
+        heads = kv_heads_of_rank(self.kv_layout["num_kv_heads"], self.tp.size, self.tp.rank)
+        self.host_kv.write(slots, data[:, :, :, heads])
 
     def execute_step(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
         return self.runner.execute(batch)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import statistics
@@ -13,8 +14,9 @@ from dataclasses import dataclass
 
 from cluster.core.engine import EngineCore
 from cluster.core.engine_client import RequestDelta, merge_deltas, read_deltas
-from cluster.core.engine_commands import Abort, Add, Append, Command, DropSink, Pause
+from cluster.core.engine_commands import Abort, Add, Append, Call, Command, DropSink, Pause
 from cluster.core.engine_request import EngineRequest
+from cluster.core.kv_handoff import KvHandoff, export_prefix, import_handoff
 from cluster.core.output_sink import LoopSink, OutputBatch, OutputSink
 from cluster.core.request import Request
 from cluster.core.scheduler_output import PauseMode
@@ -123,6 +125,19 @@ class AsyncEngine:
 
     def resume(self) -> None:
         self._submit(Pause(PauseMode.NONE))
+
+    async def export_kv(self, token_ids: list[int]) -> KvHandoff | None:
+        """The cached KV blocks of `token_ids`, to continue their request on another replica (kv_handoff.py)."""
+        return await self._run_on_loop(lambda engine: export_prefix(engine, token_ids))
+
+    async def import_kv(self, handoff: KvHandoff) -> int:
+        """Take another replica's blocks into this one's host tier; how many it took."""
+        return await self._run_on_loop(lambda engine: import_handoff(engine, handoff), drain=True)
+
+    async def _run_on_loop(self, fn, drain: bool = False):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(Call(fn, future, drain))
+        return await asyncio.wrap_future(future)
 
     def kv_events(self, epoch: int | None, seq: int) -> dict:
         """This replica's block events after (epoch, seq), or a snapshot of its caches (cluster/core/kv_events.py)."""
@@ -246,6 +261,17 @@ class AsyncEngine:
                     for request_id in [rid for rid, owner in self._owners.items() if owner.sink is command.sink]:
                         self._abort(request_id)
                         self._owners.pop(request_id, None)
+                case Call():
+                    self._call(command)
+
+    def _call(self, command: Call) -> None:
+        try:
+            if command.drain:
+                for request in self.engine.drain():
+                    self._publish(request)
+            command.future.set_result(command.fn(self.engine))
+        except Exception as error:  # the caller's to see
+            command.future.set_exception(error)
 
     def _add(self, command: Add) -> None:
         request_id = command.request.request_id

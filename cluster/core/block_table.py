@@ -168,6 +168,10 @@ class BlockTable:
         req = self._requests.get(request_id)
         return 0 if req is None else len(req.block_ids) - req.num_released
 
+    def caches_on_device(self, block_hash: int) -> bool:
+        """Whether a device block is findable under `block_hash`."""
+        return block_hash in self._cached
+
     def num_blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """How many new blocks allocate_slots would take for num_tokens, not counting cached attachments."""
         req = self._requests.get(request_id)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from cluster.core.engine_request import EngineRequest
+from cluster.core.kv_handoff import KvHandoff
 
 
 @dataclass
@@ -111,6 +112,14 @@ class EngineClient(Protocol):
 
     async def kv_events(self, epoch: int | None, seq: int) -> dict:
         """Block events of the replica's caches after (epoch, seq), or a snapshot (cluster/core/kv_events.py)."""
+        ...
+
+    async def export_kv(self, token_ids: list[int]) -> KvHandoff | None:
+        """The KV blocks the replica caches for `token_ids`, to continue their request elsewhere (kv_handoff.py)."""
+        ...
+
+    async def import_kv(self, handoff: KvHandoff) -> int:
+        """Take another replica's KV blocks into this replica's host tier; how many blocks it took."""
         ...
 
     async def metrics(self) -> str:

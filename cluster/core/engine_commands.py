@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from cluster.core.engine_request import EngineRequest
 from cluster.core.output_sink import OutputSink
@@ -51,4 +53,14 @@ class Pause:
     mode: PauseMode
 
 
-Command = Add | Append | Abort | DropSink | Pause
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Run `fn(engine)` on the loop thread and settle `future` with its result; with `drain`, only once no step is
+    in flight (their outputs delivered first)."""
+
+    fn: Callable[[Any], Any]
+    future: Future
+    drain: bool = False
+
+
+Command = Add | Append | Abort | DropSink | Pause | Call

@@ -78,6 +78,19 @@ class HostKvTier:
             self.events.stored(block_hash, HOST)
         self.num_offloaded += 1
 
+    def inject(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> int | None:
+        """A slot for a block that arrives from another replica (its KV written there by the caller, between
+        steps); None when the tier holds it already or has no slot."""
+        if block_hash in self._entries:
+            return None
+        slot = self._take_slot()
+        if slot is None:
+            return None
+        self._entries[block_hash] = HostBlock(slot, block_hash, parent_hash, token_ids)
+        if self.events is not None:
+            self.events.stored(block_hash, HOST)
+        return slot
+
     def match(
         self, token_ids: Sequence[int], first_block: int, parent_hash: int, block_size: int, hash_block
     ) -> list[HostBlock]:

@@ -42,5 +42,11 @@ class LocalEngineClient:
     async def kv_events(self, epoch: int | None, seq: int) -> dict:
         return self._engine.kv_events(epoch, seq)
 
+    async def export_kv(self, token_ids: list[int]):
+        return await self._engine.export_kv(token_ids)
+
+    async def import_kv(self, handoff) -> int:
+        return await self._engine.import_kv(handoff)
+
     async def metrics(self) -> str:
         return self._engine.metrics_text()

@@ -49,6 +49,23 @@ class InProcessExecutor:
         context = contextvars.copy_context()
         return self._thread.submit(context.run, self.worker.execute_step, batch)  # a Future is a PendingStep
 
+    @property
+    def kv_layout(self) -> dict:
+        return self.worker.kv_layout
+
+    def export_blocks(self, block_ids: list[int]):
+        """Every KV head of `block_ids`, [n, layers, 2, kv_heads, block_size, head_dim] (one rank holds them all)."""
+        return self._on_rank_thread(self.worker.export_blocks, block_ids)
+
+    def import_host(self, slots: list[int], data) -> None:
+        self._on_rank_thread(self.worker.import_host, slots, data)
+
+    def _on_rank_thread(self, fn, *args):
+        # After every step submitted so far, where the steps run: never beside one.
+        if not self.overlap_by_default:
+            return fn(*args)
+        return self._thread.submit(fn, *args).result()
+
     def restart(self) -> int:
         raise WorkerGroupError("the in-process worker cannot be restarted")
 

@@ -9,6 +9,8 @@ still lands together before the replica's events report it.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -16,6 +18,7 @@ from collections.abc import Callable, Sequence
 from cluster.core.block_table import ROOT_PARENT_HASH, hash_block
 from cluster.core.kv_events import CLEARED, DEVICE, HOST, REMOVED, STORED
 
+logger = logging.getLogger(__name__)
 _TIER_BITS = {DEVICE: 1, HOST: 2}
 DEFAULT_MAX_BLOCKS_PER_PROMPT = 4096
 DEFAULT_RECENT_S = 5.0
@@ -175,3 +178,16 @@ class KvEventIndex:
             if max(senders.values()) >= oldest:
                 break
             del self._recent[block_hash]
+
+
+async def read_kv_events(index: KvEventIndex, name: str, client, timeout_s: float, current) -> None:
+    """A replica's block events since the index last read them (or a snapshot), applied unless `current()` is no
+    longer `client` (the replica left or was replaced meanwhile); a replica that does not answer is asked again
+    at the next refresh."""
+    try:
+        report = await asyncio.wait_for(client.kv_events(*index.position(name)), timeout_s)
+    except Exception as error:
+        logger.warning("replica %s did not report its block events: %r", name, error)
+        return
+    if current() is client:
+        index.apply(name, report)

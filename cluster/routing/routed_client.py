@@ -5,16 +5,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import asdict, replace
 
 from cluster.core.engine_client import EngineClient, RequestDelta
 from cluster.core.engine_request import EngineRequest
 from cluster.core.errors import QueueFullError
 from cluster.routing.failover import ReplicaFailed, ended, is_replica_failure
-from cluster.routing.kv_event_index import KvEventIndex
+from cluster.routing.kv_event_index import KvEventIndex, read_kv_events
+from cluster.routing.kv_moves import KvMoves, Moved
 from cluster.routing.replica_fanout import call_all, load_of, merged_metrics, merged_stats, on_every_replica, probe
-from cluster.routing.routed_streams import Aborted, OpenRequest, close_stream, next_delta, pin_key
+from cluster.routing.routed_streams import Aborted, OpenRequest, close_stream, next_delta, pin_key, replay_into
 from cluster.routing.router import NoReplicaError, Route, Router, check_replica_name
 from cluster.routing.router_metrics import RouterMetrics
 from cluster.routing.session_log import SessionLog
@@ -51,6 +52,7 @@ class RoutedEngineClient:
         max_model_len: int | None = None,
         vocab_size: int | None = None,
         index: str = "estimate",
+        prefill_replicas: Collection[str] = (),
     ) -> None:
         if index not in ROUTING_INDEXES:
             raise ValueError(f"index must be one of {ROUTING_INDEXES}, got {index!r}")
@@ -66,6 +68,8 @@ class RoutedEngineClient:
             policy, block_size=block_size, index=KvEventIndex(block_size) if self.follows_events else None
         )
         self.metrics_registry = RouterMetrics(self.model_name)
+        # Moving requests with their KV: live migration, and prefill/decode disaggregation over `prefill_replicas`.
+        self.moves = KvMoves(self, frozenset(prefill_replicas))
         self._clients: dict[str, EngineClient] = {}
         self._open: dict[str, OpenRequest] = {}
         self._pins: dict[str, list] = {}  # sibling group's parent id -> [replica, open siblings]
@@ -100,6 +104,13 @@ class RoutedEngineClient:
     def replicas(self) -> dict[str, EngineClient]:
         return dict(self._clients)
 
+    def open_request(self, request_id: str) -> OpenRequest | None:
+        return self._open.get(request_id)
+
+    def open_on(self, replica: str) -> list[str]:
+        """The requests `replica` serves now."""
+        return [request_id for request_id, entry in self._open.items() if entry.replica == replica]
+
     # -- requests -------------------------------------------------------------------------------
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
@@ -132,10 +143,12 @@ class RoutedEngineClient:
         failed: set[str] = set()
         yielded = False
         cached = 0
-        attempt = request
+        entry.movable = self.moves.movable(entry, request)
+        attempt = self.moves.first_attempt(entry, request)
         while True:
             try:
                 replica, stream, outcome = await self._admit(entry, attempt, failed, pin)
+                entry.move_requested, entry.move_to = False, None
             except Aborted:
                 yield ended(request_id, num_prompt, len(outputs), cached, "abort")
                 return
@@ -154,6 +167,9 @@ class RoutedEngineClient:
                         # The replica's workers gave up: resume elsewhere, after passing on any last tokens.
                         failure = ReplicaFailed(delta.error or "the replica's workers failed")
                         delta = replace(delta, finished=False, finish_reason=None, error=None, error_code=None)
+                    elif delta.finished and self.moves.continues(entry, delta):  # a phase ends, not the request
+                        failure = Moved(f"moving off {replica}")
+                        delta = replace(delta, finished=False, finish_reason=None)
                     if not yielded:
                         cached = min(delta.num_cached_tokens, num_prompt)
                     elif failed and delta.num_cached_tokens != cached:
@@ -175,6 +191,10 @@ class RoutedEngineClient:
                 self.router.end(replica, [*request.prompt_token_ids, *outputs] if completed and final else None)
             if completed:
                 return
+            if isinstance(failure, Moved):
+                await self.moves.hand_off(entry, replica, [*request.prompt_token_ids, *outputs], failed)
+                attempt = request.resumed(outputs)
+                continue
             self._replica_failed(replica, failure)
             if entry.session is not None:
                 raise ReplicaFailed(
@@ -210,7 +230,7 @@ class RoutedEngineClient:
         # What the replica computes: the prompt, and the outputs a resumed request continues after.
         prompt = [*request.prompt_token_ids, *request.resumed_output_token_ids]
         hashes = self.router.index.block_hashes(prompt)
-        routes = self._routes(prompt, hashes, failed, pin)
+        routes = self._routes(entry, prompt, hashes, failed, pin)
         self.metrics_registry.observe_routing(time.perf_counter() - started)
         full: list[QueueFullError] = []
         for route in routes:
@@ -233,7 +253,7 @@ class RoutedEngineClient:
             stream = None
             try:
                 stream = client.generate(request)
-                first = await self._first_delta(entry, route.replica, client, stream) if replay else await anext(stream)
+                first = await replay_into(entry, route.replica, client, stream) if replay else await anext(stream)
             except QueueFullError as error:
                 await self._release(route.replica, stream)
                 full.append(error)
@@ -266,9 +286,14 @@ class RoutedEngineClient:
         await close_stream(stream)
         self.router.end(replica)
 
-    def _routes(self, prompt: list[int], hashes: list[bytes], failed: set[str], pin: str | None) -> list[Route]:
+    def _routes(
+        self, entry: OpenRequest, prompt: list[int], hashes: list[bytes], failed: set[str], pin: str | None
+    ) -> list[Route]:
         """Replicas to try in order; the first carries the reason of the choice, the others are spills."""
-        routes = self.router.rank(prompt, exclude=failed, hashes=hashes)
+        routes = self.router.rank(prompt, exclude=failed | self.moves.excluded(entry), hashes=hashes)
+        if entry.move_to is not None:  # where its KV went
+            target = [route for route in routes if route.replica == entry.move_to]
+            return [*(r._replace(reason="moved") for r in target), *(r for r in routes if r.replica != entry.move_to)]
         if failed:
             return [routes[0]._replace(reason="failover"), *routes[1:]]
         pinned = self._pins[pin][0] if pin in self._pins else None
@@ -286,24 +311,6 @@ class RoutedEngineClient:
             entry.pinned = True
             self._pins.setdefault(pin, [replica, 0])[1] += 1
         self._pins[pin][0] = replica
-
-    async def _first_delta(
-        self, entry: OpenRequest, replica: str, client: EngineClient, stream: AsyncIterator[RequestDelta]
-    ) -> RequestDelta:
-        """Open a session on `replica` after another refused it: the chunks sent there are lost, so replay them
-        here, holding later chunks back until they are all sent."""
-        session, first = entry.session, None
-        try:
-            async with session.lock:
-                entry.replica, entry.client = replica, client
-                first = asyncio.ensure_future(anext(stream))
-                await asyncio.sleep(0)  # let the stream submit the request before its chunks
-                await session.replay(client, entry.request_id)
-            return await first
-        except BaseException:
-            if first is not None:
-                first.cancel()
-            raise
 
     async def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None:
         entry = self._open.get(request_id)
@@ -348,22 +355,11 @@ class RoutedEngineClient:
             if stats is not None:
                 self.router.set_load(name, *load_of(stats))
                 if self.follows_events:
-                    await self._read_kv_events(name, client, timeout_s)
+                    await read_kv_events(self.router.index, name, client, timeout_s, lambda: self._clients.get(name))
             self.router.set_healthy(name, ready)
 
         await asyncio.gather(*(one(name, client) for name, client in list(self._clients.items())))
         self._count_rotation()
-
-    async def _read_kv_events(self, name: str, client: EngineClient, timeout_s: float) -> None:
-        """The replica's block events since the last read (or a snapshot), into the router's index."""
-        index = self.router.index
-        try:
-            report = await asyncio.wait_for(client.kv_events(*index.position(name)), timeout_s)
-        except Exception as error:  # the next round asks again; routing goes on with what is known
-            logger.warning("replica %s did not report its block events: %r", name, error)
-            return
-        if self._clients.get(name) is client:
-            index.apply(name, report)
 
     async def stats(self) -> dict:
         """The replicas' counts summed at the top, each replica's stats under "replicas", the router's under

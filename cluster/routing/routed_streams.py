@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -28,6 +29,12 @@ class OpenRequest:
     aborted: bool = False
     session: SessionLog | None = None
     pinned: bool = False  # counted among the open siblings of its pin
+    # Moving with its KV (cluster/routing/kv_moves.py): whether it may, the phase of a disaggregated request
+    # (prefill, decode), an abort the router asked for to move it, and the replica it moves to.
+    movable: bool = False
+    phase: str | None = None
+    move_requested: bool = False
+    move_to: str | None = None
 
 
 def pin_key(request: EngineRequest) -> str | None:
@@ -56,4 +63,23 @@ async def next_delta(stream: AsyncIterator[RequestDelta]) -> tuple[BaseException
     except Exception as error:
         if is_replica_failure(error):
             return error, None
+        raise
+
+
+async def replay_into(
+    entry: OpenRequest, replica: str, client: EngineClient, stream: AsyncIterator[RequestDelta]
+) -> RequestDelta:
+    """Open a session on `replica` after another refused it: the chunks sent there are lost, so replay them
+    here, holding later chunks back until they are all sent; the stream's first delta."""
+    session, first = entry.session, None
+    try:
+        async with session.lock:
+            entry.replica, entry.client = replica, client
+            first = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0)  # let the stream submit the request before its chunks
+            await session.replay(client, entry.request_id)
+        return await first
+    except BaseException:
+        if first is not None:
+            first.cancel()
         raise

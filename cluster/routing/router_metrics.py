@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from cluster.core.engine_metrics import PREFIX
 
 # Routing is a hash walk and a sort over a handful of replicas: microseconds, unless something is wrong.
+TRANSFER_BUCKETS = (1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 ROUTING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 
 
@@ -42,6 +43,21 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.failovers = counter("router_failovers", "Requests moved off a replica that failed while serving them.")
+        self.kv_transfers = counter(
+            "router_kv_transfers",
+            "Requests moved with their KV (migration, disaggregation), by source and target.",
+            ("model_name", "source", "target"),
+        )
+        self.kv_transfer_bytes = counter(
+            "router_kv_transfer_bytes", "KV bytes moved between replicas.", ("model_name", "source", "target")
+        )
+        self.kv_transfer_seconds = Histogram(
+            PREFIX + "router_kv_transfer_seconds",
+            "Time to move one request's KV (export, transfer, import).",
+            ["model_name"],
+            buckets=TRANSFER_BUCKETS,
+            registry=self.registry,
+        )
         self.in_rotation = Gauge(
             PREFIX + "router_replicas_in_rotation",
             "Replicas new requests may go to.",
@@ -54,6 +70,11 @@ class RouterMetrics:
         self.requests.labels(self.model_name, replica, reason).inc()
         if estimated_cached_tokens:
             self.estimated_cached_tokens.labels(self.model_name, replica).inc(estimated_cached_tokens)
+
+    def observe_kv_transfer(self, source: str, target: str, nbytes: int, seconds: float) -> None:
+        self.kv_transfers.labels(self.model_name, source, target).inc()
+        self.kv_transfer_bytes.labels(self.model_name, source, target).inc(nbytes)
+        self.kv_transfer_seconds.labels(self.model_name).observe(seconds)
 
     def observe_routing(self, seconds: float) -> None:
         self._routing.observe(seconds)

@@ -1,0 +1,110 @@
+"""A request's KV moving between replicas of one model (live migration, prefill/decode disaggregation): what
+leaves the source (its computed full blocks: their tokens, hashes and data) and what the receiver checks before
+its host tier takes them. The request itself then resumes on the receiver from its tokens, where its admission
+finds those blocks in the host tier and loads them instead of computing them.
+
+The data is the ranks' business (every KV head of each block, gathered from the source's ranks, split again
+over the receiver's): here it is an opaque array with a `shape` and a `dtype`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cluster.core.block_table import ROOT_PARENT_HASH, hash_block
+
+if TYPE_CHECKING:
+    from cluster.core.engine import EngineCore
+
+logger = logging.getLogger(__name__)
+LAYOUT_FIELDS = ("block_size", "num_layers", "num_kv_heads", "head_dim", "dtype")
+
+
+@dataclass
+class KvHandoff:
+    """The full blocks of a request's first `len(token_ids)` tokens, as the source computed them."""
+
+    token_ids: list[int]
+    hashes: list[int]
+    layout: dict
+    data: Any  # [blocks, layers, 2, kv_heads, block_size, head_dim]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel() * self.data.element_size())
+
+
+def export_prefix(engine: EngineCore, token_ids: list[int]) -> KvHandoff | None:
+    """The device blocks this replica holds for the longest run of full blocks of `token_ids` (an open request's
+    history, or a finished prompt's, still in the prefix cache), or None (none, or a model whose old blocks leave a
+    sliding window)."""
+    table = engine.block_table
+    export = getattr(engine.executor, "export_blocks", None)
+    if export is None or engine.sliding_window is not None:
+        return None
+    # The lookup never covers a sequence's last token (it is recomputed for its logits): one more lets it cover all.
+    block_ids = table.find_cached_prefix([*token_ids, 0])
+    if not block_ids:
+        return None
+    tokens = list(token_ids[: len(block_ids) * table.block_size])
+    return KvHandoff(tokens, chain_hashes(tokens, table.block_size), dict(engine.executor.kv_layout), export(block_ids))
+
+
+def chain_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    hashes, parent = [], ROOT_PARENT_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, tuple(token_ids[start : start + block_size]))
+        hashes.append(parent)
+    return hashes
+
+
+def check_handoff(handoff: KvHandoff, layout: dict) -> str | None:
+    """Why `handoff` cannot be taken by a replica of `layout`, or None."""
+    for field in LAYOUT_FIELDS:
+        if handoff.layout.get(field) != layout.get(field):
+            return f"{field} {handoff.layout.get(field)!r} differs from this replica's {layout.get(field)!r}"
+    size = layout["block_size"]
+    if len(handoff.token_ids) != handoff.num_blocks * size:
+        return f"{len(handoff.token_ids)} tokens for {handoff.num_blocks} blocks of {size}"
+    if chain_hashes(handoff.token_ids, size) != handoff.hashes:
+        return "block hashes do not match their tokens"
+    shape = (handoff.num_blocks, layout["num_layers"], 2, layout["num_kv_heads"], size, layout["head_dim"])
+    if tuple(handoff.data.shape) != shape:
+        return f"data of shape {tuple(handoff.data.shape)}, expected {shape}"
+    if str(handoff.data.dtype).removeprefix("torch.") != layout["dtype"]:
+        return f"data of dtype {handoff.data.dtype}, expected {layout['dtype']}"
+    return None
+
+
+def import_handoff(engine: EngineCore, handoff: KvHandoff) -> int:
+    """Give the handoff's blocks host-tier slots and write them there; how many blocks it took (0: refused, or
+    nothing new). Call between steps with none in flight: the slots it takes may not be read by a queued step."""
+    table, executor = engine.block_table, engine.executor
+    tier = table.host_tier
+    write = getattr(executor, "import_host", None)
+    if tier is None or write is None:
+        logger.warning("KV handoff of %d blocks dropped: this replica has no host KV tier", handoff.num_blocks)
+        return 0
+    problem = check_handoff(handoff, executor.kv_layout)
+    if problem is not None:
+        logger.warning("KV handoff of %d blocks dropped (the request recomputes): %s", handoff.num_blocks, problem)
+        return 0
+    size, parent = table.block_size, ROOT_PARENT_HASH
+    slots, rows = [], []
+    for row, block_hash in enumerate(handoff.hashes):
+        tokens = tuple(handoff.token_ids[row * size : (row + 1) * size])
+        if not table.caches_on_device(block_hash):
+            slot = tier.inject(block_hash, parent, tokens)
+            if slot is not None:
+                slots.append(slot)
+                rows.append(row)
+        parent = block_hash
+    if slots:
+        write(slots, handoff.data[rows])
+    return len(slots)
