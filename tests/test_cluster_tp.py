@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -171,3 +172,31 @@ def test_dispatch_metrics_grow_with_the_batch(local_ray, tmp_path):
     finally:
         llm.shutdown()
     assert batch > 4 * single
+
+
+def test_kv_moves_between_replicas_of_different_tensor_parallel_sizes(local_ray, tmp_path):
+    """A prompt's KV exported from a two-rank replica (each rank holds one KV head) lands whole in a one-rank
+    replica's host tier, and back: each side continues from the moved blocks with the other side's tokens."""
+    model_dir = make_tiny_model("llama", tmp_path / "llama")
+    engine = dict(block_size=4, num_gpu_blocks=128, kv_offload_bytes=1 << 20)
+    split = LLM(str(model_dir), tensor_parallel_size=2, **engine)
+    whole = LLM(str(model_dir), **engine)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    head = split._cluster.heads[0]
+    try:
+        out_of_split, into_split = list(range(10, 50)), list(range(60, 100))
+        expected = split.generate([out_of_split], params)[0].outputs[0].token_ids
+        handoff = ray.get(head.export_kv.remote(out_of_split))
+        assert handoff.num_blocks == 10 and tuple(handoff.data.shape)[3] == 2  # both KV heads, from two ranks
+        assert asyncio.run(whole.engine_client.import_kv(handoff)) == 10
+        assert whole.generate([out_of_split], params)[0].outputs[0].token_ids == expected
+        assert whole.engine.scheduler.stats.num_host_hit_tokens == 36  # all but the block of the last token
+
+        expected = whole.generate([into_split], params)[0].outputs[0].token_ids
+        handoff = asyncio.run(whole.engine_client.export_kv(into_split))
+        assert ray.get(head.import_kv.remote(handoff)) == 10
+        assert split.generate([into_split], params)[0].outputs[0].token_ids == expected
+        assert ray.get(head.stats.remote())["num_host_hit_tokens"] == 36
+    finally:
+        split.shutdown()
+        whole.shutdown()

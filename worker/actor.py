@@ -143,11 +143,20 @@ class WorkerActor:
             "address": address,
             "num_blocks": self.worker.num_blocks,
             "num_host_blocks": self.worker.num_host_blocks,
+            "kv_layout": self.worker.kv_layout,
             "weights": self.worker.weights,
             "pid": os.getpid(),
             "rank": self.rank,
             "node_id": _node_id(),
         }
+
+    def export_blocks(self, block_ids: list[int]):
+        """This rank's KV heads of `block_ids` (worker/kv_transfer.py), for a request moving to another replica."""
+        return self.worker.export_blocks(block_ids)
+
+    def import_host(self, slots: list[int], data) -> None:
+        """Every KV head of blocks from another replica into this rank's host slots (its own heads of them)."""
+        self.worker.import_host(slots, data)
 
     def stop(self) -> None:
         """Stop serving and leave the process group; safe to call more than once."""

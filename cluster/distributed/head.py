@@ -155,6 +155,14 @@ class HeadActor:
     def metrics(self) -> str:
         return self.async_engine.metrics_text()
 
+    async def export_kv(self, token_ids: list[int]):
+        """The KV blocks this replica caches for `token_ids` (cluster/core/kv_handoff.py), or None."""
+        return await self.async_engine.export_kv(token_ids)
+
+    async def import_kv(self, handoff) -> int:
+        """Another replica's KV blocks into this replica's host tier; how many it took."""
+        return await self.async_engine.import_kv(handoff)
+
     def kv_events(self, epoch: int | None, seq: int) -> dict:
         """The block events of this replica's caches after (epoch, seq), or a snapshot (cluster/core/kv_events.py)."""
         return self.async_engine.kv_events(epoch, seq)

@@ -137,5 +137,11 @@ class HeadEngineClient:
     async def kv_events(self, epoch: int | None, seq: int) -> dict:
         return await self._head.kv_events.remote(epoch, seq)
 
+    async def export_kv(self, token_ids: list[int]):
+        return await self._head.export_kv.remote(token_ids)
+
+    async def import_kv(self, handoff) -> int:
+        return await self._head.import_kv.remote(handoff)
+
     async def metrics(self) -> str:
         return await self._head.metrics.remote()

@@ -69,6 +69,7 @@ class WorkerGroup:
         self._executor: RemoteExecutor | None = None
         self.num_blocks = 0
         self.num_host_blocks = 0  # the host KV tier's slots per rank (0: no tier)
+        self.kv_layout: dict = {}  # what one KV block is (worker/worker.py kv_layout)
         self.weights: dict | None = None
         self.pids: list[int] = []
         self.node_ids: list[str] = []
@@ -118,6 +119,7 @@ class WorkerGroup:
         # Every rank holds a shard of the same blocks: the table is as large as the smallest shard.
         self.num_blocks = min(info["num_blocks"] for info in infos)
         self.num_host_blocks = min(info.get("num_host_blocks", 0) for info in infos)
+        self.kv_layout = infos[0].get("kv_layout", {})
         # The replica's weights: one format, bytes summed over the ranks' shards.
         self.weights = {**infos[0]["weights"], "weight_bytes": sum(info["weights"]["weight_bytes"] for info in infos)}
         self._pings = {}
@@ -150,6 +152,18 @@ class WorkerGroup:
         """Stop every rank, wait until their processes are gone, start fresh ones; returns the new block count."""
         self.shutdown()
         return self.start()
+
+    def export_blocks(self, block_ids: list[int], timeout_s: float = 60.0):
+        """Every KV head of `block_ids`, gathered from the ranks' shards, for a request moving to another replica."""
+        from worker.kv_transfer import gather_heads
+
+        shards = ray.get([actor.export_blocks.remote(block_ids) for actor in self._actors], timeout=timeout_s)
+        return gather_heads(shards, self.kv_layout["num_kv_heads"])
+
+    def import_host(self, slots: list[int], data, timeout_s: float = 60.0) -> None:
+        """Blocks from another replica into every rank's host slots (each keeps its own KV heads)."""
+        ref = ray.put(data)
+        ray.get([actor.import_host.remote(slots, ref) for actor in self._actors], timeout=timeout_s)
 
     def flush_traces(self, timeout_s: float = 10.0) -> bool:
         """Ask every rank to export the spans it still buffers; False when one did not within `timeout_s`."""

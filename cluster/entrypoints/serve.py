@@ -61,6 +61,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "the least loaded, or in turn",
     )
     parser.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=None,
+        help="prefill/decode disaggregation: this many replicas compute each new prompt and its first token, and "
+        "its KV moves to one of --decode-replicas, which streams the rest (needs --kv-offload-bytes)",
+    )
+    parser.add_argument("--decode-replicas", type=int, default=None, help="see --prefill-replicas")
+    parser.add_argument(
         "--routing-index",
         default="events",
         choices=ROUTING_INDEXES,
@@ -186,6 +194,23 @@ def replica_bounds(args: argparse.Namespace, size: int) -> tuple[int, int]:
 
 def check_replica_flags(args: argparse.Namespace) -> None:
     """Reject bad replica flags before Ray starts ("auto" is resolved once Ray reports its GPUs)."""
+    prefill, decode = getattr(args, "prefill_replicas", None), getattr(args, "decode_replicas", None)
+    if prefill is not None or decode is not None:
+        if not (isinstance(prefill, int) and isinstance(decode, int) and prefill >= 1 and decode >= 1):
+            raise SystemExit("--prefill-replicas and --decode-replicas go together, each at least 1")
+        if args.data_parallel_size not in ("1", "auto", str(prefill + decode)):
+            raise SystemExit(
+                f"--data-parallel-size {args.data_parallel_size} differs from --prefill-replicas "
+                f"{prefill} + --decode-replicas {decode}"
+            )
+        if args.min_replicas is not None or args.max_replicas is not None:
+            raise SystemExit("--prefill-replicas / --decode-replicas do not scale: leave out --min/--max-replicas")
+        if not args.kv_offload_bytes:
+            raise SystemExit(
+                "--prefill-replicas needs --kv-offload-bytes: the decode replicas' host KV tier receives "
+                "the prompts' KV"
+            )
+        args.data_parallel_size = str(prefill + decode)
     if args.data_parallel_size != "auto":
         replica_bounds(args, data_parallel_size(args.data_parallel_size, args.tensor_parallel_size, 0, False))
 
@@ -254,6 +279,7 @@ def serve(args: argparse.Namespace) -> int:
         replicas = ReplicaSettings(
             routing_policy=args.routing_policy,
             routing_index=args.routing_index,
+            prefill_replicas=tuple(head_names[: args.prefill_replicas or 0]),
             block_size=config.cache.block_size,
             min_replicas=min_replicas,
             max_replicas=max_replicas,

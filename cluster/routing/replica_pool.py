@@ -26,6 +26,8 @@ class ReplicaSettings:
     # What prefix-aware routing knows of each replica's cache: its block events ("events"), or an estimate from
     # the prompts sent to it ("estimate").
     routing_index: str = "events"
+    # Prefill/decode disaggregation: these replicas prefill, the others decode (empty: every replica does both).
+    prefill_replicas: tuple[str, ...] = ()
     block_size: int = 16
     refresh_interval_s: float = 1.0  # how often the replicas' load and health are read
     min_replicas: int | None = None  # None: as many as started
@@ -68,6 +70,7 @@ class ReplicaPool:
             max_model_len=model_info["max_model_len"],
             vocab_size=model_info["vocab_size"],
             index=settings.routing_index,
+            prefill_replicas=settings.prefill_replicas,
         )
         self._next_index = itertools.count(len(head_names))
         self._heads: dict[str, HeadEngineClient] = dict(self.engine.replicas)
