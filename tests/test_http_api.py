@@ -59,6 +59,7 @@ BAD_REQUESTS = [
     ("logprobs above 20", "/v1/completions", completion(logprobs=50), AUTH, 400, "logprobs"),
     ("stop_token_ids of strings", "/v1/completions", completion(stop_token_ids=["a"]), AUTH, 400, "stop_token_ids[0]"),
     ("bad pause mode", "/pause?mode=sideways", None, ADMIN, 400, "mode"),
+    ("drain without replicas", "/replicas/drain?replica=r1", None, ADMIN, 400, "replica"),
 ]
 
 

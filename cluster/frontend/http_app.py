@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 _OPEN_PATHS = ("/health", "/ready", "/version", "/metrics")
 # Opened by the admin key alone, never the inference one; without an admin key they do not exist.
-_ADMIN_PATHS = ("/pause", "/resume")
+_ADMIN_PATHS = ("/pause", "/resume", "/replicas/drain")
 # What a request that its client abandoned is logged with (nobody reads it): nginx's "client closed request".
 CLIENT_CLOSED_REQUEST = 499
 MAX_CLIENT_REQUEST_ID_LEN = 128
@@ -170,6 +170,16 @@ def create_app(state: ServerState) -> FastAPI:
     async def resume():
         await state.engine.resume()
         return {"status": "running"}
+
+    @app.post("/replicas/drain")
+    async def drain_replica(replica: str = ""):
+        """Take a replica out of rotation and move its running requests, with their KV, to the others."""
+        moves = getattr(state.engine, "moves", None)
+        if moves is None:
+            raise bad_request("this server serves a single replica: there is no other to move requests to", "replica")
+        if replica not in state.engine.replicas:
+            raise bad_request(f"replica must be one of {sorted(state.engine.replicas)}, got {replica!r}", "replica")
+        return {"status": "draining", "replica": replica, "moved_requests": await moves.drain(replica)}
 
     return app
 

@@ -103,8 +103,10 @@ class ReplicaScaler:
 
     async def _drain(self, name: str) -> None:
         try:
+            # Its running requests move to the other replicas with their KV; any left finish where they are.
+            await self.engine.moves.drain(name)
             state = self.engine.router.replicas.get(name)
-            while state is not None and state.in_flight > 0:  # its open requests finish where they are
+            while state is not None and state.in_flight > 0:
                 await asyncio.sleep(self._drain_poll_s)
             self.engine.remove_replica(name)
             self._last_busy.pop(name, None)
