@@ -200,3 +200,43 @@ def test_kv_moves_between_replicas_of_different_tensor_parallel_sizes(local_ray,
     finally:
         split.shutdown()
         whole.shutdown()
+
+
+@pytest.mark.parametrize("prefill", ["split", "whole"])
+def test_disaggregated_kv_moves_over_the_ranks_own_channel(local_ray, prefill, tmp_path):
+    """Disaggregation between Ray replicas of different tensor-parallel sizes: each prompt's KV goes from the
+    prefill replica's ranks straight to the decode replica's over a gloo channel of their own, re-sharded by KV
+    head, and the decode replica streams the rest with the tokens of a replica that did it all."""
+    from cluster.core.engine_request import EngineRequest
+    from cluster.routing.routed_client import RoutedEngineClient
+
+    model_dir = make_tiny_model("llama", tmp_path / "llama")
+    engine = dict(block_size=4, num_gpu_blocks=128, kv_offload_bytes=1 << 20)
+    replicas = {"split": LLM(str(model_dir), tensor_parallel_size=2, **engine)}
+    replicas["whole"] = LLM(str(model_dir), ray_address="auto", **engine)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [list(range(10 + i, 50 + i)) for i in range(3)]
+    try:
+        reference = LLM(str(model_dir), **engine)
+        expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
+        reference.shutdown()
+        clients = {name: llm._cluster.client for name, llm in replicas.items()}
+        routed = RoutedEngineClient(clients, prefill_replicas={prefill})
+
+        async def run(prompt, request_id):
+            return [
+                t async for delta in routed.generate(EngineRequest(request_id, prompt, params)) for t in delta.token_ids
+            ]
+
+        async def all_of_them():
+            return [await run(prompt, f"r{i}") for i, prompt in enumerate(prompts)]
+
+        assert asyncio.run(all_of_them()) == expected
+        decode = "whole" if prefill == "split" else "split"
+        stats = ray.get(replicas[decode]._cluster.heads[0].stats.remote())
+        assert routed.moves.num_moves == 3 and routed.moves.num_blocks_moved == 30 and len(routed.moves._channels) == 1
+        assert routed.moves.bytes_moved == 30 * 4 * 2 * 2 * 2 * 16 * 4  # blocks x tokens x layers x K/V x heads x dims
+        assert stats["num_host_hit_tokens"] == 3 * 40
+    finally:
+        for llm in replicas.values():
+            llm.shutdown()

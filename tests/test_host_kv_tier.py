@@ -201,3 +201,20 @@ def test_a_failed_step_empties_the_host_tier(monkeypatch) -> None:
     created = len(resets)
     run(engine)
     assert engine.num_restarts == 1 and len(resets) == created + 1
+
+
+def test_blocks_still_arriving_are_neither_found_nor_evicted() -> None:
+    tier = HostKvTier(2)
+    chain = lambda parent, tokens: hash((parent, tokens))  # noqa: E731
+    first = chain(0, (1, 2))
+    assert tier.inject(first, 0, (1, 2), ready=False) == 0
+    assert tier.match([1, 2, 3], 0, 0, 2, chain) == []  # not findable while its KV arrives
+    tier.store(5, block_hash=77, parent_hash=0, token_ids=(8, 9))  # takes the free slot
+    tier.store(6, block_hash=78, parent_hash=0, token_ids=(8, 8))  # evicts 77, never the arriving block
+    assert [entry.slot for entry in tier._entries.values()] == [0, 1]
+    tier.settle([first], arrived=True)
+    assert [block.slot for block in tier.match([1, 2, 3], 0, 0, 2, chain)] == [0]
+    second = chain(0, (4, 4))
+    slot = tier.inject(second, 0, (4, 4), ready=False)
+    tier.settle([second], arrived=False)  # the transfer failed: forgotten, its slot free again
+    assert second not in tier._entries and slot in tier._free_slots

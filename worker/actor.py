@@ -20,6 +20,7 @@ from common.heap import freeze_startup_heap
 from common.tls import TlsConfig
 from worker.config import WorkerConfig
 from worker.grpc_server import start_worker_server
+from worker.kv_channel import KvChannel
 from worker.parallel_state import TensorParallelGroup
 from worker.worker import Worker
 
@@ -75,6 +76,8 @@ class WorkerActor:
         self.worker: Worker | None = None
         self._server: grpc.Server | None = None
         self._joined_group = False
+        # Channels for KV blocks to and from other replicas' ranks (worker/kv_channel.py), by id.
+        self._kv_channels: dict[str, KvChannel] = {}
         observability = config.engine.observability
         telemetry.configure_tracing(
             "worker",
@@ -157,6 +160,25 @@ class WorkerActor:
     def import_host(self, slots: list[int], data) -> None:
         """Every KV head of blocks from another replica into this rank's host slots (its own heads of them)."""
         self.worker.import_host(slots, data)
+
+    def kv_channel_open(
+        self, channel_id: str, host: str, port: int, group_rank: int, senders: int, receivers: int
+    ) -> None:
+        """Join a KV channel with another replica's ranks; every member calls this at the same time."""
+        self._kv_channels[channel_id] = KvChannel(host, port, group_rank, senders, receivers, self.worker.device)
+
+    def kv_send(self, channel_id: str, block_ids: list[int]) -> int:
+        """This rank's heads of `block_ids` over the channel to the receiving ranks; the bytes sent."""
+        data = self.worker.export_blocks(block_ids)
+        return self._kv_channels[channel_id].send(data, self.worker.kv_layout["num_kv_heads"])
+
+    def kv_receive(self, channel_id: str, slots: list[int], shape: tuple[int, ...], dtype: str) -> None:
+        """Blocks from the channel into this rank's host slots (its own KV heads of them)."""
+        if self.worker.host_kv is None:
+            raise ValueError("this replica has no host KV tier to receive blocks into (kv_offload_bytes)")
+        channel = self._kv_channels[channel_id]
+        data = channel.receive(tuple(shape), getattr(torch, dtype), self.worker.kv_layout["num_kv_heads"])
+        self.worker.host_kv.write(slots, data)
 
     def stop(self) -> None:
         """Stop serving and leave the process group; safe to call more than once."""

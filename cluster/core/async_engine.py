@@ -128,13 +128,14 @@ class AsyncEngine:
 
     async def export_kv(self, token_ids: list[int]) -> KvHandoff | None:
         """The cached KV blocks of `token_ids`, to continue their request on another replica (kv_handoff.py)."""
-        return await self._run_on_loop(lambda engine: export_prefix(engine, token_ids))
+        return await self.run_on_loop(lambda engine: export_prefix(engine, token_ids))
 
     async def import_kv(self, handoff: KvHandoff) -> int:
         """Take another replica's blocks into this one's host tier; how many it took."""
-        return await self._run_on_loop(lambda engine: import_handoff(engine, handoff), drain=True)
+        return await self.run_on_loop(lambda engine: import_handoff(engine, handoff), drain=True)
 
-    async def _run_on_loop(self, fn, drain: bool = False):
+    async def run_on_loop(self, fn, drain: bool = False):
+        """`fn(engine)` on the loop thread, between steps (with `drain`, once none is in flight); its result."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(Call(fn, future, drain))
         return await asyncio.wrap_future(future)

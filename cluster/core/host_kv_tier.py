@@ -28,6 +28,8 @@ class HostBlock:
     block_hash: int
     parent_hash: int
     token_ids: tuple[int, ...]
+    # False while its KV is still arriving from another replica: never matched, never evicted.
+    ready: bool = True
 
 
 class HostKvTier:
@@ -78,18 +80,32 @@ class HostKvTier:
             self.events.stored(block_hash, HOST)
         self.num_offloaded += 1
 
-    def inject(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> int | None:
-        """A slot for a block that arrives from another replica (its KV written there by the caller, between
-        steps); None when the tier holds it already or has no slot."""
+    def inject(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...], ready: bool = True) -> int | None:
+        """A slot for a block that arrives from another replica (its KV written there by the caller: between
+        steps, or, not `ready`, while steps run, until `settle`); None when the tier holds it or has no slot."""
         if block_hash in self._entries:
             return None
         slot = self._take_slot()
         if slot is None:
             return None
-        self._entries[block_hash] = HostBlock(slot, block_hash, parent_hash, token_ids)
+        self._entries[block_hash] = HostBlock(slot, block_hash, parent_hash, token_ids, ready)
         if self.events is not None:
             self.events.stored(block_hash, HOST)
         return slot
+
+    def settle(self, hashes: Sequence[int], arrived: bool) -> None:
+        """Blocks injected not ready: their KV arrived (now findable), or did not (forgotten, slots freed)."""
+        for block_hash in hashes:
+            entry = self._entries.get(block_hash)
+            if entry is None or entry.ready:
+                continue
+            if arrived:
+                self._entries[block_hash] = HostBlock(entry.slot, block_hash, entry.parent_hash, entry.token_ids)
+            else:
+                del self._entries[block_hash]
+                self._free_slots.append(entry.slot)
+                if self.events is not None:
+                    self.events.removed(block_hash, HOST)
 
     def match(
         self, token_ids: Sequence[int], first_block: int, parent_hash: int, block_size: int, hash_block
@@ -102,7 +118,7 @@ class HostKvTier:
             tokens = tuple(token_ids[i * block_size : (i + 1) * block_size])
             h = hash_block(parent, tokens)
             entry = self._entries.get(h)
-            if entry is None or entry.parent_hash != parent or entry.token_ids != tokens:
+            if entry is None or not entry.ready or entry.parent_hash != parent or entry.token_ids != tokens:
                 break
             found.append(entry)
             parent = h
@@ -138,7 +154,7 @@ class HostKvTier:
     def _take_slot(self) -> int | None:
         if self._free_slots:
             return self._free_slots.pop()
-        victim = next((h for h, entry in self._entries.items() if entry.slot not in self._pinned), None)
+        victim = next((h for h, entry in self._entries.items() if entry.ready and entry.slot not in self._pinned), None)
         if victim is None:
             return None
         if self.events is not None:

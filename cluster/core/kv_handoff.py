@@ -42,18 +42,50 @@ class KvHandoff:
 
 def export_prefix(engine: EngineCore, token_ids: list[int]) -> KvHandoff | None:
     """The device blocks this replica holds for the longest run of full blocks of `token_ids` (an open request's
-    history, or a finished prompt's, still in the prefix cache), or None (none, or a model whose old blocks leave a
-    sliding window)."""
+    history, or a finished prompt's, still in the prefix cache), with their data, or None (none, or a model whose
+    old blocks leave a sliding window)."""
+    found = _cached_blocks(engine, token_ids)
+    if found is None:
+        return None
+    handoff, block_ids = found
+    handoff.data = engine.executor.export_blocks(block_ids)
+    return handoff
+
+
+def describe_prefix(engine: EngineCore, token_ids: list[int], holder: str) -> KvHandoff | None:
+    """export_prefix without the data, which will travel over a channel of the ranks: the blocks are held under
+    `holder` (a reference that is not a request) so nothing reuses them until `send_held` or `release_held`."""
+    found = _cached_blocks(engine, token_ids)
+    if found is None:
+        return None
+    handoff, block_ids = found
+    engine.block_table.allocate_slots(holder, handoff.token_ids, len(handoff.token_ids), block_ids)
+    return handoff
+
+
+def send_held(engine: EngineCore, holder: str, rows: list[int], channel: str) -> None:
+    """Send the held blocks at `rows` over the ranks' channel, then let them go."""
+    try:
+        block_ids = engine.block_table.block_ids(holder)
+        engine.executor.send_blocks(channel, [block_ids[row] for row in rows])
+    finally:
+        engine.block_table.free(holder)
+
+
+def release_held(engine: EngineCore, holder: str) -> None:
+    engine.block_table.free(holder)
+
+
+def _cached_blocks(engine: EngineCore, token_ids: list[int]) -> tuple[KvHandoff, list[int]] | None:
     table = engine.block_table
-    export = getattr(engine.executor, "export_blocks", None)
-    if export is None or engine.sliding_window is not None:
+    if getattr(engine.executor, "export_blocks", None) is None or engine.sliding_window is not None:
         return None
     # The lookup never covers a sequence's last token (it is recomputed for its logits): one more lets it cover all.
     block_ids = table.find_cached_prefix([*token_ids, 0])
     if not block_ids:
         return None
     tokens = list(token_ids[: len(block_ids) * table.block_size])
-    return KvHandoff(tokens, chain_hashes(tokens, table.block_size), dict(engine.executor.kv_layout), export(block_ids))
+    return KvHandoff(tokens, chain_hashes(tokens, table.block_size), dict(engine.executor.kv_layout), None), block_ids
 
 
 def chain_hashes(token_ids: list[int], block_size: int) -> list[int]:
@@ -74,6 +106,8 @@ def check_handoff(handoff: KvHandoff, layout: dict) -> str | None:
         return f"{len(handoff.token_ids)} tokens for {handoff.num_blocks} blocks of {size}"
     if chain_hashes(handoff.token_ids, size) != handoff.hashes:
         return "block hashes do not match their tokens"
+    if handoff.data is None:  # the data comes over a channel of its own, shaped by the layout
+        return None
     shape = (handoff.num_blocks, layout["num_layers"], 2, layout["num_kv_heads"], size, layout["head_dim"])
     if tuple(handoff.data.shape) != shape:
         return f"data of shape {tuple(handoff.data.shape)}, expected {shape}"
@@ -85,26 +119,33 @@ def check_handoff(handoff: KvHandoff, layout: dict) -> str | None:
 def import_handoff(engine: EngineCore, handoff: KvHandoff) -> int:
     """Give the handoff's blocks host-tier slots and write them there; how many blocks it took (0: refused, or
     nothing new). Call between steps with none in flight: the slots it takes may not be read by a queued step."""
+    rows, slots = reserve_slots(engine, handoff, ready=True)
+    if slots:
+        engine.executor.import_host(slots, handoff.data[rows])
+    return len(slots)
+
+
+def reserve_slots(engine: EngineCore, handoff: KvHandoff, ready: bool) -> tuple[list[int], list[int]]:
+    """Host-tier slots for the handoff's blocks this replica lacks: (their rows in the handoff, the slots); none
+    when it is refused. Not `ready`, the blocks are not findable until the tier settles them (their KV arrives
+    while steps run)."""
     table, executor = engine.block_table, engine.executor
     tier = table.host_tier
-    write = getattr(executor, "import_host", None)
-    if tier is None or write is None:
+    if tier is None or getattr(executor, "import_host", None) is None:
         logger.warning("KV handoff of %d blocks dropped: this replica has no host KV tier", handoff.num_blocks)
-        return 0
+        return [], []
     problem = check_handoff(handoff, executor.kv_layout)
     if problem is not None:
         logger.warning("KV handoff of %d blocks dropped (the request recomputes): %s", handoff.num_blocks, problem)
-        return 0
+        return [], []
     size, parent = table.block_size, ROOT_PARENT_HASH
     slots, rows = [], []
     for row, block_hash in enumerate(handoff.hashes):
         tokens = tuple(handoff.token_ids[row * size : (row + 1) * size])
         if not table.caches_on_device(block_hash):
-            slot = tier.inject(block_hash, parent, tokens)
+            slot = tier.inject(block_hash, parent, tokens, ready)
             if slot is not None:
                 slots.append(slot)
                 rows.append(row)
         parent = block_hash
-    if slots:
-        write(slots, handoff.data[rows])
-    return len(slots)
+    return rows, slots

@@ -12,6 +12,7 @@ from cluster.core.async_engine import AsyncEngine
 from cluster.core.engine import EngineCore
 from cluster.core.engine_client import RequestDelta
 from cluster.core.engine_request import EngineRequest
+from cluster.core.kv_handoff import describe_prefix, release_held, reserve_slots, send_held
 from cluster.core.model_info import read_model_info
 from cluster.distributed.local_executor import locate_model, worker_config
 from cluster.distributed.output_channel import OutputChannel, OutputMessage
@@ -162,6 +163,33 @@ class HeadActor:
     async def import_kv(self, handoff) -> int:
         """Another replica's KV blocks into this replica's host tier; how many it took."""
         return await self.async_engine.import_kv(handoff)
+
+    # KV over the ranks' own channel (worker/kv_channel.py): describe and hold, reserve, open, send, receive, settle.
+
+    async def kv_endpoint(self) -> tuple[str, int, int]:
+        return await asyncio.to_thread(self.group.kv_endpoint)
+
+    async def kv_open_channel(self, channel_id: str, host: str, port: int, first: int, senders: int, receivers: int):
+        await asyncio.to_thread(self.group.open_kv_channel, channel_id, host, port, first, senders, receivers)
+
+    async def kv_describe(self, token_ids: list[int], holder: str):
+        return await self.async_engine.run_on_loop(lambda engine: describe_prefix(engine, token_ids, holder))
+
+    async def kv_send(self, holder: str, rows: list[int], channel_id: str) -> None:
+        # On the engine loop: the held blocks leave before anything else touches the cache.
+        await self.async_engine.run_on_loop(lambda engine: send_held(engine, holder, rows, channel_id))
+
+    async def kv_release(self, holder: str) -> None:
+        await self.async_engine.run_on_loop(lambda engine: release_held(engine, holder))
+
+    async def kv_reserve(self, handoff) -> tuple[list[int], list[int]]:
+        return await self.async_engine.run_on_loop(lambda engine: reserve_slots(engine, handoff, False), drain=True)
+
+    async def kv_receive(self, channel_id: str, slots: list[int], shape: tuple[int, ...], dtype: str) -> None:
+        await asyncio.to_thread(self.group.receive_blocks, channel_id, slots, shape, dtype)
+
+    async def kv_settle(self, hashes: list[int], arrived: bool) -> None:
+        await self.async_engine.run_on_loop(lambda engine: engine.block_table.host_tier.settle(hashes, arrived))
 
     def kv_events(self, epoch: int | None, seq: int) -> dict:
         """The block events of this replica's caches after (epoch, seq), or a snapshot (cluster/core/kv_events.py)."""

@@ -143,5 +143,9 @@ class HeadEngineClient:
     async def import_kv(self, handoff) -> int:
         return await self._head.import_kv.remote(handoff)
 
+    async def kv_call(self, method: str, *args):
+        """One step of a KV move over the ranks' own channel (the head's kv_* methods; cluster/routing/kv_moves.py)."""
+        return await getattr(self._head, method).remote(*args)
+
     async def metrics(self) -> str:
         return await self._head.metrics.remote()

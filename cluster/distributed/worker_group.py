@@ -165,6 +165,34 @@ class WorkerGroup:
         ref = ray.put(data)
         ray.get([actor.import_host.remote(slots, ref) for actor in self._actors], timeout=timeout_s)
 
+    def kv_endpoint(self) -> tuple[str, int, int]:
+        """(host, free port) of rank 0, to host a KV channel's store, and this replica's tensor-parallel size."""
+        rank0 = self._actors[0]
+        return ray.get(rank0.node_ip.remote()), ray.get(rank0.reserve_port.remote()), self.size
+
+    def open_kv_channel(
+        self, channel_id: str, host: str, port: int, first_rank: int, senders: int, receivers: int,
+        timeout_s: float = 120.0,
+    ) -> None:  # fmt: skip
+        """Join every rank to a KV channel as group ranks first_rank.. (the other replica joins at the same time)."""
+        refs = [
+            actor.kv_channel_open.remote(channel_id, host, port, first_rank + rank, senders, receivers)
+            for rank, actor in enumerate(self._actors)
+        ]
+        ray.get(refs, timeout=timeout_s)
+
+    def send_blocks(self, channel_id: str, block_ids: list[int], timeout_s: float = 120.0) -> int:
+        """Every rank sends its heads of `block_ids` over the channel; the bytes sent."""
+        refs = [actor.kv_send.remote(channel_id, block_ids) for actor in self._actors]
+        return sum(ray.get(refs, timeout=timeout_s))
+
+    def receive_blocks(
+        self, channel_id: str, slots: list[int], shape: tuple[int, ...], dtype: str, timeout_s: float = 120.0
+    ) -> None:
+        """Every rank receives its heads of the blocks over the channel into its host slots."""
+        refs = [actor.kv_receive.remote(channel_id, slots, shape, dtype) for actor in self._actors]
+        ray.get(refs, timeout=timeout_s)
+
     def flush_traces(self, timeout_s: float = 10.0) -> bool:
         """Ask every rank to export the spans it still buffers; False when one did not within `timeout_s`."""
         try:

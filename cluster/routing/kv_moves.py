@@ -10,8 +10,10 @@ sees one stream throughout.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 _tracer = get_tracer("pagerail.router")
 PREFILL, DECODE = "prefill", "decode"
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 class Moved(ReplicaFailed):
@@ -43,6 +46,8 @@ class KvMoves:
         self.num_moves = 0
         self.num_blocks_moved = 0
         self.bytes_moved = 0
+        # Open KV channels between replicas' ranks, by (source, target).
+        self._channels: dict[tuple[str, str], str] = {}
 
     @property
     def disaggregated(self) -> bool:
@@ -94,12 +99,15 @@ class KvMoves:
         started = time.perf_counter()
         with traced(_tracer, "kv_transfer") as span:
             try:
-                handoff = await source_client.export_kv(token_ids)
-                taken = await target_client.import_kv(handoff) if handoff is not None else 0
+                if hasattr(source_client, "kv_call") and hasattr(target_client, "kv_call"):
+                    taken, nbytes = await self._over_channel(source, target, source_client, target_client, token_ids)
+                else:
+                    handoff = await source_client.export_kv(token_ids)
+                    taken = await target_client.import_kv(handoff) if handoff is not None else 0
+                    nbytes = handoff.nbytes * taken // max(handoff.num_blocks, 1) if handoff is not None else 0
             except Exception:  # the request recomputes on the target
                 logger.warning("KV transfer %s -> %s failed; the request recomputes", source, target, exc_info=True)
                 return
-            nbytes = handoff.nbytes * taken // max(handoff.num_blocks, 1) if handoff is not None else 0
             seconds = time.perf_counter() - started
             span.set_attribute("pagerail.kv_transfer.source", source)
             span.set_attribute("pagerail.kv_transfer.target", target)
@@ -109,6 +117,58 @@ class KvMoves:
         self.num_blocks_moved += taken
         self.bytes_moved += nbytes
         self.routed.metrics_registry.observe_kv_transfer(source, target, nbytes, seconds)
+
+    async def _over_channel(self, source: str, target: str, src, dst, token_ids: list[int]) -> tuple[int, int]:
+        """The move's blocks straight from the source's ranks to the target's (worker/kv_channel.py): the source
+        holds them, the target reserves host slots not yet findable, both sides' ranks transfer at once, and the
+        target's slots are settled; (blocks, bytes)."""
+        holder = f"kv-move-{uuid.uuid4().hex}"
+        handoff = await src.kv_call("kv_describe", token_ids, holder)
+        if handoff is None:
+            return 0, 0
+        try:
+            rows, slots = await dst.kv_call("kv_reserve", handoff)
+            if not slots:
+                return 0, 0
+            hashes = [handoff.hashes[row] for row in rows]
+            layout = handoff.layout
+            shape = (
+                len(rows),
+                layout["num_layers"],
+                2,
+                layout["num_kv_heads"],
+                layout["block_size"],
+                layout["head_dim"],
+            )
+            try:
+                channel = await self._channel(source, target, src, dst)
+                await asyncio.gather(
+                    src.kv_call("kv_send", holder, rows, channel),
+                    dst.kv_call("kv_receive", channel, slots, shape, layout["dtype"]),
+                )
+            except BaseException:
+                self._channels.pop((source, target), None)  # a side may have restarted: open anew next time
+                await dst.kv_call("kv_settle", hashes, False)
+                raise
+            await dst.kv_call("kv_settle", hashes, True)
+            per_block = 2 * layout["num_layers"] * layout["num_kv_heads"] * layout["block_size"] * layout["head_dim"]
+            return len(rows), len(rows) * per_block * _DTYPE_BYTES.get(layout["dtype"], 4)
+        finally:
+            await src.kv_call("kv_release", holder)
+
+    async def _channel(self, source: str, target: str, src, dst) -> str:
+        """The open channel from `source`'s ranks to `target`'s, opened on first use."""
+        channel = self._channels.get((source, target))
+        if channel is None:
+            host, port, senders = await src.kv_call("kv_endpoint")
+            receivers = (await dst.kv_call("kv_endpoint"))[2]
+            channel = f"{source}->{target}:{uuid.uuid4().hex[:8]}"
+            await asyncio.gather(
+                src.kv_call("kv_open_channel", channel, host, port, 0, senders, receivers),
+                dst.kv_call("kv_open_channel", channel, host, port, senders, senders, receivers),
+            )
+            self._channels[(source, target)] = channel
+        return channel
 
     async def migrate(self, request_id: str, target: str | None = None) -> bool:
         """Move an open request off its replica (to `target`, or the best other one); False when it cannot move."""
