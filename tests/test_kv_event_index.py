@@ -145,3 +145,15 @@ def test_the_engine_publishes_its_block_events(tmp_path) -> None:
         host = len(table.find_host_prefix(prompt + [0], table.find_cached_prefix(prompt + [0])))
         assert index.match(prompt).get("r", 0) == (device + host) * 4
     llm.shutdown()
+
+
+def test_the_footprint_grows_with_each_send_before_any_event() -> None:
+    """Prefix-aware routing spreads unseen prompts by footprint: it must count what was just sent."""
+    now = [0.0]
+    index = KvEventIndex(BLOCK, recent_s=5.0, clock=lambda: now[0])
+    index.insert("a", PROMPTS[0])
+    index.insert("a", PROMPTS[1])  # shares its first two blocks with the first
+    assert index.held("a") == 4 and index.held("b") == 0
+    now[0] = 6.0
+    index.match(PROMPTS[0])  # expires the hints
+    assert index.held("a") == 0

@@ -17,6 +17,8 @@ from cluster.routing.failover import ReplicaFailed
 from cluster.routing.routed_client import RoutedEngineClient
 from tests.tiny_models import make_tiny_model
 
+pytestmark = pytest.mark.slow
+
 BLOCK = 4
 # The tiny Llama's KV per token: 2 layers x (K and V) x 2 heads x 16 dims x 4 bytes.
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4

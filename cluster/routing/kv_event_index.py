@@ -49,15 +49,17 @@ class KvEventIndex:
         self._holders: dict[int, set[str]] = {}
         # replica → (epoch, seq) of the last event applied: where its next read starts.
         self._cursor: dict[str, tuple[int | None, int]] = {}
-        # hash → {replica: when sent}, oldest first.
+        # hash → {replica: when sent}, oldest first; and per replica how many such hashes it has.
         self._recent: OrderedDict[int, dict[str, float]] = OrderedDict()
+        self._recent_count: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._holders)
 
     def held(self, replica: str) -> int:
-        """How many blocks `replica` holds (device and host)."""
-        return len(self._by_replica.get(replica, ()))
+        """How many blocks `replica` holds (device and host), counting those of recent sends its events have not
+        reported yet: the footprint the router balances, which must grow as it sends, not only at refreshes."""
+        return len(self._by_replica.get(replica, ())) + self._recent_count.get(replica, 0)
 
     def holds(self, replica: str) -> dict[int, int]:
         """A copy of `replica`'s holdings: hash → tier bits (1 device, 2 host)."""
@@ -108,6 +110,7 @@ class KvEventIndex:
             senders = self._recent[block_hash]
             if senders.pop(replica, None) is not None and not senders:
                 del self._recent[block_hash]
+        self._recent_count.pop(replica, None)
 
     # -- the router's side ----------------------------------------------------------------------
 
@@ -118,10 +121,12 @@ class KvEventIndex:
         now = self._clock()
         for block_hash in hashes if hashes is not None else self.block_hashes(token_ids):
             senders = self._recent.pop(block_hash, None) or {}
+            if replica not in senders:
+                self._recent_count[replica] = self._recent_count.get(replica, 0) + 1
             senders[replica] = now
             self._recent[block_hash] = senders
         while len(self._recent) > self.max_recent:
-            self._recent.popitem(last=False)
+            self._forget_recent(self._recent.popitem(last=False)[1])
 
     def match(self, token_ids: Sequence[int], hashes: list[int] | None = None) -> dict[str, int]:
         """How many leading tokens of the prompt each replica holds as a run of blocks from the first (replicas
@@ -178,6 +183,15 @@ class KvEventIndex:
             if max(senders.values()) >= oldest:
                 break
             del self._recent[block_hash]
+            self._forget_recent(senders)
+
+    def _forget_recent(self, senders: dict[str, float]) -> None:
+        for replica in senders:
+            left = self._recent_count.get(replica, 0) - 1
+            if left > 0:
+                self._recent_count[replica] = left
+            else:
+                self._recent_count.pop(replica, None)
 
 
 async def read_kv_events(index: KvEventIndex, name: str, client, timeout_s: float, current) -> None:
