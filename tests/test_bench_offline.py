@@ -116,6 +116,7 @@ def test_throughput_with_every_baseline_prints_consistent_json(tiny_dir, capsys)
     assert all(set(check) == {"value", "target", "met"} for check in report["targets"].values())
 
 
+@pytest.mark.slow
 def test_throughput_prints_a_table_for_dummy_weights(tiny_dir, capsys):
     argv = ["bench", "throughput", "--model", str(tiny_dir), "--load-format", "dummy", "--vocab-size", "250"]
     argv += ["--num-requests", "3"]

@@ -301,6 +301,8 @@ def test_explicit_budgets_skip_profiling(make_worker):
     assert make_worker.made["recorder"].forwards == []
 
 
+# A whole CPU worker with its 2 GiB default cache: seconds of allocation, so with the slow tier.
+@pytest.mark.slow
 def test_cpu_worker_keeps_the_default_budget(make_worker):
     assert memory_probe(torch.device("cpu")) is None
     worker = make_worker(None)

@@ -64,6 +64,8 @@ class KvMoves:
             return request
         if limit is not None and limit <= 1:
             return request
+        if not any(self.routed.router.routable(name) for name in self.prefill):
+            return request  # no prefill replica in rotation: a decode replica does both, as colocated
         entry.phase = PREFILL
         return replace(request, params=replace(request.params, max_tokens=1))
 

@@ -210,6 +210,7 @@ class RoutedEngineClient:
                 yield ended(request_id, num_prompt, len(outputs), cached, "abort", why)
                 return
             failed.add(replica)
+            entry.phase = None  # the resumption is the whole request: where it prefills, it decodes too
             self.num_failovers += 1
             self.metrics_registry.failovers.labels(self.model_name, replica).inc()
             if (params.max_tokens is not None and len(outputs) >= params.max_tokens) or (
