@@ -195,3 +195,15 @@ def test_a_failed_side_costs_a_recomputation_never_a_token(model_dir, fault: str
         assert routed.num_failovers >= 1
     for llm in (prefill, first, second):
         llm.shutdown()
+
+
+def test_replicas_whose_blocks_could_not_move_are_refused_at_start() -> None:
+    from cluster.core.kv_handoff import check_roles
+
+    layout = {"block_size": 16, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32"}
+    good = {**layout, "vocab_size": 250}
+    check_roles({"p": good, "d": dict(good)}, ["p"])
+    with pytest.raises(ValueError, match="replica d has block_size=32, prefill replica p 16"):
+        check_roles({"p": good, "d": {**good, "block_size": 32}}, ["p"])
+    with pytest.raises(ValueError, match="replica d has vocab_size=300"):
+        check_roles({"p": good, "d": {**good, "vocab_size": 300}}, ["p"])

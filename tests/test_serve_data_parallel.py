@@ -47,3 +47,38 @@ def test_two_replicas_behind_one_endpoint():
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_prefill_and_decode_replicas_behind_one_endpoint():
+    """`--prefill-replicas 1 --decode-replicas 1`: each completion's prompt runs on the prefill replica, its KV
+    moves to the decode replica over the ranks' channel, and the text is that of a colocated server's."""
+    process = start_serve(
+        "--prefill-replicas", "1", "--decode-replicas", "1", "--kv-offload-bytes", str(256 << 20), "--max-num-seqs", "8"
+    )
+    lines: list[str] = []
+    try:
+        base_url, _ = wait_ready(process, lines)
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        prompts = [f"Write the numbers from one to {n}, separated by commas:" for n in (5, 9)]
+        texts = [
+            client.completions.create(model=model, prompt=p, max_tokens=12, temperature=0).choices[0].text
+            for p in prompts
+        ]
+        transfers = 0.0
+        for family in text_string_to_metric_families(httpx.get(base_url + "/metrics").text):
+            for sample in family.samples:
+                if family.name == "pagerail_router_kv_transfers" and sample.name.endswith("_total"):
+                    transfers += sample.value
+        assert transfers == 2, lines[-20:]
+        os.kill(process.pid, signal.SIGTERM)
+        assert process.wait(timeout=120) == 0
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    # The same prompts on one colocated replica give the same text.
+    from cluster import LLM, SamplingParams
+
+    with LLM() as llm:
+        params = SamplingParams(max_tokens=12, temperature=0)
+        assert [o.outputs[0].text for o in llm.generate(prompts, params)] == texts

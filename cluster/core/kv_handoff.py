@@ -10,6 +10,7 @@ over the receiver's): here it is an opaque array with a `shape` and a `dtype`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -94,6 +95,19 @@ def chain_hashes(token_ids: list[int], block_size: int) -> list[int]:
         parent = hash_block(parent, tuple(token_ids[start : start + block_size]))
         hashes.append(parent)
     return hashes
+
+
+def check_roles(layouts: dict[str, dict], prefill: Sequence[str]) -> None:
+    """Refuse, naming the field and the replicas, decode replicas whose KV (model shape, block size, dtype) differs
+    from the prefill replicas': their blocks could not move."""
+    first = prefill[0]
+    for name, layout in layouts.items():
+        for field in (*LAYOUT_FIELDS, "vocab_size"):
+            if layout.get(field) != layouts[first].get(field):
+                raise ValueError(
+                    f"replica {name} has {field}={layout.get(field)!r}, prefill replica {first} "
+                    f"{layouts[first].get(field)!r}: KV blocks cannot move between them"
+                )
 
 
 def check_handoff(handoff: KvHandoff, layout: dict) -> str | None:

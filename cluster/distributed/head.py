@@ -166,6 +166,10 @@ class HeadActor:
 
     # KV over the ranks' own channel (worker/kv_channel.py): describe and hold, reserve, open, send, receive, settle.
 
+    def kv_layout(self) -> dict:
+        """What one KV block of this replica is, and its vocabulary: replicas that move blocks must agree."""
+        return {**self.group.kv_layout, "vocab_size": self.engine.vocab_size}
+
     async def kv_endpoint(self) -> tuple[str, int, int]:
         return await asyncio.to_thread(self.group.kv_endpoint)
 

@@ -271,6 +271,11 @@ def serve(args: argparse.Namespace) -> int:
     workers = f"{args.tensor_parallel_size} worker(s)" + (f" per replica, {size} replicas" if routed else "")
     _say(f"loading {served_name} on {workers}")
     heads = start_heads(config, options, head_names)
+    if args.prefill_replicas:
+        from cluster.core.kv_handoff import check_roles
+
+        layouts = dict(zip(head_names, ray.get([head.kv_layout.remote() for head in heads]), strict=True))
+        check_roles(layouts, head_names[: args.prefill_replicas])
     _say("warming up")
     warmup = SamplingParams(max_tokens=2, ignore_eos=True)
     ray.get([head.generate.remote(EngineRequest("warmup", [1] * 8, warmup)) for head in heads])
