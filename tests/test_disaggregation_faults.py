@@ -13,7 +13,6 @@ from tests.requirements import require_module
 ray = require_module("ray", "needs Ray")
 
 from cluster import LLM  # noqa: E402
-from cluster.core.engine_request import EngineRequest  # noqa: E402
 from cluster.core.sampling_params import SamplingParams  # noqa: E402
 from cluster.distributed.head import ClusterOptions  # noqa: E402
 from cluster.distributed.head_client import HeadEngineClient  # noqa: E402
@@ -22,6 +21,7 @@ from cluster.routing.routed_client import RoutedEngineClient  # noqa: E402
 from common.engine_config import CacheConfig, EngineConfig  # noqa: E402
 from tests.ray_start import start_ray  # noqa: E402
 from tests.test_cluster_failures import _answers, wait_for  # noqa: E402
+from tests.test_kv_moves import _stream  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -55,14 +55,6 @@ def _routed(heads) -> tuple[RoutedEngineClient, dict]:
     return RoutedEngineClient(clients, prefill_replicas={NAMES[0]}), clients
 
 
-async def _stream(routed, request_id: str, prompt: list[int]) -> tuple[list[int], int]:
-    tokens, finishes = [], 0
-    async for delta in routed.generate(EngineRequest(request_id, prompt, PARAMS)):
-        tokens.extend(delta.token_ids)
-        finishes += delta.finished
-    return tokens, finishes
-
-
 def test_the_prefill_replica_killed_mid_transfer(setup) -> None:
     heads, expected = setup
     wait_for(lambda: all(_answers(head) for head in heads.values()), 120, "every head is ready")
@@ -80,7 +72,7 @@ def test_the_prefill_replica_killed_mid_transfer(setup) -> None:
     prefill.kv_call = kill_on_send
 
     async def scenario():
-        return [await _stream(routed, f"kill-p-{i}", prompt) for i, prompt in enumerate(PROMPTS)]
+        return [await _stream(routed, f"kill-p-{i}", prompt, PARAMS) for i, prompt in enumerate(PROMPTS)]
 
     results = asyncio.run(scenario())
     assert killed and [tokens for tokens, _ in results] == expected
@@ -93,7 +85,7 @@ def test_a_decode_replica_killed_mid_stream(setup) -> None:
     routed, _ = _routed(heads)
 
     async def scenario():
-        streams = [asyncio.create_task(_stream(routed, f"kill-d-{i}", p)) for i, p in enumerate(PROMPTS)]
+        streams = [asyncio.create_task(_stream(routed, f"kill-d-{i}", p, PARAMS)) for i, p in enumerate(PROMPTS)]
         victim = None
         while victim is None:
             await asyncio.sleep(0.01)
