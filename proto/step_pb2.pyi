@@ -81,7 +81,7 @@ class CachedRequest(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., resumed: _Optional[bool] = ..., num_computed_tokens: _Optional[int] = ..., skip_sampling: _Optional[bool] = ..., num_prompt_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "finished", "preempted", "trace_context", "decode_handles", "offload_blocks", "offload_slots", "load_slots", "load_blocks")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "finished", "preempted", "trace_context", "decode_handles", "offload_blocks", "offload_slots", "load_slots", "load_blocks", "offload_now")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class StepBatch(_message.Message):
     OFFLOAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFLOAD_NOW_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -111,7 +112,8 @@ class StepBatch(_message.Message):
     offload_slots: _containers.RepeatedScalarFieldContainer[int]
     load_slots: _containers.RepeatedScalarFieldContainer[int]
     load_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., preempted: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., decode_handles: _Optional[_Iterable[int]] = ..., offload_blocks: _Optional[_Iterable[int]] = ..., offload_slots: _Optional[_Iterable[int]] = ..., load_slots: _Optional[_Iterable[int]] = ..., load_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    offload_now: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., preempted: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., decode_handles: _Optional[_Iterable[int]] = ..., offload_blocks: _Optional[_Iterable[int]] = ..., offload_slots: _Optional[_Iterable[int]] = ..., load_slots: _Optional[_Iterable[int]] = ..., load_blocks: _Optional[_Iterable[int]] = ..., offload_now: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")

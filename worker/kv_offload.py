@@ -51,12 +51,35 @@ class HostKvPool:
             for cache in caches
         ]
         self.bytes_per_block = self.pools[0][0].numel() * self.pools[0].element_size() * len(caches)
+        # CUDA: the stream background offloads run on, and the event the next step waits for.
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._beside: torch.cuda.Event | None = None
 
     def transfer(self, batch: step_pb2.StepBatch) -> float:
-        """The step's copies, offloads first; seconds the host spent issuing them (on CUDA they run queued)."""
+        """The step's copies, offloads first; seconds the host spent issuing them (on CUDA they run queued).
+
+        On CUDA the offloads of freed blocks (not `offload_now`) run on a stream of their own beside the forward;
+        the next step's work waits for them on the device, so a block or slot they read or write is never reused
+        before they are done. The others, and the loads, run on the step's stream ahead of its forward."""
         started = time.perf_counter()
-        if batch.offload_blocks:
-            self._offload(list(batch.offload_blocks), list(batch.offload_slots))
+        blocks, slots = list(batch.offload_blocks), list(batch.offload_slots)
+        if self.device.type == "cuda":
+            current = torch.cuda.current_stream(self.device)
+            if self._beside is not None:
+                current.wait_event(self._beside)  # the previous step's background copies are done first
+                self._beside = None
+            now = list(batch.offload_now) or [True] * len(blocks)
+            later = [(b, s) for b, s, n in zip(blocks, slots, now, strict=True) if not n]
+            blocks = [b for b, n in zip(blocks, now, strict=True) if n]
+            slots = [s for s, n in zip(batch.offload_slots, now, strict=True) if n]
+            if later:
+                self._side.wait_stream(current)  # their KV was written by the steps before
+                with torch.cuda.stream(self._side):
+                    self._offload([b for b, _ in later], [s for _, s in later])
+                self._beside = torch.cuda.Event()
+                self._beside.record(self._side)
+        if blocks:
+            self._offload(blocks, slots)
         if batch.load_slots:
             self._load(list(batch.load_slots), list(batch.load_blocks))
         return time.perf_counter() - started

@@ -206,7 +206,7 @@ class BlockTable:
         parent = self._block_hashes[cached_block_ids[-1]] if cached_block_ids else ROOT_PARENT_HASH
         return self.host_tier.match(token_ids, len(cached_block_ids), parent, self._block_size, hash_block)
 
-    def take_host_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    def take_host_transfers(self) -> tuple[list[tuple[int, int, bool]], list[tuple[int, int]]]:
         """The host-tier copies this step must make before its forward (offloads, loads); empty without a tier."""
         return self.host_tier.take_transfers() if self.host_tier is not None else ([], [])
 
@@ -301,10 +301,16 @@ class BlockTable:
         del self._slots[request_id]
         self._hash_due.pop(request_id, None)
         # Tail first: the queue front is evicted first, and a sequence's head is the part most likely shared.
+        tier = self.host_tier
         for block_id in reversed(req.block_ids[req.num_released :]):
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
                 self._free_queue[block_id] = None
+                h = self._block_hashes[block_id]
+                if tier is not None and h is not None:
+                    # Copied to the host now, beside the next forward, so its eviction later costs no copy.
+                    entry = self._cached[h]
+                    tier.store(block_id, h, entry.parent_hash, entry.token_ids, reused=False)
 
     # ------------------------------------------------------------------ internals
 

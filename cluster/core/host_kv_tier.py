@@ -59,16 +59,26 @@ class HostKvTier:
         self._pinned: dict[int, int] = {}
         self._offloads: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
+        # This step's offloads by device block, and the blocks whose copy must precede its forward (reused, or
+        # loaded back, in the same step); the others may run beside it.
+        self._offloading: dict[int, int] = {}
+        self._before_forward: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def store(self, block_id: int, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> None:
-        """Device block `block_id` is about to be reused: copy it to a host slot this step, unless one holds it."""
+    def store(
+        self, block_id: int, block_hash: int, parent_hash: int, token_ids: tuple[int, ...], reused: bool = True
+    ) -> None:
+        """Copy device block `block_id` to a host slot this step, unless one holds it: because it is about to be
+        reused (the copy must precede this step's forward), or, not `reused`, because it was just freed (the copy
+        may run beside the forward, ahead of any later reuse)."""
         entry = self._entries.get(block_hash)
         if entry is not None:
             if entry.parent_hash == parent_hash and entry.token_ids == token_ids:
                 self._entries.move_to_end(block_hash)
+                if reused and block_id in self._offloading:
+                    self._before_forward.add(block_id)  # freed and reused in one step: copy it first
             return  # the same hash for other tokens: keep the entry there is
         slot = self._take_slot()
         if slot is None:
@@ -76,6 +86,9 @@ class HostKvTier:
             return
         self._entries[block_hash] = HostBlock(slot, block_hash, parent_hash, token_ids)
         self._offloads.append((block_id, slot))
+        self._offloading[block_id] = slot
+        if reused:
+            self._before_forward.add(block_id)
         if self.events is not None:
             self.events.stored(block_hash, HOST)
         self.num_offloaded += 1
@@ -139,15 +152,21 @@ class HostKvTier:
 
     def load(self, blocks: Sequence[HostBlock], block_ids: Sequence[int]) -> None:
         """Copy pinned host blocks into device blocks `block_ids` this step; they stay on the host too."""
+        offloaded = {slot: block_id for block_id, slot in self._offloading.items()}
         for block, block_id in zip(blocks, block_ids, strict=True):
             self._loads.append((block.slot, block_id))
             self._entries.move_to_end(block.block_hash)
+            if block.slot in offloaded:  # copied out this step and loaded back: out first, then in
+                self._before_forward.add(offloaded[block.slot])
         self.num_loaded += len(blocks)
 
-    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """This step's (device block, slot) offloads and (slot, device block) loads; the step starts afresh."""
-        offloads, loads = self._offloads, self._loads
+    def take_transfers(self) -> tuple[list[tuple[int, int, bool]], list[tuple[int, int]]]:
+        """This step's (device block, slot, before the forward) offloads and (slot, device block) loads; the step
+        starts afresh."""
+        offloads = [(block_id, slot, block_id in self._before_forward) for block_id, slot in self._offloads]
+        loads = self._loads
         self._offloads, self._loads = [], []
+        self._offloading, self._before_forward = {}, set()
         self._pinned.clear()
         return offloads, loads
 
@@ -159,4 +178,9 @@ class HostKvTier:
             return None
         if self.events is not None:
             self.events.removed(victim, HOST)
-        return self._entries.pop(victim).slot
+        slot = self._entries.pop(victim).slot
+        if slot in self._offloading.values():
+            # A copy into it was due this step (a freed block's): the slot's new content must not be overwritten.
+            self._offloads = [(block_id, s) for block_id, s in self._offloads if s != slot]
+            self._offloading = {block_id: s for block_id, s in self._offloading.items() if s != slot}
+        return slot

@@ -59,9 +59,9 @@ class SchedulerOutput:
     has_admissions: bool = False
     # Some item is a prefill chunk that does not reach the end of its prompt (for the mixed-step count).
     has_partial_prefill: bool = False
-    # Host KV tier copies the ranks make before this step's forward: (device block, host slot) offloads, then
-    # (host slot, device block) loads.
-    kv_offloads: list[tuple[int, int]] = field(default_factory=list)
+    # Host KV tier copies the ranks make this step: (device block, host slot, before the forward) offloads, then
+    # (host slot, device block) loads, before the forward.
+    kv_offloads: list[tuple[int, int, bool]] = field(default_factory=list)
     kv_loads: list[tuple[int, int]] = field(default_factory=list)
 
     @property

@@ -67,9 +67,10 @@ class StepMessageBuilder:
         for request in out.preempted:
             if request.handle in known:
                 batch.preempted.append(request.handle)
-        for block_id, slot in out.kv_offloads:
+        for block_id, slot, now in out.kv_offloads:
             batch.offload_blocks.append(block_id)
             batch.offload_slots.append(slot)
+            batch.offload_now.append(now)
         for slot, block_id in out.kv_loads:
             batch.load_slots.append(slot)
             batch.load_blocks.append(block_id)
