@@ -56,3 +56,35 @@ def test_the_plan_sends_each_head_once_to_every_rank_that_needs_it() -> None:
     assert transfer_plan(4, 1, 2) == {(0, 0): [0, 1], (0, 1): [2, 3]}
     # One KV head held by both sending ranks: the first one sends it, to both receivers.
     assert transfer_plan(1, 2, 2) == {(0, 0): [0], (0, 1): [0]}
+
+
+def _one_side_waits(group_rank: int, port: int, waiting_rank: int, results) -> None:
+    """Rank `waiting_rank` transfers; its peer joins the channel and then takes no part for longer than the
+    waiting side's deadline (but stays alive, so no broken connection ends the wait)."""
+    import time
+
+    channel = KvChannel("127.0.0.1", port, group_rank, 1, 1, torch.device("cpu"), timeout_s=60, transfer_base_s=1.0)
+    if group_rank != waiting_rank:
+        time.sleep(12)
+        return
+    started = time.monotonic()
+    try:
+        if group_rank == 0:
+            channel.send(torch.zeros((64, 2, 2, 1, 16, 64)), 1)  # 1 MiB: more than a socket buffer takes at once
+        else:
+            channel.receive((64, 2, 2, 1, 16, 64), torch.float32, 1)
+        results[group_rank] = ("finished", time.monotonic() - started)
+    except RuntimeError:
+        results[group_rank] = ("failed", time.monotonic() - started, channel.group is None)
+
+
+@pytest.mark.parametrize("waiting", ["sender", "receiver"])
+def test_a_peer_that_takes_no_part_fails_the_transfer_at_its_deadline_not_the_group_timeout(waiting: str) -> None:
+    manager = mp.Manager()
+    results = manager.dict()
+    rank = 0 if waiting == "sender" else 1
+    mp.start_processes(_one_side_waits, args=(_free_port(), rank, results), nprocs=2, join=True, start_method="spawn")
+    outcome, seconds, closed = results[rank]
+    # The deadline is 1 s plus 1 MiB at the slowest bandwidth: about 1.01 s; the group's own timeout is 60 s and the
+    # idle peer leaves after 12 s.
+    assert outcome == "failed" and 0.9 < seconds < 6 and closed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -170,15 +171,27 @@ class WorkerActor:
     def kv_send(self, channel_id: str, block_ids: list[int]) -> int:
         """This rank's heads of `block_ids` over the channel to the receiving ranks; the bytes sent."""
         data = self.worker.export_blocks(block_ids)
-        return self._kv_channels[channel_id].send(data, self.worker.kv_layout["num_kv_heads"])
+        with self._dropped_on_failure(channel_id) as channel:
+            return channel.send(data, self.worker.kv_layout["num_kv_heads"])
 
     def kv_receive(self, channel_id: str, slots: list[int], shape: tuple[int, ...], dtype: str) -> None:
         """Blocks from the channel into this rank's host slots (its own KV heads of them)."""
         if self.worker.host_kv is None:
             raise ValueError("this replica has no host KV tier to receive blocks into (kv_offload_bytes)")
-        channel = self._kv_channels[channel_id]
-        data = channel.receive(tuple(shape), getattr(torch, dtype), self.worker.kv_layout["num_kv_heads"])
+        with self._dropped_on_failure(channel_id) as channel:
+            data = channel.receive(tuple(shape), getattr(torch, dtype), self.worker.kv_layout["num_kv_heads"])
         self.worker.host_kv.write(slots, data)
+
+    @contextlib.contextmanager
+    def _dropped_on_failure(self, channel_id: str):
+        """The channel, forgotten when a transfer over it fails (the router opens a new one for the next move)."""
+        channel = self._kv_channels[channel_id]
+        try:
+            yield channel
+        except BaseException:
+            self._kv_channels.pop(channel_id, None)
+            channel.close()
+            raise
 
     def stop(self) -> None:
         """Stop serving and leave the process group; safe to call more than once."""

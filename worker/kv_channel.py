@@ -16,6 +16,17 @@ import torch.distributed as dist
 
 from worker.kv_transfer import kv_heads_of_rank
 
+# A transfer gets this long plus its bytes at the slowest bandwidth a link between replicas should have: a peer that
+# died or stopped taking part then fails the move within seconds (the request recomputes) instead of holding the
+# sender's engine loop for the whole group timeout.
+TRANSFER_BASE_S = 10.0
+SLOWEST_BYTES_PER_S = 100e6
+
+
+def transfer_deadline_s(nbytes: int, base_s: float = TRANSFER_BASE_S) -> float:
+    """How long one side of a transfer of `nbytes` may wait for the other."""
+    return base_s + nbytes / SLOWEST_BYTES_PER_S
+
 
 def transfer_plan(num_kv_heads: int, senders: int, receivers: int) -> dict[tuple[int, int], list[int]]:
     """(sending rank, receiving rank) → the KV heads that pair moves, in the receiver's order."""
@@ -32,7 +43,7 @@ class KvChannel:
 
     def __init__(
         self, store_host: str, store_port: int, group_rank: int, senders: int, receivers: int, device: torch.device,
-        timeout_s: float = 120.0,
+        timeout_s: float = 120.0, transfer_base_s: float = TRANSFER_BASE_S,
     ) -> None:  # fmt: skip
         size = senders + receivers
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -42,6 +53,18 @@ class KvChannel:
         else:
             self.group = dist.ProcessGroupGloo(store, group_rank, size, timeout)
         self.group_rank, self.senders, self.receivers, self.device = group_rank, senders, receivers, device
+        self.transfer_base_s = transfer_base_s
+
+    def _wait(self, works: list, nbytes: int) -> None:
+        """Wait for `works` within the transfer's deadline; a failure closes the channel (it may hold a pending
+        operation), so the next move opens a new one."""
+        deadline = datetime.timedelta(seconds=transfer_deadline_s(nbytes, self.transfer_base_s))
+        try:
+            for work in works:
+                work.wait(deadline)
+        except BaseException:
+            self.close()
+            raise
 
     def send(self, blocks: torch.Tensor, num_kv_heads: int) -> int:
         """This sending rank's blocks [n, layers, 2, its heads, block_size, head_dim] to the receivers that need
@@ -55,8 +78,7 @@ class KvChannel:
             part = blocks[:, :, :, [mine.index(h) for h in heads]].contiguous().to(self.device)
             works.append((self.group.send([part], self.senders + receiver, 0), part))
             sent += part.numel() * part.element_size()
-        for work, _ in works:
-            work.wait()
+        self._wait([work for work, _ in works], sent)
         return sent
 
     def receive(self, shape: tuple[int, ...], dtype: torch.dtype, num_kv_heads: int) -> torch.Tensor:
@@ -71,8 +93,8 @@ class KvChannel:
                 continue
             part = torch.empty((n, layers, two, len(heads), block_size, head_dim), dtype=dtype, device=self.device)
             parts.append((self.group.recv([part], sender, 0), part, heads))
-        for work, part, heads in parts:
-            work.wait()
+        self._wait([work for work, _, _ in parts], out.numel() * out.element_size())
+        for _, part, heads in parts:
             out[:, :, :, [mine.index(h) for h in heads]] = part.cpu()
         return out
 
