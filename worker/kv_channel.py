@@ -43,8 +43,10 @@ class KvChannel:
 
     def __init__(
         self, store_host: str, store_port: int, group_rank: int, senders: int, receivers: int, device: torch.device,
-        timeout_s: float = 120.0, transfer_base_s: float = TRANSFER_BASE_S,
+        timeout_s: float = 20.0, transfer_base_s: float = TRANSFER_BASE_S,
     ) -> None:  # fmt: skip
+        # Both replicas' ranks join at once when the router opens the channel, so live ones meet within a second;
+        # `timeout_s` bounds how long a rank stays busy joining a peer that died meanwhile.
         size = senders + receivers
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(store_host, store_port, size, is_master=group_rank == 0, timeout=timeout)

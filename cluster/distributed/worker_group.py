@@ -172,7 +172,7 @@ class WorkerGroup:
 
     def open_kv_channel(
         self, channel_id: str, host: str, port: int, first_rank: int, senders: int, receivers: int,
-        timeout_s: float = 120.0,
+        timeout_s: float = 30.0,
     ) -> None:  # fmt: skip
         """Join every rank to a KV channel as group ranks first_rank.. (the other replica joins at the same time)."""
         refs = [
