@@ -240,3 +240,40 @@ def test_disaggregated_kv_moves_over_the_ranks_own_channel(local_ray, prefill, t
     finally:
         for llm in replicas.values():
             llm.shutdown()
+
+
+def test_a_move_whose_target_never_receives_holds_up_no_stream_of_the_source(local_ray, tmp_path):
+    """The source's ranks send a move while its engine loop goes on stepping: a request served meanwhile finishes at
+    once, and the send itself fails at its deadline (10 s for a few KiB) since the target's ranks never receive."""
+    model_dir = make_tiny_model("llama", tmp_path / "llama")
+    engine = dict(block_size=4, num_gpu_blocks=128, kv_offload_bytes=1 << 20)
+    source = LLM(str(model_dir), tensor_parallel_size=2, **engine)
+    target = LLM(str(model_dir), ray_address="auto", **engine)
+    src, dst = source._cluster.heads[0], target._cluster.heads[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = list(range(10, 50))
+    try:
+        expected = source.generate([[7, 8, 9]], params)[0].outputs[0].token_ids
+        source.generate([prompt], params)
+        handoff = ray.get(src.kv_describe.remote(prompt, "held-for-a-move"))
+        host, port, senders = ray.get(src.kv_endpoint.remote())
+        receivers = ray.get(dst.kv_endpoint.remote())[2]
+        ray.get(
+            [
+                src.kv_open_channel.remote("never-received", host, port, 0, senders, receivers),
+                dst.kv_open_channel.remote("never-received", host, port, senders, senders, receivers),
+            ]
+        )
+        started = time.monotonic()
+        sending = src.kv_send.remote("held-for-a-move", list(range(handoff.num_blocks)), "never-received")
+        time.sleep(0.5)  # the send is under way on the source's ranks
+        assert source.generate([[7, 8, 9]], params)[0].outputs[0].token_ids == expected
+        served = time.monotonic() - started
+        with pytest.raises(ray.exceptions.RayError):
+            ray.get(sending, timeout=60)
+        failed = time.monotonic() - started
+        assert served < 5 and 9 < failed < 30, (served, failed)
+        assert ray.get(src.stats.remote())["num_free_blocks"] == 128  # the held blocks were let go
+    finally:
+        source.shutdown()
+        target.shutdown()

@@ -55,7 +55,7 @@ def export_prefix(engine: EngineCore, token_ids: list[int]) -> KvHandoff | None:
 
 def describe_prefix(engine: EngineCore, token_ids: list[int], holder: str) -> KvHandoff | None:
     """export_prefix without the data, which will travel over a channel of the ranks: the blocks are held under
-    `holder` (a reference that is not a request) so nothing reuses them until `send_held` or `release_held`."""
+    `holder` (a reference that is not a request) so nothing reuses them until `release_held`."""
     found = _cached_blocks(engine, token_ids)
     if found is None:
         return None
@@ -64,13 +64,11 @@ def describe_prefix(engine: EngineCore, token_ids: list[int], holder: str) -> Kv
     return handoff
 
 
-def send_held(engine: EngineCore, holder: str, rows: list[int], channel: str) -> None:
-    """Send the held blocks at `rows` over the ranks' channel, then let them go."""
-    try:
-        block_ids = engine.block_table.block_ids(holder)
-        engine.executor.send_blocks(channel, [block_ids[row] for row in rows])
-    finally:
-        engine.block_table.free(holder)
+def held_blocks(engine: EngineCore, holder: str, rows: list[int]) -> list[int]:
+    """The device blocks at `rows` of those held under `holder`, to send while steps go on: being held, none of
+    them is reused or overwritten until `release_held`."""
+    block_ids = engine.block_table.block_ids(holder)
+    return [block_ids[row] for row in rows]
 
 
 def release_held(engine: EngineCore, holder: str) -> None:

@@ -12,7 +12,7 @@ from cluster.core.async_engine import AsyncEngine
 from cluster.core.engine import EngineCore
 from cluster.core.engine_client import RequestDelta
 from cluster.core.engine_request import EngineRequest
-from cluster.core.kv_handoff import describe_prefix, release_held, reserve_slots, send_held
+from cluster.core.kv_handoff import describe_prefix, held_blocks, release_held, reserve_slots
 from cluster.core.model_info import read_model_info
 from cluster.distributed.local_executor import locate_model, worker_config
 from cluster.distributed.output_channel import OutputChannel, OutputMessage
@@ -180,8 +180,12 @@ class HeadActor:
         return await self.async_engine.run_on_loop(lambda engine: describe_prefix(engine, token_ids, holder))
 
     async def kv_send(self, holder: str, rows: list[int], channel_id: str) -> None:
-        # On the engine loop: the held blocks leave before anything else touches the cache.
-        await self.async_engine.run_on_loop(lambda engine: send_held(engine, holder, rows, channel_id))
+        # Off the engine loop, which goes on stepping: the held blocks stay as they are until released.
+        try:
+            block_ids = await self.async_engine.run_on_loop(lambda engine: held_blocks(engine, holder, rows))
+            await asyncio.to_thread(self.group.send_blocks, channel_id, block_ids)
+        finally:
+            await self.kv_release(holder)
 
     async def kv_release(self, holder: str) -> None:
         await self.async_engine.run_on_loop(lambda engine: release_held(engine, holder))
