@@ -57,17 +57,22 @@ class HostKvPool:
 
     def transfer(self, batch: step_pb2.StepBatch) -> float:
         """The step's copies, offloads first; seconds the host spent issuing them (on CUDA they run queued).
+        Called before every step's forward, with copies or without.
 
         On CUDA the offloads of freed blocks (not `offload_now`) run on a stream of their own beside the forward;
-        the next step's work waits for them on the device, so a block or slot they read or write is never reused
-        before they are done. The others, and the loads, run on the step's stream ahead of its forward."""
+        the next step's work, whether it copies or not, waits for them on the device, so a block or slot they read
+        or write is never reused before they are done. The others, and the loads, run on the step's stream ahead
+        of its forward."""
         started = time.perf_counter()
+        if self._beside is not None:
+            # The previous step's background copies are done before anything of this step runs on the device.
+            torch.cuda.current_stream(self.device).wait_event(self._beside)
+            self._beside = None
         blocks, slots = list(batch.offload_blocks), list(batch.offload_slots)
+        if not blocks and not batch.load_slots:
+            return 0.0
         if self.device.type == "cuda":
             current = torch.cuda.current_stream(self.device)
-            if self._beside is not None:
-                current.wait_event(self._beside)  # the previous step's background copies are done first
-                self._beside = None
             now = list(batch.offload_now) or [True] * len(blocks)
             later = [(b, s) for b, s, n in zip(blocks, slots, now, strict=True) if not n]
             blocks = [b for b, n in zip(blocks, now, strict=True) if n]
@@ -115,6 +120,9 @@ class HostKvPool:
     def write(self, slots: list[int], data: torch.Tensor) -> None:
         """Blocks that came from another replica into `slots`: data [n, layers, 2, this rank's heads, block_size,
         head_dim] on the CPU (written between steps, when no step reads these slots)."""
+        if self._side is not None:
+            # A background copy still in flight may target a slot the tier has since given to these blocks.
+            self._side.synchronize()
         where = torch.tensor(slots, dtype=torch.long)
         for layer, pool in enumerate(self.pools):
             pool.index_copy_(0, where, data[:, layer].to(pool.dtype))

@@ -197,7 +197,7 @@ class ModelRunner:
     def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
         started = time.perf_counter()
         result = step_pb2.StepResult(step_id=batch.step_id)
-        if self.host_kv is not None and (batch.offload_blocks or batch.load_slots):
+        if self.host_kv is not None:  # every step: it also orders this step after the last one's copies
             result.kv_transfer_seconds = self.host_kv.transfer(batch)
             result.kv_transfer_bytes = self.host_kv.bytes_per_block * (
                 len(batch.offload_blocks) + len(batch.load_slots)
