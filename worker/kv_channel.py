@@ -101,4 +101,8 @@ class KvChannel:
         return out
 
     def close(self) -> None:
-        self.group = None
+        """Leave the channel. On NCCL an operation still pending is aborted with its communicator, before the
+        group's watchdog would end the whole process for it."""
+        group, self.group = self.group, None
+        if group is not None and self.device.type == "cuda":
+            group.abort()
