@@ -70,10 +70,10 @@ def _one_side_waits(group_rank: int, port: int, waiting_rank: int, results) -> N
     started = time.monotonic()
     try:
         if group_rank == 0:
-            channel.send(torch.zeros((64, 2, 2, 1, 16, 64)), 1)  # 1 MiB: more than a socket buffer takes at once
+            channel.send(torch.zeros((64, 2, 2, 1, 16, 64)), 1)  # gloo's send, too, waits for its receive
         else:
             channel.receive((64, 2, 2, 1, 16, 64), torch.float32, 1)
-        results[group_rank] = ("finished", time.monotonic() - started)
+        results[group_rank] = ("finished", time.monotonic() - started, channel.group is None)
     except RuntimeError:
         results[group_rank] = ("failed", time.monotonic() - started, channel.group is None)
 

@@ -15,8 +15,8 @@ BLOCK_SIZE, HEADS, DIM, BLOCKS, LAYERS = 16, 8, 128, 512, 8
 
 
 def _caches() -> list[torch.Tensor]:
-    # Large enough (8 layers x 16 MiB) that a device-to-host copy of a few blocks is still running when the
-    # next kernel is queued, so an unordered overwrite would show.
+    # Large enough (8 layers of 32 MiB, 128 blocks of 64 KiB copied out of each) that the device-to-host copies
+    # are still running when the next kernel is queued, so an unordered overwrite would show.
     return [torch.randn(2, HEADS, BLOCKS * BLOCK_SIZE, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
 
 
