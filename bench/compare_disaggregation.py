@@ -3,11 +3,14 @@ replicas of a small random Llama (each limited to one CPU thread), routed by the
 colocated (each replica prefills and decodes; prefix-aware routing) or disaggregated (one prefill replica, one
 decode replica; each prompt's KV moves after its first token). The mixed load: decode streams run while long
 prompts arrive. Reported: the decode streams' inter-token latency (p50, p99) and the long prompts' TTFT, the KV
-bytes moved per request against the prompts' KV bytes, and whether every output equals the colocated run's.
+bytes moved per request against the prompts' KV bytes, and whether every output equals the colocated run's. With
+--rounds N the two setups alternate N times (in turned order each round) and the ITL percentiles are taken over
+every round's gaps together, a p99 over N times the samples.
 
 Usage:
   .venv/bin/python bench/compare_disaggregation.py
   .venv/bin/python bench/compare_disaggregation.py --streams 16 --long-prompts 8 --long-tokens 1500 --json
+  .venv/bin/python bench/compare_disaggregation.py --rounds 5 --json
 """
 
 from __future__ import annotations
@@ -72,12 +75,20 @@ async def run(routed: RoutedEngineClient, args: argparse.Namespace) -> dict:
         await asyncio.sleep(args.arrival_s)
     await asyncio.gather(*decodes, *longs)
     return {
-        "itl_p50_ms": round(1000 * statistics.median(gaps), 2),
-        "itl_p99_ms": round(1000 * percentile(gaps, 0.99), 2),
-        "long_ttft_p50_s": round(statistics.median(ttfts), 3),
+        **latency(gaps, ttfts),
         "moved_requests": routed.moves.num_moves,
         "moved_bytes": routed.moves.bytes_moved,
         "outputs": outputs,
+        "gaps": gaps,
+        "ttfts": ttfts,
+    }
+
+
+def latency(gaps: list[float], ttfts: list[float]) -> dict:
+    return {
+        "itl_p50_ms": round(1000 * statistics.median(gaps), 2),
+        "itl_p99_ms": round(1000 * percentile(gaps, 0.99), 2),
+        "long_ttft_p50_s": round(statistics.median(ttfts), 3),
     }
 
 
@@ -88,22 +99,35 @@ def main() -> None:
     parser.add_argument("--long-prompts", type=int, default=8)
     parser.add_argument("--long-tokens", type=int, default=1500)
     parser.add_argument("--arrival-s", type=float, default=0.3)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)  # each replica's steps on one core: two replicas, two cores, in every setup
     model_dir = small_llama(Path(tempfile.mkdtemp(prefix="pagerail-pd-")))
     engine = dict(block_size=16, num_gpu_blocks=2048, kv_offload_bytes=256 << 20)
     report: dict = {"streams": args.streams, "long_prompts": args.long_prompts, "long_tokens": args.long_tokens}
-    outputs = {}
-    for setup in ("colocated", "disaggregated"):
-        first, second = LLM(str(model_dir), **engine), LLM(str(model_dir), **engine)
-        prefill = {"r0"} if setup == "disaggregated" else set()
-        routed = RoutedEngineClient({"r0": first.engine_client, "r1": second.engine_client}, prefill_replicas=prefill)
-        result = asyncio.run(run(routed, args))
-        outputs[setup] = result.pop("outputs")
-        report[setup] = result
-        first.shutdown()
-        second.shutdown()
+    pooled, rounds, identical = {}, [], []
+    for round_index in range(args.rounds):
+        order = ("colocated", "disaggregated") if round_index % 2 == 0 else ("disaggregated", "colocated")
+        figures, outputs = {}, {}
+        for setup in order:
+            first, second = LLM(str(model_dir), **engine), LLM(str(model_dir), **engine)
+            prefill = {"r0"} if setup == "disaggregated" else set()
+            clients = {"r0": first.engine_client, "r1": second.engine_client}
+            result = asyncio.run(run(RoutedEngineClient(clients, prefill_replicas=prefill), args))
+            outputs[setup] = result.pop("outputs")
+            gaps, ttfts = pooled.setdefault(setup, ([], []))
+            gaps.extend(result.pop("gaps"))
+            ttfts.extend(result.pop("ttfts"))
+            figures[setup] = result
+            first.shutdown()
+            second.shutdown()
+        rounds.append(figures)
+        identical.append(sum(outputs["colocated"][k] == outputs["disaggregated"][k] for k in outputs["colocated"]))
+    for setup, (gaps, ttfts) in pooled.items():
+        report[setup] = {**rounds[0][setup], **latency(gaps, ttfts)}
+    if args.rounds > 1:
+        report["rounds"] = rounds
     moved = report["disaggregated"]["moved_requests"]
     prompt_tokens = args.streams * 64 + args.long_prompts * args.long_tokens
     report["prompt_kv_bytes_full_blocks"] = sum(
@@ -111,8 +135,8 @@ def main() -> None:
         for n in [64] * args.streams + [args.long_tokens] * args.long_prompts
     )
     report["prompt_tokens"] = prompt_tokens
-    report["identical"] = sum(outputs["colocated"][k] == outputs["disaggregated"][k] for k in outputs["colocated"])
-    report["requests"] = len(outputs["colocated"])
+    report["identical"] = min(identical)  # in the round with the fewest
+    report["requests"] = args.streams + args.long_prompts
     report["itl_p99_ratio"] = round(report["disaggregated"]["itl_p99_ms"] / report["colocated"]["itl_p99_ms"], 3)
     report["moved"] = moved
     print(json.dumps(report) if args.json else json.dumps(report, indent=1))
