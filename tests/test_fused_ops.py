@@ -179,6 +179,7 @@ def interpreter_errors() -> dict[str, float]:
     return interpreted_report("tests.test_fused_ops", env={"PAGERAIL_FUSED_OPS": "1"})
 
 
+@pytest.mark.slow  # the Triton interpreter, in a child process
 @pytest.mark.parametrize("op", ["norm", "add", "rope", "silu"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_matches_torch(op: str, dtype: str, interpreter_errors: dict[str, float]) -> None:
@@ -189,6 +190,7 @@ def test_kernel_matches_torch(op: str, dtype: str, interpreter_errors: dict[str,
     assert not too_far, f"more than {allowed} ulps from torch: {too_far}"
 
 
+@pytest.mark.slow  # the Triton interpreter, in a child process
 @pytest.mark.parametrize(("kind", "dtype", "allowed"), MODEL_CASES)
 def test_fused_forward_matches_torch_forward(kind: str, dtype: str, allowed: float, interpreter_errors) -> None:
     # The kernels carry the residual between layers in place; a mistake there would be far above rounding.

@@ -162,6 +162,7 @@ def interpreter_errors() -> dict[str, float]:
     return interpreted_report("tests.test_triton_mixed_attention")
 
 
+@pytest.mark.slow  # the Triton interpreter, in a child process
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_kernel_matches_reference(case: Case, interpreter_errors: dict[str, float]) -> None:
     error = interpreter_errors[case.name]
