@@ -17,8 +17,8 @@ import torch.distributed as dist
 from worker.kv_transfer import kv_heads_of_rank
 
 # A transfer gets this long plus its bytes at the slowest bandwidth a link between replicas should have: a peer that
-# died or stopped taking part then fails the move within seconds (the request recomputes) instead of holding the
-# sender's engine loop for the whole group timeout.
+# died or stopped taking part then fails the move within seconds (the request recomputes) instead of keeping the
+# ranks busy, and later moves waiting behind them, for the whole group timeout.
 TRANSFER_BASE_S = 10.0
 SLOWEST_BYTES_PER_S = 100e6
 
