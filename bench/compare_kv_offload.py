@@ -25,14 +25,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster import LLM  # noqa: E402
-from cluster.core.sampling_params import SamplingParams  # noqa: E402
+from pagerail import LLM  # noqa: E402
+from pagerail.cluster.core.sampling_params import SamplingParams  # noqa: E402
 
 
 def small_llama(root: Path) -> Path:
     from transformers import LlamaConfig
 
-    from cluster.bench.random_checkpoints import save_random_weights
+    from pagerail.cluster.bench.random_checkpoints import save_random_weights
 
     config = LlamaConfig(
         vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
@@ -43,7 +43,7 @@ def small_llama(root: Path) -> Path:
 
 
 def kv_bytes_per_token(model_dir: Path) -> int:
-    from worker.model_loader import load_hf_config
+    from pagerail.worker.model_loader import load_hf_config
 
     config = load_hf_config(model_dir)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -110,7 +110,7 @@ class Workload:
 
 
 def compare(name: str, model_dir: Path, args: argparse.Namespace) -> dict:
-    from worker.model_loader import load_hf_config
+    from pagerail.worker.model_loader import load_hf_config
 
     vocab = load_hf_config(model_dir).vocab_size
     workload = Workload(args.conversations, args.turns, args.first_tokens, args.user_tokens, args.max_tokens, vocab)
@@ -154,7 +154,7 @@ def main() -> None:
     if args.model in ("small", "both"):
         models.append(("small-random-llama", small_llama(Path(tempfile.mkdtemp(prefix="pagerail-offload-")))))
     if args.model in ("embedded", "both"):
-        from worker.model_loader import resolve_model_dir
+        from pagerail.worker.model_loader import resolve_model_dir
 
         models.append(("smollm2-135m-instruct", resolve_model_dir(None)))
     reports = [compare(name, model_dir, args) for name, model_dir in models]

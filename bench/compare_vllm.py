@@ -26,8 +26,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from cluster.bench.server_process import ServerProcess, free_port, pagerail_serve_command
-from cluster.bench.stats import format_table
+from pagerail.cluster.bench.server_process import ServerProcess, free_port, pagerail_serve_command
+from pagerail.cluster.bench.stats import format_table
 
 SERVERS = ("pagerail", "vllm")
 TOKEN_BUDGET = 2048
@@ -54,10 +54,10 @@ WORKLOADS = {
 def model_dir(workload: str, out: Path) -> Path:
     """The checkpoint directory both servers load for this workload."""
     if workload == "standard":
-        from worker.model_loader import resolve_model_dir
+        from pagerail.worker.model_loader import resolve_model_dir
 
         return resolve_model_dir(None)
-    from cluster.bench.tiny_llama import write_tiny_llama
+    from pagerail.cluster.bench.tiny_llama import write_tiny_llama
 
     return write_tiny_llama(out / "tiny-llama")  # the same bytes every time: cheap to write again
 
@@ -93,7 +93,8 @@ def run_one(server: str, workload: Workload, model: Path, args: argparse.Namespa
     name = f"{workload.name}-model"
     logs = args.out / f"{workload.name}-{server}.log"
     command = server_command(server, model, name, port, args)
-    client = [args.pagerail_python, "-m", "cluster.cli", "bench", "serve", "--base-url", base_url, "--model", name]
+    client = [args.pagerail_python, "-m", "pagerail.cluster.cli", "bench", "serve"]
+    client += ["--base-url", base_url, "--model", name]
     client += ["--tokenizer", str(model), "--num-requests", str(workload.num_requests), "--seed", str(workload.seed)]
     client += ["--prompt-len", *map(str, workload.prompt_len), "--output-len", *map(str, workload.output_len)]
     client += ["--concurrency", str(workload.concurrency), "--json"]

@@ -58,9 +58,9 @@ def write_qwen3_moe(path: Path, args: argparse.Namespace) -> Path:
     """A seeded random Qwen3-MoE checkpoint with the embedded SmolLM2 tokenizer cut to its vocabulary."""
     from transformers import Qwen3MoeConfig
 
-    from cluster.bench.random_checkpoints import save_random_weights
-    from cluster.bench.tiny_llama import trim_tokenizer
-    from worker.model_loader import resolve_model_dir
+    from pagerail.cluster.bench.random_checkpoints import save_random_weights
+    from pagerail.cluster.bench.tiny_llama import trim_tokenizer
+    from pagerail.worker.model_loader import resolve_model_dir
 
     if (path / "config.json").exists():
         return path
@@ -93,7 +93,7 @@ def workload(args: argparse.Namespace) -> list[list[int]]:
 
 def pagerail_rounds(model: Path, prompts: list[list[int]], args: argparse.Namespace):
     """Yields (seconds, output tokens) for each timed round of pagerail's offline `LLM.generate`."""
-    from cluster import LLM, SamplingParams
+    from pagerail import LLM, SamplingParams
 
     llm = LLM(
         str(model),

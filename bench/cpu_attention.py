@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from worker.host_memory import zeros_on_huge_pages
-from worker.layers.cpu_paged_attention import NativeKernel, build_native_kernel
+from pagerail.worker.host_memory import zeros_on_huge_pages
+from pagerail.worker.layers.cpu_paged_attention import NativeKernel, build_native_kernel
 
 
 def _layouts(seqs: int, max_blocks: int, generator: torch.Generator) -> dict[str, torch.Tensor]:

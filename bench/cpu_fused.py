@@ -14,13 +14,13 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from cluster.bench.forward_ceiling import _Replay, kv_blocks_needed
-from cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
-from cluster.bench.workload import random_workload
-from common.engine_args import engine_config
-from worker.config import WorkerConfig
-from worker.layers import cpu_fused
-from worker.worker import Worker
+from pagerail.cluster.bench.forward_ceiling import _Replay, kv_blocks_needed
+from pagerail.cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
+from pagerail.cluster.bench.workload import random_workload
+from pagerail.common.engine_args import engine_config
+from pagerail.worker.config import WorkerConfig
+from pagerail.worker.layers import cpu_fused
+from pagerail.worker.worker import Worker
 
 
 def main() -> None:

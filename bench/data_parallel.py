@@ -21,9 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.bench.server_process import ServerProcess, free_port, pagerail_serve_command
-from cluster.bench.stats import format_table
-from cluster.bench.tiny_llama import write_tiny_llama
+from pagerail.cluster.bench.server_process import ServerProcess, free_port, pagerail_serve_command
+from pagerail.cluster.bench.stats import format_table
+from pagerail.cluster.bench.tiny_llama import write_tiny_llama
 
 POLICIES = ("round-robin", "least-loaded", "prefix-aware")
 # A throwaway local Ray for one run: no token to hand from `ray start` to the server.
@@ -54,7 +54,7 @@ def run_policy(args: argparse.Namespace, model_dir: Path, policy: str, work: Pat
     base_url = f"http://127.0.0.1:{port}"
     with ServerProcess(command, base_url, work / f"serve-{policy}.log", env=RAY_ENV):
         bench = [
-            sys.executable, "-m", "cluster.cli", "bench", "serve", "--base-url", base_url, "--json",
+            sys.executable, "-m", "pagerail.cluster.cli", "bench", "serve", "--base-url", base_url, "--json",
             "--tokenizer", str(model_dir), "--num-requests", str(args.num_requests),
             "--shared-prefix", str(args.num_prefixes), str(args.prefix_len),
             "--prompt-len", "16", "64", "--output-len", str(args.output_len), str(args.output_len),

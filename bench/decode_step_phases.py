@@ -21,14 +21,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from cluster import LLM, SamplingParams
-from cluster.bench.forward_ceiling import kv_blocks_needed
-from cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
-from cluster.bench.workload import random_workload
-from cluster.core.engine import EngineCore
-from cluster.core.step_builder import StepMessageBuilder
-from worker.model_runner import ModelRunner
-from worker.worker import Worker
+from pagerail import LLM, SamplingParams
+from pagerail.cluster.bench.forward_ceiling import kv_blocks_needed
+from pagerail.cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
+from pagerail.cluster.bench.workload import random_workload
+from pagerail.cluster.core.engine import EngineCore
+from pagerail.cluster.core.step_builder import StepMessageBuilder
+from pagerail.worker.model_runner import ModelRunner
+from pagerail.worker.worker import Worker
 
 BUSY_DECODES = 200
 

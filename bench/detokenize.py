@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 from transformers import AutoTokenizer
 
-from cluster.frontend.detokenizer import IncrementalDetokenizer
-from worker.model_loader import resolve_model_dir
+from pagerail.cluster.frontend.detokenizer import IncrementalDetokenizer
+from pagerail.worker.model_loader import resolve_model_dir
 
 
 def _as_given(tokenizer, through_tokenizer: bool):

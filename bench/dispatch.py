@@ -26,9 +26,9 @@ from pathlib import Path
 
 import ray
 
-from cluster import LLM, SamplingParams
-from cluster.bench.tiny_llama import TinyLlamaShape, hf_config
-from cluster.core.engine_request import EngineRequest
+from pagerail import LLM, SamplingParams
+from pagerail.cluster.bench.tiny_llama import TinyLlamaShape, hf_config
+from pagerail.cluster.core.engine_request import EngineRequest
 
 # Dummy weights of a tiny Llama: the step's compute is small next to its dispatch.
 TINY_SHAPE = TinyLlamaShape(hidden_size=64, intermediate_size=128)

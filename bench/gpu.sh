@@ -60,7 +60,7 @@ run() {
   local name=$1; shift
   echo "== $name"
   # A failed run is reported and the others still run: each answers a different question.
-  "$PYTHON" -m cluster.cli bench throughput "${common[@]}" "$@" --json > "$OUT/$name.json" || { failed=1; return; }
+  "$PYTHON" -m pagerail.cluster.cli bench throughput "${common[@]}" "$@" --json > "$OUT/$name.json" || { failed=1; return; }
   "$PYTHON" - "$OUT/$name.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))

@@ -94,7 +94,7 @@ listed = subprocess.run([sys.executable, "bench/gpu_image.py", "--list"], captur
 names = listed.stdout.split()
 present = [name for name in names if importlib.util.find_spec(name) is not None]
 print(f"of the {len(names)} modules the image lacks, present here:", ", ".join(present) or "none")
-from cluster import LLM  # noqa: F401  the in-process engine imports without them
+from pagerail import LLM  # noqa: F401  the in-process engine imports without them
 print("engine imports: ok")
 assert dry_run or torch.cuda.is_available(), "no CUDA device"
 PY

@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster.bench.greedy_divergence import first_divergence, is_near_tie  # noqa: E402  (after the path)
-from cluster.bench.random_checkpoints import embedded_or_shaped, random_checkpoint  # noqa: E402
+from pagerail.cluster.bench.greedy_divergence import first_divergence, is_near_tie  # noqa: E402  (after the path)
+from pagerail.cluster.bench.random_checkpoints import embedded_or_shaped, random_checkpoint  # noqa: E402
 
 TOP = 5
 _DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -68,7 +68,7 @@ def transformers_greedy(model_dir: Path, prompts, new_tokens: int, dtype: torch.
 
 def pagerail_greedy(model_dir: Path, prompts, new_tokens: int, dtype: str, device: str, enforce_eager: bool):
     """Greedy tokens and top-5 ids from the in-process engine, every prompt in one batch; and its graph counts."""
-    from cluster import LLM, SamplingParams
+    from pagerail import LLM, SamplingParams
 
     llm = LLM(
         str(model_dir),

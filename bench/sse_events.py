@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from cluster.frontend.sse_events import ChunkEvents
+from pagerail.cluster.frontend.sse_events import ChunkEvents
 
 _ENVELOPE = ("cmpl-3f2a9c0d6b8e4f1a9d7c5b3e1f0a2c4d", "text_completion", 1764633600, "SmolLM2-135M-Instruct")
 

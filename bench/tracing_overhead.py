@@ -39,12 +39,12 @@ def span_cost_per_step_s(num_requests: int, tracer, repeats: int = 300) -> float
     """Seconds one step spends on its spans: step (linked to every request), schedule, dispatch and a rank's three."""
     from opentelemetry import trace
 
-    from cluster.core.request import Request
-    from cluster.core.sampling_params import SamplingParams
-    from cluster.core.scheduler import ScheduledRequest, SchedulerOutput
-    from cluster.core.step_tracing import dispatch_span, end_step_span, start_step_span
-    from common import telemetry
-    from proto import step_pb2
+    from pagerail.cluster.core.request import Request
+    from pagerail.cluster.core.sampling_params import SamplingParams
+    from pagerail.cluster.core.scheduler import ScheduledRequest, SchedulerOutput
+    from pagerail.cluster.core.step_tracing import dispatch_span, end_step_span, start_step_span
+    from pagerail.common import telemetry
+    from pagerail.proto import step_pb2
 
     out = SchedulerOutput(num_batched_tokens=num_requests)
     for i in range(num_requests):
@@ -67,9 +67,9 @@ def run_rounds(mode: str, endpoint: str, args: argparse.Namespace, conn) -> None
     """One mode's process: load the model, warm up, then run a round each time the driver asks."""
     from opentelemetry import trace
 
-    from cluster import LLM, SamplingParams
-    from cluster.core.engine_request import EngineRequest
-    from common import telemetry
+    from pagerail import LLM, SamplingParams
+    from pagerail.cluster.core.engine_request import EngineRequest
+    from pagerail.common import telemetry
 
     if mode == "on":
         telemetry.configure_tracing("head", endpoint=endpoint, sampling_ratio=1.0)

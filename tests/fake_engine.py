@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from cluster.core.engine_client import RequestDelta
-from cluster.core.engine_request import EngineRequest
-from cluster.core.errors import QueueFullError
+from pagerail.cluster.core.engine_client import RequestDelta
+from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.cluster.core.errors import QueueFullError
 
 
 class FakeEngineClient:

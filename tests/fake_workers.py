@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 
-from cluster.core.executor import CompletedStep, PendingStep, WorkerGroupError
-from proto import step_pb2
-from worker.request_state import RequestStates
-from worker.spec_decode.verify import accepted_tokens
+from pagerail.cluster.core.executor import CompletedStep, PendingStep, WorkerGroupError
+from pagerail.proto import step_pb2
+from pagerail.worker.request_state import RequestStates
+from pagerail.worker.spec_decode.verify import accepted_tokens
 
 
 def fingerprint(token_ids: list[int], position: int) -> int:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from worker.input_batch import FlatBatch, GatherWorkspace
-from worker.layers.attention import AttentionMetadata, PrefillSpan
-from worker.request_state import RequestState
+from pagerail.worker.input_batch import FlatBatch, GatherWorkspace
+from pagerail.worker.layers.attention import AttentionMetadata, PrefillSpan
+from pagerail.worker.request_state import RequestState
 
 
 def build_flat_batch(

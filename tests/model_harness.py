@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from worker.layers.attention import AttentionMetadata, PrefillSpan
-from worker.model_loader import load_model
-from worker.parallel_state import TensorParallelGroup
+from pagerail.worker.layers.attention import AttentionMetadata, PrefillSpan
+from pagerail.worker.model_loader import load_model
+from pagerail.worker.parallel_state import TensorParallelGroup
 
 
 def prefill_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

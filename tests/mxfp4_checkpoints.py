@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from worker.layers.quantization.mxfp4 import E2M1_VALUES, E8M0_BIAS, MXFP4_BLOCK, dequantize_mxfp4
+from pagerail.worker.layers.quantization.mxfp4 import E2M1_VALUES, E8M0_BIAS, MXFP4_BLOCK, dequantize_mxfp4
 
 # What openai/gpt-oss-20b's config.json lists: everything but the experts stays in bf16.
 MODULES_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from worker.layers.native_build import CSRC, find_compiler
+from pagerail.worker.layers.native_build import CSRC, find_compiler
 
 
 def compiler_targets_avx512() -> bool:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM
 
-from cluster import LLM, SamplingParams
+from pagerail import LLM, SamplingParams
 
 TOP = 5
 

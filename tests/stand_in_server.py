@@ -12,7 +12,7 @@ import sys
 import uvicorn
 from transformers import AutoTokenizer
 
-from cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.frontend.http_app import ServerState, create_app
 from tests.fake_engine import FakeEngineClient
 
 # Each generated token counts as one step: 2 ms forward, 0.5 ms other rank work, 0.1 ms scheduling.

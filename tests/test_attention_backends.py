@@ -7,17 +7,17 @@ import random
 import pytest
 import torch
 
-from proto import step_pb2
+from pagerail.proto import step_pb2
+from pagerail.worker.attention_backends.base import AttentionBackend
+from pagerail.worker.attention_backends.select import CPU_PAGED, PAGED_DECODE, TORCH, TRITON_MIXED, select_backend
+from pagerail.worker.attention_backends.settings import AttentionSettings
+from pagerail.worker.input_batch import GatherWorkspace
+from pagerail.worker.input_buffers import InputBuffers
+from pagerail.worker.layers.attention import AttentionMetadata
+from pagerail.worker.request_state import RequestState
+from pagerail.worker.staged_step import StepShape
+from pagerail.worker.step_inputs import prepare_step
 from tests.input_batch_reference import build_flat_batch
-from worker.attention_backends.base import AttentionBackend
-from worker.attention_backends.select import CPU_PAGED, PAGED_DECODE, TORCH, TRITON_MIXED, select_backend
-from worker.attention_backends.settings import AttentionSettings
-from worker.input_batch import GatherWorkspace
-from worker.input_buffers import InputBuffers
-from worker.layers.attention import AttentionMetadata
-from worker.request_state import RequestState
-from worker.staged_step import StepShape
-from worker.step_inputs import prepare_step
 
 CPU = torch.device("cpu")
 BLOCK_SIZE = 4

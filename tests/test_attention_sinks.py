@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagerail.worker.layers import cpu_paged_attention
+from pagerail.worker.layers.attention import Attention, AttentionMetadata, PrefillSpan
+from pagerail.worker.layers.cpu_paged_attention import NativeKernel, build_native_kernel, find_compiler
 from tests.native_isa import source_without_avx512
 from tests.requirements import require
-from worker.layers import cpu_paged_attention
-from worker.layers.attention import Attention, AttentionMetadata, PrefillSpan
-from worker.layers.cpu_paged_attention import NativeKernel, build_native_kernel, find_compiler
 
 NEEDS_COMPILER = "needs a C compiler (cc or gcc) for the native CPU attention kernel"
 

@@ -33,9 +33,9 @@ CHILD = textwrap.dedent(
 
     from transformers import LlamaConfig
 
-    from cluster import LLM, SamplingParams
-    from cluster.cli import main
-    from common import telemetry
+    from pagerail import LLM, SamplingParams
+    from pagerail.cluster.cli import main
+    from pagerail.common import telemetry
     from tests.tiny_models import make_tiny_model
 
     model = str(make_tiny_model("llama", {model_dir!r}))

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from cluster.core.async_engine import AsyncEngine
-from cluster.core.engine import EngineCore
-from cluster.core.engine_request import EngineRequest
-from cluster.core.request import Request
-from cluster.core.sampling_params import SamplingParams
-from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.cluster.core.async_engine import AsyncEngine
+from pagerail.cluster.core.engine import EngineCore
+from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.cluster.core.request import Request
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from tests.fake_workers import FakeKVWorkers
 from tests.ray_start import start_ray
 
@@ -182,9 +182,9 @@ def test_head_streams_get_every_token_once_in_one_message_per_step(tmp_path):
     from tests.requirements import require_module
 
     ray = require_module("ray", "needs Ray")
-    from cluster.distributed.head import ClusterOptions, HeadActor
-    from cluster.distributed.head_client import HeadEngineClient
-    from cluster.distributed.launcher import NAMESPACE
+    from pagerail.cluster.distributed.head import ClusterOptions, HeadActor
+    from pagerail.cluster.distributed.head_client import HeadEngineClient
+    from pagerail.cluster.distributed.launcher import NAMESPACE
     from tests.tiny_models import make_tiny_model
 
     class RecordingHead(HeadActor):

@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from cluster.bench.offline import check_targets
-from cluster.bench.roofline import measure_roofline, shapes_from_config
-from cluster.bench.structured import format_structured_report
-from cluster.bench.workload import BenchRequest, file_workload, random_workload
-from cluster.cli import main
+from pagerail.cluster.bench.offline import check_targets
+from pagerail.cluster.bench.roofline import measure_roofline, shapes_from_config
+from pagerail.cluster.bench.structured import format_structured_report
+from pagerail.cluster.bench.workload import BenchRequest, file_workload, random_workload
+from pagerail.cluster.cli import main
 from tests.tiny_models import make_tiny_model
 
 
@@ -152,7 +152,7 @@ def tiny_with_tokenizer(tmp_path_factory):
     """The tiny Llama sized to the embedded model's tokenizer, saved next to it: a schema needs a tokenizer."""
     from transformers import AutoTokenizer
 
-    from worker.model_loader import resolve_model_dir
+    from pagerail.worker.model_loader import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
     path = make_tiny_model("llama", tmp_path_factory.mktemp("tiny-tok") / "llama", vocab_size=len(tokenizer))

@@ -11,11 +11,11 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from cluster.bench import online
-from cluster.bench.online import add_serve_arguments, benchmark_serving, run_serve
-from cluster.bench.sweep import add_sweep_arguments, run_sweep
-from cluster.bench.workload import random_workload, shared_prefix_workload
-from cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.bench import online
+from pagerail.cluster.bench.online import add_serve_arguments, benchmark_serving, run_serve
+from pagerail.cluster.bench.sweep import add_sweep_arguments, run_sweep
+from pagerail.cluster.bench.workload import random_workload, shared_prefix_workload
+from pagerail.cluster.frontend.http_app import ServerState, create_app
 from tests.fake_engine import FakeEngineClient
 from tests.http_server import BackgroundServer
 

@@ -11,13 +11,13 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from cluster.bench import server_process
-from cluster.bench.forward_ceiling import measure_forward_ceiling
-from cluster.bench.overhead import median_round
-from cluster.bench.step_phases import PHASES, outside_forward, totals_from_registry, totals_from_text
-from cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
-from cluster.bench.workload import BenchRequest
-from cluster.cli import main
+from pagerail.cluster.bench import server_process
+from pagerail.cluster.bench.forward_ceiling import measure_forward_ceiling
+from pagerail.cluster.bench.overhead import median_round
+from pagerail.cluster.bench.step_phases import PHASES, outside_forward, totals_from_registry, totals_from_text
+from pagerail.cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
+from pagerail.cluster.bench.workload import BenchRequest
+from pagerail.cluster.cli import main
 from tests.stand_in_server import PHASE_SECONDS
 
 SMALL = TinyLlamaShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=512)
@@ -68,7 +68,7 @@ def test_outside_forward_splits_wall_time_between_forward_rank_work_and_idle():
 
 
 def test_phase_totals_read_the_engines_own_histograms():
-    from cluster.core.engine_metrics import EngineMetrics
+    from pagerail.cluster.core.engine_metrics import EngineMetrics
 
     metrics = EngineMetrics("m")
     for _ in range(3):
@@ -196,7 +196,7 @@ def test_serve_parts_stream_to_the_server_and_read_its_step_metrics(tmp_path, ca
 
 
 def test_serve_can_turn_overlapped_steps_off():
-    from cluster.cli import build_parser
+    from pagerail.cluster.cli import build_parser
 
     assert build_parser().parse_args(["serve"]).async_scheduling is None  # the engine decides by device
     assert build_parser().parse_args(["serve", "--async-scheduling"]).async_scheduling is True

@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
-from cluster.core import block_table as block_table_module
-from cluster.core.block_table import RELEASED
-from cluster.core.block_table import BlockTable as EngineBlockTable
+from pagerail.cluster.core import block_table as block_table_module
+from pagerail.cluster.core.block_table import RELEASED
+from pagerail.cluster.core.block_table import BlockTable as EngineBlockTable
 
 BS = 4  # small block size keeps the token lists in these tests readable
 

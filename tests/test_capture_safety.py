@@ -121,9 +121,9 @@ def _run_guarded_decodes() -> GuardedBackend:
     import tempfile
     from pathlib import Path
 
+    from pagerail.worker.model_runner import decode_path_of
     from tests.test_cuda_graphs import SHORT_STAGES, make_runner, run_stages
     from tests.tiny_models import make_tiny_model
-    from worker.model_runner import decode_path_of
 
     backend = GuardedBackend()
     with tempfile.TemporaryDirectory() as tmp:
@@ -136,7 +136,7 @@ def _run_guarded_decodes() -> GuardedBackend:
 
 def test_interpreted_captured_decode_forward_never_syncs():
     """Runs under TRITON_INTERPRET=1 (from the test below): capture and replays pass the guard."""
-    import worker.layers.triton_attention as triton_attention
+    import pagerail.worker.layers.triton_attention as triton_attention
 
     if not triton_attention.INTERPRETED:
         pytest.skip("runs under TRITON_INTERPRET=1 only")
@@ -147,8 +147,8 @@ def test_interpreted_captured_decode_forward_never_syncs():
 
 def test_interpreted_guard_catches_a_sync_in_the_captured_forward(monkeypatch):
     """Runs under TRITON_INTERPRET=1: the same run with a host read in the norm fails at capture."""
-    import worker.layers.triton_attention as triton_attention
-    import worker.layers.triton_fused as triton_fused
+    import pagerail.worker.layers.triton_attention as triton_attention
+    import pagerail.worker.layers.triton_fused as triton_fused
 
     if not triton_attention.INTERPRETED:
         pytest.skip("runs under TRITON_INTERPRET=1 only")

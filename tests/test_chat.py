@@ -6,16 +6,16 @@ import copy
 
 import pytest
 
-from cluster.frontend.chat import encode_prompt, render_chat
-from cluster.frontend.errors import APIError
-from cluster.frontend.protocol import ChatCompletionRequest
+from pagerail.cluster.frontend.chat import encode_prompt, render_chat
+from pagerail.cluster.frontend.errors import APIError
+from pagerail.cluster.frontend.protocol import ChatCompletionRequest
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from worker.model_loader import resolve_model_dir
+    from pagerail.worker.model_loader import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
 

@@ -9,7 +9,7 @@ from tests.requirements import require_module
 ray = require_module("ray", "needs Ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from cluster import LLM  # noqa: E402
+from pagerail import LLM  # noqa: E402
 from tests.actor_probes import worker_nodes  # noqa: E402
 from tests.parity import compare, engine_greedy, reference_greedy  # noqa: E402
 from tests.ray_start import with_one_retry  # noqa: E402

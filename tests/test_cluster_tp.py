@@ -14,8 +14,8 @@ from tests.requirements import require_module
 
 ray = require_module("ray", "needs Ray")
 
-from cluster import LLM, SamplingParams  # noqa: E402
-from cluster.core.engine_request import EngineRequest  # noqa: E402
+from pagerail import LLM, SamplingParams  # noqa: E402
+from pagerail.cluster.core.engine_request import EngineRequest  # noqa: E402
 from tests.actor_probes import actor_pid, worker_pids  # noqa: E402
 from tests.parity import compare, engine_greedy, reference_greedy  # noqa: E402
 from tests.ray_start import start_ray  # noqa: E402
@@ -96,7 +96,7 @@ def test_killed_worker_is_replaced_without_changing_tokens(local_ray, tmp_path):
 
 
 def test_dead_head_gives_a_clear_error_then_restarts(local_ray, tmp_path):
-    from cluster.entrypoints.cluster_client import HeadUnavailableError
+    from pagerail.cluster.entrypoints.cluster_client import HeadUnavailableError
 
     model_dir = make_tiny_model("llama", tmp_path / "llama")
     llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=512, tensor_parallel_size=2)
@@ -207,8 +207,8 @@ def test_disaggregated_kv_moves_over_the_ranks_own_channel(local_ray, prefill, t
     """Disaggregation between Ray replicas of different tensor-parallel sizes: each prompt's KV goes from the
     prefill replica's ranks straight to the decode replica's over a gloo channel of their own, re-sharded by KV
     head, and the decode replica streams the rest with the tokens of a replica that did it all."""
-    from cluster.core.engine_request import EngineRequest
-    from cluster.routing.routed_client import RoutedEngineClient
+    from pagerail.cluster.core.engine_request import EngineRequest
+    from pagerail.cluster.routing.routed_client import RoutedEngineClient
 
     model_dir = make_tiny_model("llama", tmp_path / "llama")
     engine = dict(block_size=4, num_gpu_blocks=128, kv_offload_bytes=1 << 20)

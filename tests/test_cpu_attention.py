@@ -11,18 +11,18 @@ import os
 import pytest
 import torch
 
-from tests.native_isa import compiler_targets_avx512, source_without_avx512
-from tests.requirements import require
-from worker.input_batch import GatherWorkspace
-from worker.layers import cpu_paged_attention
-from worker.layers.attention import Attention, AttentionMetadata
-from worker.layers.cpu_paged_attention import (
+from pagerail.worker.input_batch import GatherWorkspace
+from pagerail.worker.layers import cpu_paged_attention
+from pagerail.worker.layers.attention import Attention, AttentionMetadata
+from pagerail.worker.layers.cpu_paged_attention import (
     KernelBuildError,
     NativeKernel,
     build_native_kernel,
     find_compiler,
     native_kernel,
 )
+from tests.native_isa import compiler_targets_avx512, source_without_avx512
+from tests.requirements import require
 
 NEEDS_COMPILER = "needs a C compiler (cc or gcc) for the native CPU attention kernel"
 
@@ -176,7 +176,7 @@ def _mixed_step(paged: bool) -> tuple[Attention, torch.Tensor, torch.Tensor, tor
     """One step of a decode (context 10), a prefill chunk after a cached prefix (rows at positions 6..11) and a
     fresh prefill (positions 0..4), block size 4, laid out as InputBuffers lays it; `paged` adds every row's
     table row and context length, the native kernel's one-call view of the same step."""
-    from worker.layers.attention import PrefillSpan
+    from pagerail.worker.layers.attention import PrefillSpan
 
     bs, heads, kv_heads, dim = 4, 4, 2, 16
     generator = torch.Generator().manual_seed(7)
@@ -281,7 +281,7 @@ def test_compile_error_when_serving_falls_back_with_the_compiler_output(
 _FLOAT_MODE_PROBE = """
 import sys
 import torch
-from worker.layers.cpu_paged_attention import build_native_kernel
+from pagerail.worker.layers.cpu_paged_attention import build_native_kernel
 
 def subnormals_kept():
     return 2.2250738585072014e-308 / 3.0 != 0.0 and torch.tensor([1e-40]).mul(1.0).item() != 0.0

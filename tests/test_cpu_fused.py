@@ -11,14 +11,14 @@ import logging
 import pytest
 import torch
 
+from pagerail.worker.layers import cpu_fused
+from pagerail.worker.layers.activation import SiluAndMul
+from pagerail.worker.layers.attention import Attention, AttentionMetadata
+from pagerail.worker.layers.cpu_fused import FusedKernels, build_fused_kernels
+from pagerail.worker.layers.native_build import KernelBuildError, find_compiler
+from pagerail.worker.layers.norm import RMSNorm
+from pagerail.worker.layers.rotary import RotaryEmbedding
 from tests.requirements import require
-from worker.layers import cpu_fused
-from worker.layers.activation import SiluAndMul
-from worker.layers.attention import Attention, AttentionMetadata
-from worker.layers.cpu_fused import FusedKernels, build_fused_kernels
-from worker.layers.native_build import KernelBuildError, find_compiler
-from worker.layers.norm import RMSNorm
-from worker.layers.rotary import RotaryEmbedding
 
 # Float rounding only: the kernels sum in another order (and may fuse a multiply-add) than torch does.
 TOLERANCE = {"atol": 2e-5, "rtol": 2e-5}
@@ -152,7 +152,7 @@ def test_switch_and_build_failure_fall_back_to_torch(monkeypatch, caplog, tmp_pa
             raise KernelBuildError("cc: error: no such file")
 
         monkeypatch.setattr(cpu_fused, "build_fused_kernels", broken)
-        with caplog.at_level(logging.WARNING, logger="worker.layers.cpu_fused"):
+        with caplog.at_level(logging.WARNING, logger="pagerail.worker.layers.cpu_fused"):
             assert cpu_fused.fused_kernels() is None
         assert "cc: error: no such file" in caplog.text
         # The layers still compute, on the torch path.

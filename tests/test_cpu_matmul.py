@@ -9,10 +9,8 @@ import json
 import pytest
 import torch
 
-from tests.native_isa import compiler_targets_avx512, source_without_avx512
-from tests.requirements import require
-from worker.layers import cpu_matmul
-from worker.layers.cpu_matmul import (
+from pagerail.worker.layers import cpu_matmul
+from pagerail.worker.layers.cpu_matmul import (
     HANDICAP,
     LARGE_ROWS,
     MKL,
@@ -28,10 +26,12 @@ from worker.layers.cpu_matmul import (
     rows_table,
     stream_timer,
 )
-from worker.layers.embedding import ParallelLMHead
-from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
-from worker.layers.native_build import find_compiler
-from worker.layers.packed_linear import build_packed_linear
+from pagerail.worker.layers.embedding import ParallelLMHead
+from pagerail.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagerail.worker.layers.native_build import find_compiler
+from pagerail.worker.layers.packed_linear import build_packed_linear
+from tests.native_isa import compiler_targets_avx512, source_without_avx512
+from tests.requirements import require
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 BUCKETS = len(ROW_BUCKETS) + 1
@@ -347,8 +347,8 @@ def test_forcing_the_packed_kernel_where_it_cannot_be_built_is_an_error(tmp_path
 def test_a_loaded_model_runs_its_layers_on_the_packed_kernel_with_the_same_results(kernel, tmp_path, monkeypatch):
     """The loader gives every fp32 linear layer of a real model its packed copy, and the model's products match
     the ones MKL gives the same weights."""
-    from cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
-    from worker.model_loader import load_model
+    from pagerail.cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
+    from pagerail.worker.model_loader import load_model
 
     model_dir = write_tiny_llama(tmp_path / "model", TinyLlamaShape(), seed=1)
     monkeypatch.setenv("PAGERAIL_CPU_MATMUL", "packed")

@@ -12,19 +12,19 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import worker.layers.attention as attention
-import worker.layers.triton_attention as triton_attention
-from proto import step_pb2
+import pagerail.worker.layers.attention as attention
+import pagerail.worker.layers.triton_attention as triton_attention
+from pagerail.proto import step_pb2
+from pagerail.worker.cuda_graphs import CapturePlan, DecodeGraphs, StaticDecodeInputs, capture_sizes
+from pagerail.worker.input_batch import FlatBatch
+from pagerail.worker.kv_cache import allocate_kv_caches
+from pagerail.worker.layers.attention import AttentionMetadata, PrefillSpan
+from pagerail.worker.model_loader import load_model
+from pagerail.worker.model_runner import ModelRunner, decode_path_of
+from pagerail.worker.parallel_state import SINGLE_RANK
 from tests.requirements import require
 from tests.tiny_models import make_tiny_model
 from tests.triton_interpreter import assert_interpreted_tests_pass
-from worker.cuda_graphs import CapturePlan, DecodeGraphs, StaticDecodeInputs, capture_sizes
-from worker.input_batch import FlatBatch
-from worker.kv_cache import allocate_kv_caches
-from worker.layers.attention import AttentionMetadata, PrefillSpan
-from worker.model_loader import load_model
-from worker.model_runner import ModelRunner, decode_path_of
-from worker.parallel_state import SINGLE_RANK
 
 ROOT = Path(__file__).resolve().parent.parent
 CPU = torch.device("cpu")

@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from cluster.core.engine_metrics import EngineMetrics
+from pagerail.cluster.core.engine_metrics import EngineMetrics
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "helm" / "pagerail" / "dashboards" / "pagerail-dashboard.json"
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}

@@ -82,8 +82,8 @@ def _tiny_llama_with_tokenizer(path: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from pagerail.worker.model_loader import resolve_model_dir
     from tests.tiny_models import tiny_config
-    from worker.model_loader import resolve_model_dir
 
     embedded = resolve_model_dir(None)
     config = tiny_config("llama")  # four heads and two KV heads: tensor parallel 2 splits both

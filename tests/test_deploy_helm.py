@@ -319,7 +319,7 @@ def test_head_starts_ray_then_execs_serve_with_the_flags_of_values():
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    from cluster.entrypoints.serve import add_serve_arguments
+    from pagerail.cluster.entrypoints.serve import add_serve_arguments
 
     parser = argparse.ArgumentParser(exit_on_error=False)
     add_serve_arguments(parser)
@@ -424,7 +424,7 @@ def test_data_parallel_replicas_reach_serve():
     assert parsed.routing_policy == "prefix-aware"
     assert (parsed.min_replicas, parsed.max_replicas, parsed.target_waiting_per_replica) == (2, 3, 8)
     # Flags pagerail serve accepts together: the count lies within the bounds.
-    from cluster.entrypoints.serve import check_replica_flags
+    from pagerail.cluster.entrypoints.serve import check_replica_flags
 
     check_replica_flags(parsed)
     notes = render(values_of("data-parallel"))["pagerail/templates/NOTES.txt"]

@@ -143,5 +143,5 @@ def test_build_context_holds_what_the_copies_need_and_little_else():
     for source in sources:
         assert (ROOT / source).exists(), source
         assert not _ignored(source, patterns), f"{source} is excluded from the build context"
-    for heavy in (".venv", ".git", "tests", "bench", "helm", "deploy", "cluster/__pycache__"):
+    for heavy in (".venv", ".git", "tests", "bench", "helm", "deploy", "pagerail/__pycache__"):
         assert _ignored(heavy, patterns), f"{heavy} would be sent to the Docker daemon"

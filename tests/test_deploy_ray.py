@@ -119,7 +119,7 @@ def test_the_file_says_how_to_start_serving_on_the_head(path):
 def test_the_replica_flags_shown_are_accepted_and_fit_the_node_limits(path):
     import argparse
 
-    from cluster.entrypoints.serve import add_serve_arguments, check_replica_flags
+    from pagerail.cluster.entrypoints.serve import add_serve_arguments, check_replica_flags
 
     text = path.read_text()
     (serve_line,) = [line for line in text.splitlines() if "'pagerail serve --ray-address auto" in line]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.frontend.detokenizer import IncrementalDetokenizer
-from cluster.frontend.generation import token_text
+from pagerail.cluster.frontend.detokenizer import IncrementalDetokenizer
+from pagerail.cluster.frontend.generation import token_text
 
 TEXTS = [
     "Hello world, this is a plain sentence.",
@@ -19,7 +19,7 @@ TEXTS = [
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from worker.model_loader import resolve_model_dir
+    from pagerail.worker.model_loader import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
 

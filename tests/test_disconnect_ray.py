@@ -12,11 +12,11 @@ from tests.requirements import require_module
 
 ray = require_module("ray", "needs Ray")
 
-from cluster.distributed.head import ClusterOptions  # noqa: E402
-from cluster.distributed.head_client import HeadEngineClient  # noqa: E402
-from cluster.distributed.launcher import start_heads  # noqa: E402
-from cluster.frontend.http_app import ServerState, create_app  # noqa: E402
-from common.engine_config import CacheConfig, EngineConfig  # noqa: E402
+from pagerail.cluster.distributed.head import ClusterOptions  # noqa: E402
+from pagerail.cluster.distributed.head_client import HeadEngineClient  # noqa: E402
+from pagerail.cluster.distributed.launcher import start_heads  # noqa: E402
+from pagerail.cluster.frontend.http_app import ServerState, create_app  # noqa: E402
+from pagerail.common.engine_config import CacheConfig, EngineConfig  # noqa: E402
 from tests.http_server import BackgroundServer  # noqa: E402
 from tests.ray_start import start_ray  # noqa: E402
 from tests.test_openai_e2e import stream_and_drop, wait_for_engine_idle  # noqa: E402

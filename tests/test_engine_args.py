@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from cluster.entrypoints.serve import add_serve_arguments
-from common.engine_args import ENGINE_ARGS, engine_config, engine_config_from_args
-from common.engine_config import EngineConfig
-from worker.config import WorkerConfig
+from pagerail.cluster.entrypoints.serve import add_serve_arguments
+from pagerail.common.engine_args import ENGINE_ARGS, engine_config, engine_config_from_args
+from pagerail.common.engine_config import EngineConfig
+from pagerail.worker.config import WorkerConfig
 
 
 def leaf_fields(config: type, prefix: str = "") -> set[str]:

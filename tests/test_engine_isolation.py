@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.core.engine import EngineCore
-from cluster.core.engine_request import EngineRequest
-from cluster.core.errors import QueueFullError
-from cluster.core.request import RequestStatus
-from cluster.core.sampling_params import SamplingParams
-from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.cluster.core.engine import EngineCore
+from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.cluster.core.errors import QueueFullError
+from pagerail.cluster.core.request import RequestStatus
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from tests.fake_workers import FakeKVWorkers, next_token
 
 VOCAB = 97

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-import cluster.core.engine as engine_module
-from cluster.core.engine import EngineCore
-from cluster.core.engine_request import EngineRequest
-from cluster.core.executor import PendingStep, WorkerGroupError
-from cluster.core.sampling_params import SamplingParams
-from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
-from proto import step_pb2
+import pagerail.cluster.core.engine as engine_module
+from pagerail.cluster.core.engine import EngineCore
+from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.cluster.core.executor import PendingStep, WorkerGroupError
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.proto import step_pb2
 from tests.fake_workers import run_now
 
 VOCAB = 500
@@ -186,7 +186,7 @@ def test_a_lone_request_on_broken_workers_gets_a_retriable_error(no_sleep):
 def test_serve_flags_for_step_deadline_and_worker_restarts():
     import argparse
 
-    from cluster.entrypoints.serve import add_serve_arguments
+    from pagerail.cluster.entrypoints.serve import add_serve_arguments
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster import LLM, SamplingParams
-from cluster.core.engine_request import EngineRequest
+from pagerail import LLM, SamplingParams
+from pagerail.cluster.core.engine_request import EngineRequest
 from tests.parity import compare, engine_greedy, reference_greedy
 
 pytestmark = pytest.mark.slow

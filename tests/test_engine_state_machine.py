@@ -12,14 +12,14 @@ from collections import Counter
 import hypothesis.strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cluster.core.block_table import RELEASED, ROOT_PARENT_HASH, BlockTable
-from cluster.core.engine import EngineCore
-from cluster.core.engine_request import EngineRequest
-from cluster.core.errors import QueueFullError
-from cluster.core.request import RequestStatus
-from cluster.core.sampling_params import SamplingParams
-from cluster.core.scheduler_output import PauseMode
-from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.cluster.core.block_table import RELEASED, ROOT_PARENT_HASH, BlockTable
+from pagerail.cluster.core.engine import EngineCore
+from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.cluster.core.errors import QueueFullError
+from pagerail.cluster.core.request import RequestStatus
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.cluster.core.scheduler_output import PauseMode
+from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from tests.fake_workers import FakeKVWorkers, fingerprint, next_token
 from tests.test_block_table import check_lookups
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster import LLM
+from pagerail import LLM
 from tests.parity import compare, engine_greedy, reference_greedy
 from tests.tiny_models import make_tiny_model
 
@@ -23,7 +23,7 @@ def test_greedy_matches_transformers(kind, tmp_path):
 
 
 def test_top_k_off_is_the_same_whichever_way_it_is_spelled(tmp_path):
-    from cluster import SamplingParams
+    from pagerail import SamplingParams
 
     llm = LLM(str(make_tiny_model("llama", tmp_path / "llama")), block_size=4, num_gpu_blocks=64)
     runs = {

@@ -35,7 +35,7 @@ def test_engine_parity_through_triton_kernel():
 def _greedy_tokens(model_dir: str) -> tuple[list[list[int]], object]:
     """Greedy tokens of FIRST, then of PROMPTS once FIRST's blocks are cached; a 13-token budget chunks prompts
     at offsets that are not multiples of the block size."""
-    from cluster import LLM, SamplingParams
+    from pagerail import LLM, SamplingParams
 
     llm = LLM(model_dir, block_size=BLOCK_SIZE, num_gpu_blocks=64, max_num_batched_tokens=13)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -47,8 +47,8 @@ def _mixed_report(model_dir: str) -> None:
     """Entry point of the interpreter subprocess: greedy tokens and what ran, as one JSON line."""
     import torch.nn.functional as F
 
-    import worker.layers.attention as attention
-    from worker.model_runner import ModelRunner
+    import pagerail.worker.layers.attention as attention
+    from pagerail.worker.model_runner import ModelRunner
 
     counts = {"mixed": 0, "decode": 0, "sdpa": 0, "masks": 0, "mid_block_chunks": 0, "decodes_in_mixed": 0}
 
@@ -104,7 +104,7 @@ def test_chunked_prefill_and_prefix_hits_through_mixed_kernel(tmp_path):
     assert counts["prefix_hit_tokens"] >= 3 * 2 * BLOCK_SIZE and counts["mixed_steps"] > 0, counts
 
     # This process never set TRITON_INTERPRET: the same run takes the CPU attention path.
-    from worker.layers.triton_attention import triton_available
+    from pagerail.worker.layers.triton_attention import triton_available
 
     assert not triton_available("cpu")
     tokens, stats = _greedy_tokens(model_dir)

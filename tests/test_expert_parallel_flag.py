@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from cluster import LLM
-from cluster.core.engine import EngineCore
-from cluster.core.engine_request import EngineRequest
-from cluster.core.sampling_params import SamplingParams
-from common.engine_args import ENGINE_ARG_NAMES
-from common.engine_config import CacheConfig, EngineConfig
-from proto import step_pb2
+from pagerail import LLM
+from pagerail.cluster.core.engine import EngineCore
+from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.common.engine_args import ENGINE_ARG_NAMES
+from pagerail.common.engine_config import CacheConfig, EngineConfig
+from pagerail.proto import step_pb2
 from tests.fake_workers import FakeKVWorkers
 from tests.tiny_models import make_tiny_model
 
@@ -28,8 +28,8 @@ def test_dense_model_is_refused_before_any_rank_starts(tmp_path):
 
 
 def test_more_ranks_than_experts_is_refused(tmp_path):
-    from cluster.core.model_info import read_model_info
-    from common.engine_args import engine_config
+    from pagerail.cluster.core.model_info import read_model_info
+    from pagerail.common.engine_args import engine_config
 
     info = read_model_info(make_tiny_model("qwen3_moe", tmp_path / "moe"))
     config = engine_config(tensor_parallel_size=info.num_routed_experts * 2, enable_expert_parallel=True)

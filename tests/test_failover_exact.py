@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from cluster.core.async_engine import AsyncEngine
-from cluster.core.engine_client import RequestDelta
-from cluster.core.engine_request import EngineRequest
-from cluster.core.local_client import LocalEngineClient
-from cluster.core.sampling_params import SamplingParams
-from cluster.routing.routed_client import RoutedEngineClient
+from pagerail.cluster.core.async_engine import AsyncEngine
+from pagerail.cluster.core.engine_client import RequestDelta
+from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.cluster.core.local_client import LocalEngineClient
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.cluster.routing.routed_client import RoutedEngineClient
 from tests.tiny_engine import close, tiny_engine
 from tests.tiny_models import make_tiny_model
 

@@ -9,18 +9,18 @@ import logging
 import pytest
 import torch
 
-from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.worker import kv_cache
+from pagerail.worker.config import WorkerConfig
+from pagerail.worker.kv_cache import bytes_per_block, resolve_kv_cache_dtype
+from pagerail.worker.layers import cpu_paged_attention
+from pagerail.worker.layers.attention import Attention, AttentionMetadata, PrefillSpan
+from pagerail.worker.layers.kv_quant import dequantize, quantize
+from pagerail.worker.model_loader import load_model
+from pagerail.worker.worker import Worker
 from tests.requirements import require
 from tests.tiny_models import make_tiny_model
 from tests.triton_interpreter import interpreted_report
-from worker import kv_cache
-from worker.config import WorkerConfig
-from worker.kv_cache import bytes_per_block, resolve_kv_cache_dtype
-from worker.layers import cpu_paged_attention
-from worker.layers.attention import Attention, AttentionMetadata, PrefillSpan
-from worker.layers.kv_quant import dequantize, quantize
-from worker.model_loader import load_model
-from worker.worker import Worker
 
 FORMATS = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # Scales away from 1 so a path that forgot one is caught: K's values land near 100 as stored, V's near 2.
@@ -139,7 +139,7 @@ def test_native_kernel_refuses_fp8_without_scales():
 def _split_decode_error(fp8: torch.dtype) -> float:
     """The decode kernel's split-context pass (partials merged by the reduce kernel) over an fp8 cache, against
     the same pass over a float32 cache of the round-tripped values."""
-    from worker.layers.triton_attention import paged_decode_attention
+    from pagerail.worker.layers.triton_attention import paged_decode_attention
 
     generator = torch.Generator().manual_seed(7)
     lens, slots = torch.tensor([150, 3, 70]), 160 * 3
@@ -218,7 +218,7 @@ def test_for_one_budget_fp8_gets_twice_the_blocks_of_bf16_and_four_times_fp32(ma
     assert sizes[torch.float8_e5m2] == sizes[torch.float8_e4m3fn]
     budget = 10 * sizes[torch.float32] + 100  # not a whole number of blocks of any size
     blocks, stored = {}, {}
-    with caplog.at_level(logging.INFO, logger="worker.worker"):
+    with caplog.at_level(logging.INFO, logger="pagerail.worker.worker"):
         for dtype, kv in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8"), ("bfloat16", "fp8_e5m2")):
             worker = make_worker(dtype, kv, kv_cache_memory_bytes=budget)
             blocks[dtype, kv] = worker.num_blocks
@@ -236,7 +236,7 @@ def test_the_engine_serves_from_an_fp8_cache(tiny_llama):
     """A whole LLM on the tiny model through chunked prefill and decodes: the head hands out the fp8 block count,
     and the first greedy token of every prompt (the prefill's) is the full-precision cache's. Later ones may part
     at the near-ties of random weights."""
-    from cluster import LLM, SamplingParams
+    from pagerail import LLM, SamplingParams
 
     prompts = [[5, 6, 7, 8, 9], [3, 17, 29, 41] * 6, list(range(20, 60))]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -348,7 +348,7 @@ def test_greedy_on_the_embedded_model_parts_from_the_full_precision_cache_only_a
     (mean agreement 15.6 tokens of 32) and e5m2 2/16 (8.6). So e4m3 must part only within the top 5 (both ways)
     and keep at least 2 prompts identical; e5m2, with half e4m3's precision, must do so on 14 prompts and agree
     for fewer tokens on average than e4m3 (a cache that ignored its scales would part at once, outside the top 5)."""
-    from cluster import LLM
+    from pagerail import LLM
     from tests.parity import engine_greedy
 
     runs = {}

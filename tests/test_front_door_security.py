@@ -18,12 +18,12 @@ import grpc
 import httpx
 import pytest
 
-from cluster.frontend.grpc_api import build_grpc_server
-from cluster.frontend.http_app import ServerState, create_app
-from cluster.frontend.server import FrontendServer, FrontendSettings
-from common import telemetry
-from common.tls import ServerTls
-from proto import api_pb2, api_pb2_grpc
+from pagerail.cluster.frontend.grpc_api import build_grpc_server
+from pagerail.cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.frontend.server import FrontendServer, FrontendSettings
+from pagerail.common import telemetry
+from pagerail.common.tls import ServerTls
+from pagerail.proto import api_pb2, api_pb2_grpc
 from tests.fake_engine import FakeEngineClient
 from tests.http_server import BackgroundServer
 from tests.test_worker_server import make_certificates
@@ -193,11 +193,11 @@ _TRACE_SCRIPT = textwrap.dedent(
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from transformers import AutoTokenizer
 
-    from cluster.frontend import tracing
-    from cluster.frontend.http_app import ServerState, create_app
-    from cluster.frontend.server import FrontendSettings, configure_frontend_tracing
+    from pagerail.cluster.frontend import tracing
+    from pagerail.cluster.frontend.http_app import ServerState, create_app
+    from pagerail.cluster.frontend.server import FrontendSettings, configure_frontend_tracing
     from tests.fake_engine import FakeEngineClient
-    from common import telemetry
+    from pagerail.common import telemetry
 
     ratio, respect, tokenizer_dir, traceparent = float(sys.argv[1]), sys.argv[2] == "1", sys.argv[3], sys.argv[4]
     exporter = InMemorySpanExporter()
@@ -395,7 +395,7 @@ def test_frontend_server_wires_the_admin_key_and_grpc_tls(certificates):
 
 
 def test_serve_flags_for_the_front_door(monkeypatch, certificates):
-    from cluster.entrypoints.serve import add_serve_arguments
+    from pagerail.cluster.entrypoints.serve import add_serve_arguments
 
     monkeypatch.setenv("PAGERAIL_ADMIN_API_KEY", "from-env")
     parser = argparse.ArgumentParser()
@@ -413,7 +413,7 @@ def test_serve_flags_for_the_front_door(monkeypatch, certificates):
 
 
 def test_serve_refuses_half_a_tls_pair_before_starting_anything(capsys, certificates):
-    from cluster.cli import main
+    from pagerail.cluster.cli import main
 
     assert main(["serve", "--grpc-tls-cert", str(certificates[0])]) == 2
     assert "--grpc-tls-key" in capsys.readouterr().err

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from cluster.frontend.errors import (
+from pagerail.cluster.frontend.errors import (
     APIError,
     error_body,
     from_validation_error,
@@ -18,7 +18,7 @@ from cluster.frontend.errors import (
     unauthorized,
     unavailable,
 )
-from cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from pagerail.cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
 
 CHAT = [{"role": "user", "content": "hi"}]
 

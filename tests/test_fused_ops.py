@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagerail.worker.layers.attention import AttentionMetadata, PrefillSpan
+from pagerail.worker.parallel_state import SINGLE_RANK
 from tests.tiny_models import tiny_config
 from tests.triton_interpreter import interpreted_report
-from worker.layers.attention import AttentionMetadata, PrefillSpan
-from worker.parallel_state import SINGLE_RANK
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DTYPES = ("float32", "float16", "bfloat16")
@@ -53,7 +53,7 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generat
 
 
 def _torch_path(fn, *args):
-    from worker.layers import cpu_fused, triton_fused
+    from pagerail.worker.layers import cpu_fused, triton_fused
 
     triton_fused.ENABLED = cpu_fused.ENABLED = False
     try:
@@ -63,7 +63,7 @@ def _torch_path(fn, *args):
 
 
 def _norm_errors(dtype: torch.dtype, generator: torch.Generator) -> dict[str, float]:
-    from worker.layers.norm import RMSNorm
+    from pagerail.worker.layers.norm import RMSNorm
 
     errors = {}
     for name, tokens, hidden, with_residual in NORM_CASES:
@@ -90,7 +90,7 @@ def _norm_errors(dtype: torch.dtype, generator: torch.Generator) -> dict[str, fl
 
 
 def _rope_errors(dtype: torch.dtype, generator: torch.Generator) -> dict[str, float]:
-    from worker.layers.rotary import RotaryEmbedding
+    from pagerail.worker.layers.rotary import RotaryEmbedding
 
     errors = {}
     for name, tokens, heads, kv_heads, head_dim, max_position in ROPE_CASES:
@@ -113,7 +113,7 @@ def _rope_errors(dtype: torch.dtype, generator: torch.Generator) -> dict[str, fl
 
 
 def _silu_errors(dtype: torch.dtype, generator: torch.Generator) -> dict[str, float]:
-    from worker.layers.activation import SiluAndMul
+    from pagerail.worker.layers.activation import SiluAndMul
 
     act = SiluAndMul()
     errors = {}
@@ -124,7 +124,7 @@ def _silu_errors(dtype: torch.dtype, generator: torch.Generator) -> dict[str, fl
 
 
 def _random_model(kind: str, dtype: torch.dtype, seed: int = 0):
-    from worker.models.llama import LlamaForCausalLM
+    from pagerail.worker.models.llama import LlamaForCausalLM
 
     model = LlamaForCausalLM(tiny_config(kind), SINGLE_RANK, dtype)
     generator = torch.Generator().manual_seed(seed)
@@ -161,7 +161,7 @@ def _model_errors() -> dict[str, float]:
 
 def _report() -> None:
     """Entry point of the interpreter subprocess: one JSON line of {check name: error}."""
-    from worker.layers import triton_fused
+    from pagerail.worker.layers import triton_fused
 
     assert triton_fused.fused_available(torch.zeros(1)), "the interpreter must be on for CPU tensors"
     errors = {}
@@ -202,7 +202,7 @@ def test_fused_forward_matches_torch_forward(kind: str, dtype: str, allowed: flo
 def test_cpu_forward_is_bit_identical_to_adding_residuals_in_place_of_norms(kind: str, dtype: torch.dtype) -> None:
     """The CPU path carries the residual beside the hidden states; it must run exactly the ops of the plain
     pre-norm block `h = h + attn(norm(h)); h = h + mlp(norm(h))`, which is written out here as the reference."""
-    from worker.layers import triton_fused
+    from pagerail.worker.layers import triton_fused
 
     model = _random_model(kind, dtype, seed=3)
     ids = torch.randint(0, model.config.vocab_size, (9,), generator=torch.Generator().manual_seed(2))
@@ -221,7 +221,7 @@ def test_cpu_forward_is_bit_identical_to_adding_residuals_in_place_of_norms(kind
 
 
 def test_residual_norm_on_cpu_adds_out_of_place() -> None:
-    from worker.layers.norm import RMSNorm
+    from pagerail.worker.layers.norm import RMSNorm
 
     norm = RMSNorm(8, 1e-6)
     x, residual = torch.randn(3, 8), torch.randn(3, 8)
@@ -235,7 +235,7 @@ def test_switch_and_missing_triton_keep_the_torch_path() -> None:
     # PAGERAIL_FUSED_OPS=0 turns the kernels off even with the interpreter on; without triton the modules run.
     code = (
         "import torch\n"
-        "from worker.layers import triton_fused\n"
+        "from pagerail.worker.layers import triton_fused\n"
         "assert not triton_fused.ENABLED and not triton_fused.fused_available(torch.zeros(1))\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1", "PAGERAIL_FUSED_OPS": "0"}
@@ -244,8 +244,8 @@ def test_switch_and_missing_triton_keep_the_torch_path() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from worker.layers import triton_fused\n"
-        "from worker.layers.norm import RMSNorm\n"
+        "from pagerail.worker.layers import triton_fused\n"
+        "from pagerail.worker.layers.norm import RMSNorm\n"
         "assert triton_fused.triton is None and not triton_fused.fused_available(torch.zeros(1))\n"
         "out, residual = RMSNorm(4)(torch.ones(2, 4), torch.ones(2, 4))\n"
         "assert torch.equal(residual, torch.full((2, 4), 2.0))\n"

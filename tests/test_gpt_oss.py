@@ -13,15 +13,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from cluster import LLM
-from cluster.bench.random_checkpoints import save_random_weights
-from cluster.core.sampling_params import SamplingParams
+from pagerail import LLM
+from pagerail.cluster.bench.random_checkpoints import save_random_weights
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.worker.layers import cpu_paged_attention
+from pagerail.worker.model_loader import load_model
+from pagerail.worker.models.gpt_oss import GptOssForCausalLM
+from pagerail.worker.models.registry import model_class, supported_architectures
 from tests.model_harness import prefill_logits, run_ranks
 from tests.parity import compare, engine_greedy, reference_greedy
-from worker.layers import cpu_paged_attention
-from worker.model_loader import load_model
-from worker.models.gpt_oss import GptOssForCausalLM
-from worker.models.registry import model_class, supported_architectures
 
 WINDOW = 12
 PROMPTS = [

@@ -8,13 +8,13 @@ import torch
 from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-from worker.layers.lazy_tensor import LazyTensor
-from worker.layers.linear import ColumnParallelLinear
-from worker.layers.moe import FusedMoE
-from worker.layers.moe_activation import SILU, ExpertActivation
-from worker.layers.moe_grouped import grouped_experts
-from worker.layers.moe_routing import select_experts
-from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
+from pagerail.worker.layers.lazy_tensor import LazyTensor
+from pagerail.worker.layers.linear import ColumnParallelLinear
+from pagerail.worker.layers.moe import FusedMoE
+from pagerail.worker.layers.moe_activation import SILU, ExpertActivation
+from pagerail.worker.layers.moe_grouped import grouped_experts
+from pagerail.worker.layers.moe_routing import select_experts
+from pagerail.worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
 HIDDEN, INTER, EXPERTS, TOP_K = 32, 24, 8, 4
 SWIGLU = ExpertActivation("swiglu_clamped", 1.702, 7.0)

@@ -56,7 +56,7 @@ print(json.dumps({{"pagerail": {{"output_tokens_per_s": 1.0, "total_tokens_per_s
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(calls) == 12
     for call in calls:
-        assert call[:4] == ["-m", "cluster.cli", "bench", "throughput"]
+        assert call[:4] == ["-m", "pagerail.cluster.cli", "bench", "throughput"]
         assert call[call.index("--device") + 1] == "cuda" and call[call.index("--dtype") + 1] == "bfloat16"
 
     def weights(call: list[str]) -> str:

@@ -12,9 +12,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cluster.frontend.grpc_api import build_grpc_server
-from cluster.frontend.grpc_guards import EngineHealth
-from proto import api_pb2, api_pb2_grpc
+from pagerail.cluster.frontend.grpc_api import build_grpc_server
+from pagerail.cluster.frontend.grpc_guards import EngineHealth
+from pagerail.proto import api_pb2, api_pb2_grpc
 from tests.fake_engine import FakeEngineClient
 
 VOCAB = 1000  # the fake engine's default vocabulary
@@ -24,7 +24,7 @@ VOCAB = 1000  # the fake engine's default vocabulary
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from worker.model_loader import resolve_model_dir
+    from pagerail.worker.model_loader import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
 

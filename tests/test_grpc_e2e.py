@@ -7,9 +7,9 @@ import asyncio
 import grpc
 import pytest
 
-from cluster import LLM
-from cluster.frontend.grpc_api import build_grpc_server
-from proto import api_pb2, api_pb2_grpc
+from pagerail import LLM
+from pagerail.cluster.frontend.grpc_api import build_grpc_server
+from pagerail.proto import api_pb2, api_pb2_grpc
 
 pytestmark = pytest.mark.slow
 

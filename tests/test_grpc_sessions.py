@@ -9,12 +9,12 @@ import contextlib
 import grpc
 import pytest
 
-from cluster.core.async_engine import AsyncEngine
-from cluster.core.engine import EngineCore
-from cluster.core.local_client import LocalEngineClient
-from cluster.frontend.grpc_api import build_grpc_server
-from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
-from proto import api_pb2, api_pb2_grpc
+from pagerail.cluster.core.async_engine import AsyncEngine
+from pagerail.cluster.core.engine import EngineCore
+from pagerail.cluster.core.local_client import LocalEngineClient
+from pagerail.cluster.frontend.grpc_api import build_grpc_server
+from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.proto import api_pb2, api_pb2_grpc
 from tests.fake_workers import FakeKVWorkers, next_token
 
 VOCAB = 97

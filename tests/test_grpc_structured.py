@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from cluster.core.structured_outputs import StructuredOutputs
-from cluster.frontend.grpc_api import build_grpc_server
-from cluster.frontend.grpc_convert import constraint_field, sampling_params_from_proto
-from proto import api_pb2, api_pb2_grpc
+from pagerail.cluster.core.structured_outputs import StructuredOutputs
+from pagerail.cluster.frontend.grpc_api import build_grpc_server
+from pagerail.cluster.frontend.grpc_convert import constraint_field, sampling_params_from_proto
+from pagerail.proto import api_pb2, api_pb2_grpc
 from tests.fake_engine import FakeEngineClient
 
 SCHEMA = {
@@ -32,7 +32,7 @@ SCHEMA = {
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from worker.model_loader import resolve_model_dir
+    from pagerail.worker.model_loader import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
 
@@ -184,7 +184,7 @@ def test_a_session_with_a_constraint_is_refused_before_it_opens(tokenizer):
 @pytest.fixture(scope="module")
 def constrained_engine(tmp_path_factory, tokenizer):
     """A real in-process engine on the tiny Llama sized to the embedded tokenizer (saved beside it for the ranks)."""
-    from cluster import LLM
+    from pagerail import LLM
     from tests.tiny_models import make_tiny_model
 
     path = make_tiny_model("llama", tmp_path_factory.mktemp("structured") / "llama", vocab_size=len(tokenizer))

@@ -6,7 +6,7 @@ import gc
 
 import pytest
 
-from common.heap import freeze_startup_heap
+from pagerail.common.heap import freeze_startup_heap
 
 
 @pytest.fixture

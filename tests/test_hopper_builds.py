@@ -52,7 +52,7 @@ def _launch_shape(name, heads, kv_heads, head_dim, hidden, intermediate, block_s
     """Call every kernel wrapper the engine uses for a model of this shape, with small CPU tensors."""
     import torch
 
-    from worker.layers import triton_attention, triton_fused, triton_mixed_attention
+    from pagerail.worker.layers import triton_attention, triton_fused, triton_mixed_attention
 
     seqs, blocks = 4, 96
     q = torch.zeros(seqs, heads, head_dim, dtype=dtype)

@@ -10,10 +10,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cluster.core.block_table import BlockTable
-from cluster.core.host_kv_tier import HostKvTier
-from proto import step_pb2
-from worker.kv_offload import HostKvPool, host_slots_for
+from pagerail.cluster.core.block_table import BlockTable
+from pagerail.cluster.core.host_kv_tier import HostKvTier
+from pagerail.proto import step_pb2
+from pagerail.worker.kv_offload import HostKvPool, host_slots_for
 
 BLOCK = 2
 NUM_BLOCKS = 6
@@ -171,8 +171,8 @@ def _conversations(model_dir, turns: int = 4, **engine) -> tuple[list[list[int]]
     scheduler's counters, the host tier and the metrics."""
     import random
 
-    from cluster import LLM
-    from cluster.core.sampling_params import SamplingParams
+    from pagerail import LLM
+    from pagerail.cluster.core.sampling_params import SamplingParams
 
     rng = random.Random(0)
     histories = [[rng.randrange(3, 240) for _ in range(40 + 6 * i)] for i in range(16)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.host_readback import HostReadback
-from worker.sampler import GREEDY_TEMPERATURE, Sampler, SamplingRow, row_argmax
+from pagerail.worker.host_readback import HostReadback
+from pagerail.worker.sampler import GREEDY_TEMPERATURE, Sampler, SamplingRow, row_argmax
 
 
 class CountingEvent:
@@ -81,7 +81,7 @@ def test_row_argmax_off_the_cpu_fast_path_uses_the_readback():
 def test_the_runner_reads_back_through_one_event_only_on_cuda():
     import inspect
 
-    import worker.model_runner as model_runner
+    import pagerail.worker.model_runner as model_runner
 
     source = inspect.getsource(model_runner.ModelRunner.execute)
     # The device-wide wait the readback replaced must not come back into the step.

@@ -6,7 +6,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.frontend.http_app import ServerState, create_app
 from tests.fake_engine import FakeEngineClient
 from tests.http_server import BackgroundServer
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.frontend.server import http_config
+from pagerail.cluster.frontend.server import http_config
 
 
 async def _app(scope, receive, send) -> None:  # never called: the test only loads the configuration

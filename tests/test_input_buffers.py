@@ -15,14 +15,14 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from proto import step_pb2
+from pagerail.proto import step_pb2
+from pagerail.worker.attention_backends.settings import AttentionSettings
+from pagerail.worker.input_batch import FlatBatch, GatherWorkspace
+from pagerail.worker.input_buffers import InputBuffers
+from pagerail.worker.layers.attention import decode_key_mask
+from pagerail.worker.request_state import RequestStates
+from pagerail.worker.step_inputs import prepare_step
 from tests.input_batch_reference import build_flat_batch
-from worker.attention_backends.settings import AttentionSettings
-from worker.input_batch import FlatBatch, GatherWorkspace
-from worker.input_buffers import InputBuffers
-from worker.layers.attention import decode_key_mask
-from worker.request_state import RequestStates
-from worker.step_inputs import prepare_step
 
 CPU = torch.device("cpu")
 HANDLES = range(8)  # a small pool, so finished handles come back as new requests

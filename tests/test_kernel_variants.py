@@ -9,7 +9,7 @@ from tests.requirements import TRITON_REQUIRED, require_module
 
 def test_every_engine_kernel_is_counted_and_compiled_entries_add_up(monkeypatch):
     require_module("triton", "needs Triton", required_in_ci=TRITON_REQUIRED)
-    from worker.layers import kernel_variants
+    from pagerail.worker.layers import kernel_variants
 
     attributes = kernel_variants.kernel_attributes()
     assert {"_paged_decode_kernel", "_paged_mixed_kernel", "_rms_norm_kernel"} <= set(attributes)
@@ -25,8 +25,8 @@ def test_every_engine_kernel_is_counted_and_compiled_entries_add_up(monkeypatch)
 def test_throughput_report_carries_variant_and_graph_counts(tmp_path, enforce_eager):
     import argparse
 
-    from cluster.bench.offline import add_throughput_arguments, build_llm, run_pagerail
-    from cluster.bench.workload import build_workload
+    from pagerail.cluster.bench.offline import add_throughput_arguments, build_llm, run_pagerail
+    from pagerail.cluster.bench.workload import build_workload
     from tests.tiny_models import make_tiny_model
 
     parser = argparse.ArgumentParser()

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from worker.kv_channel import KvChannel, transfer_plan
-from worker.kv_transfer import kv_heads_of_rank
+from pagerail.worker.kv_channel import KvChannel, transfer_plan
+from pagerail.worker.kv_transfer import kv_heads_of_rank
 
 pytestmark = pytest.mark.slow
 

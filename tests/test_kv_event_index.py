@@ -8,8 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from cluster.core.kv_events import DEVICE, HOST, KvEventLog
-from cluster.routing.kv_event_index import KvEventIndex
+from pagerail.cluster.core.kv_events import DEVICE, HOST, KvEventLog
+from pagerail.cluster.routing.kv_event_index import KvEventIndex
 
 BLOCK = 2
 REPLICAS = ("a", "b", "c")
@@ -123,8 +123,8 @@ def test_recent_sends_count_until_they_expire() -> None:
 def test_the_engine_publishes_its_block_events(tmp_path) -> None:
     """A real engine: the blocks its prompts filled are stored on the device, evicted ones move to the host tier,
     and the index built from its events matches what its block table finds."""
-    from cluster import LLM
-    from cluster.core.sampling_params import SamplingParams
+    from pagerail import LLM
+    from pagerail.cluster.core.sampling_params import SamplingParams
     from tests.tiny_models import make_tiny_model
 
     model_dir = make_tiny_model("llama", tmp_path / "llama")

@@ -9,12 +9,12 @@ import dataclasses
 
 import pytest
 
-from cluster import LLM
-from cluster.core.engine_request import EngineRequest
-from cluster.core.kv_handoff import KvHandoff
-from cluster.core.sampling_params import SamplingParams
-from cluster.routing.failover import ReplicaFailed
-from cluster.routing.routed_client import RoutedEngineClient
+from pagerail import LLM
+from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.cluster.core.kv_handoff import KvHandoff
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.cluster.routing.failover import ReplicaFailed
+from pagerail.cluster.routing.routed_client import RoutedEngineClient
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -198,7 +198,7 @@ def test_a_failed_side_costs_a_recomputation_never_a_token(model_dir, fault: str
 
 
 def test_replicas_whose_blocks_could_not_move_are_refused_at_start() -> None:
-    from cluster.core.kv_handoff import check_roles
+    from pagerail.cluster.core.kv_handoff import check_roles
 
     layout = {"block_size": 16, "num_layers": 2, "num_kv_heads": 2, "head_dim": 16, "dtype": "float32"}
     good = {**layout, "vocab_size": 250}

@@ -1,4 +1,4 @@
-"""Every import in cluster/, worker/, common/ and proto/ goes one way: from a higher layer to a lower one."""
+"""Every import inside the pagerail package goes one way: from a higher layer to a lower one."""
 
 from __future__ import annotations
 
@@ -11,21 +11,26 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Lowest first; a module may import its own layer and the ones before it. The longest matching prefix wins.
 LAYERS = [
-    ("proto", 0),
-    ("common", 1),
-    ("worker", 2),
-    ("cluster.core", 2),
-    ("cluster.distributed", 3),
-    ("cluster.routing", 3),  # beside the Ray layer: routed clients over the heads' engine clients
-    ("cluster.frontend", 4),
-    ("cluster.entrypoints", 5),
-    ("cluster.bench", 6),
-    ("cluster.cli", 6),
-    ("cluster", 6),  # the package facade re-exports the public API
+    ("pagerail.proto", 0),
+    ("pagerail.common", 1),
+    ("pagerail.worker", 2),
+    ("pagerail.cluster.core", 2),
+    ("pagerail.cluster.distributed", 3),
+    ("pagerail.cluster.routing", 3),  # beside the Ray layer: routed clients over the heads' engine clients
+    ("pagerail.cluster.frontend", 4),
+    ("pagerail.cluster.entrypoints", 5),
+    ("pagerail.cluster.bench", 6),
+    ("pagerail.cluster.cli", 6),
+    ("pagerail.cluster", 6),
+    ("pagerail", 6),  # the package facade re-exports the public API
 ]
 # The only places the head side reaches into the worker package: where it starts worker processes, and the
 # benchmarks, which also time the model alone.
-STARTS_WORKERS = {"cluster.distributed.worker_group", "cluster.distributed.local_executor", "cluster.bench"}
+STARTS_WORKERS = {
+    "pagerail.cluster.distributed.worker_group",
+    "pagerail.cluster.distributed.local_executor",
+    "pagerail.cluster.bench",
+}
 # The engine core is plain Python: scheduling decisions never wait on a framework.
 CORE_FORBIDDEN = ("torch", "ray", "grpc", "transformers", "fastapi")
 
@@ -50,7 +55,7 @@ def imports_of(path: Path) -> list[tuple[str, int]]:
             found.extend((alias.name, node.lineno) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.append((node.module, node.lineno))
-            # `from cluster import outputs` imports the module cluster.outputs
+            # `from pagerail.cluster import core` imports the module pagerail.cluster.core
             found.extend((f"{node.module}.{alias.name}", node.lineno) for alias in node.names)
     return found
 
@@ -64,28 +69,26 @@ def violations_in(path: Path, root: Path = ROOT) -> list[str]:
     for imported, line in imports_of(path):
         where = f"{path.relative_to(root)}:{line} imports {imported}"
         target = layer_of(imported)
-        if own[0] == "cluster.core" and imported.split(".")[0] in CORE_FORBIDDEN:
+        if own[0] == "pagerail.cluster.core" and imported.split(".")[0] in CORE_FORBIDDEN:
             problems.append(f"{where}: the engine core imports no framework")
         if target is None or target[0] == own[0]:
             continue
-        if here.startswith("worker") and imported.startswith("cluster"):
+        if here.startswith("pagerail.worker") and imported.startswith("pagerail.cluster"):
             problems.append(f"{where}: worker/ never imports cluster/")
         elif (
-            here.startswith("cluster")
-            and imported.startswith("worker")
+            here.startswith("pagerail.cluster")
+            and imported.startswith("pagerail.worker")
             and not any(here == allowed or here.startswith(allowed + ".") for allowed in STARTS_WORKERS)
         ):
             problems.append(f"{where}: only {sorted(STARTS_WORKERS)} may import worker/")
-        elif target[1] > own[1] and not (imported == "cluster" and here.startswith("cluster.")):
+        elif target[1] > own[1] and not (imported == "pagerail" and here.startswith("pagerail.")):
             problems.append(f"{where}: {own[0]} is below {target[0]}")
     return problems
 
 
 def python_files() -> list[Path]:
-    files = []
-    for package in ("cluster", "worker", "common", "proto"):
-        files.extend(p for p in (ROOT / package).rglob("*.py") if not p.name.endswith(("_pb2.py", "_pb2_grpc.py")))
-    return sorted(files)
+    files = (ROOT / "pagerail").rglob("*.py")
+    return sorted(p for p in files if not p.name.endswith(("_pb2.py", "_pb2_grpc.py")))
 
 
 def test_no_import_goes_from_a_lower_layer_to_a_higher_one():
@@ -96,11 +99,19 @@ def test_no_import_goes_from_a_lower_layer_to_a_higher_one():
 @pytest.mark.parametrize(
     ("module", "source", "expected"),
     [
-        ("cluster.core.engine", "from cluster.frontend.engine_client import RequestDelta\n", "is below"),
-        ("cluster.core.engine", "import torch\n", "no framework"),
-        ("worker.sampler", "from cluster.core.request import Request\n", "never imports cluster"),
-        ("cluster.distributed.head", "from worker.actor import WorkerActor\n", "may import worker"),
-        ("cluster.frontend.server", "def f():\n    from cluster.entrypoints.serve import main\n", "is below"),
+        (
+            "pagerail.cluster.core.engine",
+            "from pagerail.cluster.frontend.engine_client import RequestDelta\n",
+            "is below",
+        ),
+        ("pagerail.cluster.core.engine", "import torch\n", "no framework"),
+        ("pagerail.worker.sampler", "from pagerail.cluster.core.request import Request\n", "never imports cluster"),
+        ("pagerail.cluster.distributed.head", "from pagerail.worker.actor import WorkerActor\n", "may import worker"),
+        (
+            "pagerail.cluster.frontend.server",
+            "def f():\n    from pagerail.cluster.entrypoints.serve import main\n",
+            "is below",
+        ),
     ],
 )
 def test_the_checker_catches_each_kind_of_violation(tmp_path, module, source, expected):
@@ -111,6 +122,7 @@ def test_the_checker_catches_each_kind_of_violation(tmp_path, module, source, ex
 
 
 def test_what_both_sides_share_sits_below_both():
-    for shared in ("common.telemetry", "common.tls", "common.logs", "common.auth"):
+    for shared in ("telemetry", "tls", "logs", "auth"):
+        shared = f"pagerail.common.{shared}"
         assert (ROOT / Path(*shared.split("."))).with_suffix(".py").exists()
-        assert layer_of(shared)[1] < layer_of("worker.worker")[1]
+        assert layer_of(shared)[1] < layer_of("pagerail.worker.worker")[1]

@@ -9,7 +9,7 @@ from tests.requirements import require_module
 
 ray = require_module("ray", "needs Ray")
 
-from cluster import LLM, SamplingParams  # noqa: E402
+from pagerail import LLM, SamplingParams  # noqa: E402
 from tests.ray_start import start_ray  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 

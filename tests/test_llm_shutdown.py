@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 
-from cluster import LLM, SamplingParams
+from pagerail import LLM, SamplingParams
 from tests.tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)

@@ -7,12 +7,13 @@ import logging
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from common.logs import JsonFormatter
+from pagerail.common.logs import JsonFormatter
 from tests.test_scheduler import make_request, make_scheduler, run_all
 
 
 def test_json_lines_carry_request_and_trace_ids():
-    record = logging.LogRecord("cluster.core.scheduler", logging.INFO, __file__, 1, "preempted %s", ("r1",), None)
+    name = "pagerail.cluster.core.scheduler"
+    record = logging.LogRecord(name, logging.INFO, __file__, 1, "preempted %s", ("r1",), None)
     record.request_id = "r1"
     line = json.loads(JsonFormatter().format(record))
     assert line["message"] == "preempted r1" and line["request_id"] == "r1" and line["level"] == "INFO"
@@ -27,7 +28,7 @@ def test_one_log_line_per_preemption_with_the_reason(caplog):
     scheduler = make_scheduler(num_blocks=20, caching=False)
     for i in range(6):
         scheduler.add_request(make_request(f"r{i}", 10, 20))
-    with caplog.at_level(logging.INFO, logger="cluster.core.scheduler"):
+    with caplog.at_level(logging.INFO, logger="pagerail.cluster.core.scheduler"):
         run_all(scheduler)
     lines = [r for r in caplog.records if r.getMessage().startswith("preempted request")]
     assert len(lines) == scheduler.stats.num_preemptions > 0

@@ -8,15 +8,15 @@ import weakref
 import pytest
 import torch
 
-import worker.memory_profile as memory_profile
-import worker.worker as worker_module
-from common.engine_args import engine_config
+import pagerail.worker.memory_profile as memory_profile
+import pagerail.worker.worker as worker_module
+from pagerail.common.engine_args import engine_config
+from pagerail.worker.config import WorkerConfig
+from pagerail.worker.kv_cache import DEFAULT_CPU_KV_BYTES, bytes_per_block
+from pagerail.worker.memory_profile import GRAPH_FIXED_RESERVE, largest_capture, memory_probe, profile_kv_cache
+from pagerail.worker.model_loader import load_model
+from pagerail.worker.worker import Worker
 from tests.tiny_models import make_tiny_model
-from worker.config import WorkerConfig
-from worker.kv_cache import DEFAULT_CPU_KV_BYTES, bytes_per_block
-from worker.memory_profile import GRAPH_FIXED_RESERVE, largest_capture, memory_probe, profile_kv_cache
-from worker.model_loader import load_model
-from worker.worker import Worker
 
 MiB = 1 << 20
 TOTAL = 8 << 30
@@ -271,7 +271,7 @@ def small_probe() -> FakeProbe:
 
 def test_worker_sizes_its_cache_by_profiling_and_keeps_a_scratch_block(make_worker, caplog):
     probe = small_probe()
-    with caplog.at_level(logging.INFO, logger="worker.worker"):
+    with caplog.at_level(logging.INFO, logger="pagerail.worker.worker"):
         worker = make_worker(probe, gpu_memory_utilization=0.35)
     assert [seen["tokens"] for seen in make_worker.made["recorder"].forwards] == [64, 4]
     assert worker.num_blocks == expected_blocks(worker.model, 0.35, 64, 4, eager=False, probe=probe)

@@ -9,8 +9,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster import LLM, SamplingParams
-from cluster.frontend.http_app import ServerState, create_app
+from pagerail import LLM, SamplingParams
+from pagerail.cluster.frontend.http_app import ServerState, create_app
 from tests.http_server import BackgroundServer
 from tests.requirements import require_executable
 from tests.tiny_models import make_tiny_model
@@ -105,8 +105,8 @@ def test_promtool_accepts_the_live_exposition(served):
 def test_inter_token_latency_counts_one_gap_per_request_and_step():
     from prometheus_client import generate_latest
 
-    from cluster.core.engine_metrics import EngineMetrics
-    from cluster.core.request import Request, RequestStatus
+    from pagerail.cluster.core.engine_metrics import EngineMetrics
+    from pagerail.cluster.core.request import Request, RequestStatus
 
     metrics = EngineMetrics("m")
 

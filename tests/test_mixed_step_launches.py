@@ -81,9 +81,9 @@ def _forward_launches(runner, batch) -> tuple[int, object]:
 
 def measure(num_layers: int) -> dict:
     """Launches per mixed step and per decode step for each composition, on a `num_layers` tiny qwen3."""
+    from pagerail.worker.model_runner import decode_path_of
     from tests.test_cuda_graphs import Head, make_runner
     from tests.tiny_models import make_tiny_model
-    from worker.model_runner import decode_path_of
 
     with tempfile.TemporaryDirectory() as tmp:
         runner = make_runner(make_tiny_model("qwen3", Path(tmp) / "m", num_layers=num_layers), 16, None)
@@ -127,7 +127,7 @@ def _report() -> None:
 
 def test_interpreted_mixed_step_launches_do_not_grow_with_the_step(monkeypatch):
     """Runs under TRITON_INTERPRET=1: one launch count per layer count, whatever the step holds."""
-    import worker.layers.triton_attention as triton_attention
+    import pagerail.worker.layers.triton_attention as triton_attention
 
     if not triton_attention.INTERPRETED:
         pytest.skip("runs under TRITON_INTERPRET=1 only")

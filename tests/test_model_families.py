@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster import LLM
-from cluster.bench.random_checkpoints import save_random_weights
+from pagerail import LLM
+from pagerail.cluster.bench.random_checkpoints import save_random_weights
+from pagerail.worker.model_loader import load_model
+from pagerail.worker.models.registry import model_class, supported_architectures
 from tests.model_harness import prefill_logits, run_ranks
 from tests.parity import compare, engine_greedy, reference_greedy
-from worker.model_loader import load_model
-from worker.models.registry import model_class, supported_architectures
 
 _COMMON = dict(
     vocab_size=250,
@@ -156,7 +156,7 @@ def test_unsupported_configs_are_refused_naming_the_field(family_dirs, tmp_path,
 
 
 def test_longrope_factor_count_is_checked(family_dirs, tmp_path):
-    from worker.layers.rotary import RotaryEmbedding
+    from pagerail.worker.layers.rotary import RotaryEmbedding
 
     params = dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 8, long_factor=[1.0] * 3)
     with pytest.raises(ValueError, match=r"rope_parameters.long_factor must hold head_dim / 2 = 8 values, got 3"):

@@ -10,13 +10,13 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-import worker.default_model as default_model
-import worker.model_loader as model_loader
+import pagerail.worker.default_model as default_model
+import pagerail.worker.model_loader as model_loader
+from pagerail.worker.layers.rotary import inverse_frequencies, rope_parameters
+from pagerail.worker.model_loader import iter_lazy_safetensors, load_model, resolve_model_dir
+from pagerail.worker.models.llama import LlamaForCausalLM
+from pagerail.worker.models.registry import model_class
 from tests.tiny_models import make_tiny_model
-from worker.layers.rotary import inverse_frequencies, rope_parameters
-from worker.model_loader import iter_lazy_safetensors, load_model, resolve_model_dir
-from worker.models.llama import LlamaForCausalLM
-from worker.models.registry import model_class
 
 
 @pytest.fixture(scope="module")

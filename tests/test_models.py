@@ -7,18 +7,18 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.model_harness import prefill_logits, run_ranks
-from tests.tiny_models import TINY_KINDS, make_tiny_model, tiny_config
-from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from worker.layers.linear import (
+from pagerail.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagerail.worker.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from worker.model_loader import load_hf_config, load_model
-from worker.models.llama import LlamaForCausalLM
-from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
+from pagerail.worker.model_loader import load_hf_config, load_model
+from pagerail.worker.models.llama import LlamaForCausalLM
+from pagerail.worker.parallel_state import SINGLE_RANK, TensorParallelGroup
+from tests.model_harness import prefill_logits, run_ranks
+from tests.tiny_models import TINY_KINDS, make_tiny_model, tiny_config
 
 PROMPT_LEN = 24
 

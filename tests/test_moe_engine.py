@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster import LLM
+from pagerail import LLM
 from tests.parity import compare, engine_greedy, reference_greedy
 from tests.tiny_models import MOE_KINDS, make_tiny_model
 

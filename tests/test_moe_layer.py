@@ -9,14 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.expert_parallel import check_expert_parallel, num_routed_experts
+from pagerail.common.expert_parallel import check_expert_parallel, num_routed_experts
+from pagerail.worker.layers.lazy_tensor import LazyTensor
+from pagerail.worker.layers.moe import FusedMoE, moe_comm_bytes
+from pagerail.worker.layers.moe_block import SparseMoeBlock
+from pagerail.worker.layers.moe_grouped import grouped_experts
+from pagerail.worker.layers.moe_routing import localize_expert_ids, select_experts
+from pagerail.worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 from tests.tiny_models import tiny_config
-from worker.layers.lazy_tensor import LazyTensor
-from worker.layers.moe import FusedMoE, moe_comm_bytes
-from worker.layers.moe_block import SparseMoeBlock
-from worker.layers.moe_grouped import grouped_experts
-from worker.layers.moe_routing import localize_expert_ids, select_experts
-from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
 HIDDEN, INTER = 24, 16
 
@@ -250,8 +250,8 @@ def test_weight_loader_names_the_expert_and_both_shapes():
 
 _KERNEL_CONTRACT = """
 import json, torch
-from worker.layers.moe_grouped import grouped_experts
-from worker.layers.triton_moe import triton_fused_experts
+from pagerail.worker.layers.moe_grouped import grouped_experts
+from pagerail.worker.layers.triton_moe import triton_fused_experts
 errors = []
 for tokens, experts, top_k in ((9, 8, 2), (3, 16, 8), (20, 4, 1)):
     gen = torch.Generator().manual_seed(tokens)

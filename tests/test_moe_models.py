@@ -11,13 +11,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
+from pagerail.worker.layers.moe import FusedMoE, moe_comm_bytes
+from pagerail.worker.layers.moe_block import SparseMoeBlock
+from pagerail.worker.model_loader import load_hf_config, load_model
+from pagerail.worker.models.registry import model_class, supported_architectures
+from pagerail.worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 from tests.model_harness import prefill_logits, run_ranks
 from tests.tiny_models import MOE_KINDS, make_tiny_model
-from worker.layers.moe import FusedMoE, moe_comm_bytes
-from worker.layers.moe_block import SparseMoeBlock
-from worker.model_loader import load_hf_config, load_model
-from worker.models.registry import model_class, supported_architectures
-from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
 PROMPT_LEN = 40  # longer than Mixtral's tiny sliding window of 24
 
@@ -175,7 +175,7 @@ def test_expert_parallel_refused_where_it_cannot_apply(moe_dirs):
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
 def test_experts_on_the_packed_cpu_kernel_match_transformers(moe_dirs, kind, monkeypatch, tmp_path):
-    from worker.layers.packed_linear import packed_linear_kernel
+    from pagerail.worker.layers.packed_linear import packed_linear_kernel
 
     if packed_linear_kernel() is None:
         pytest.skip("the packed CPU kernel cannot be built here")
@@ -185,7 +185,7 @@ def test_experts_on_the_packed_cpu_kernel_match_transformers(moe_dirs, kind, mon
     model = load_model(moe_dirs[kind], SINGLE_RANK, torch.float32, "cpu")
     experts = model.model.layers[0].mlp.experts
     assert all(view.cpu_weights is not None for view in [*experts.w13_views, *experts.w2_views])
-    from worker.layers import moe_grouped
+    from pagerail.worker.layers import moe_grouped
 
     libraries = []
     chosen = moe_grouped.linear

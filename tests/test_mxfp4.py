@@ -10,19 +10,19 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from cluster import LLM
-from cluster.bench.random_checkpoints import save_random_weights
+from pagerail import LLM
+from pagerail.cluster.bench.random_checkpoints import save_random_weights
+from pagerail.worker.layers.lazy_tensor import LazyTensor
+from pagerail.worker.layers.moe import FusedMoE
+from pagerail.worker.layers.moe_activation import ExpertActivation
+from pagerail.worker.layers.moe_mxfp4 import Mxfp4FusedMoE
+from pagerail.worker.layers.quantization.mxfp4 import dequantize_mxfp4
+from pagerail.worker.model_loader import load_model
+from pagerail.worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 from tests.model_harness import prefill_logits, run_ranks
 from tests.mxfp4_checkpoints import quantize_mxfp4, write_mxfp4_checkpoint
 from tests.parity import compare, engine_greedy, reference_greedy
 from tests.test_gpt_oss import NEW_TOKENS, PROMPTS, gpt_oss_config
-from worker.layers.lazy_tensor import LazyTensor
-from worker.layers.moe import FusedMoE
-from worker.layers.moe_activation import ExpertActivation
-from worker.layers.moe_mxfp4 import Mxfp4FusedMoE
-from worker.layers.quantization.mxfp4 import dequantize_mxfp4
-from worker.model_loader import load_model
-from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
 
 def spec_e2m1(code: int) -> float:

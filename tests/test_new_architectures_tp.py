@@ -12,15 +12,15 @@ from tests.requirements import require_module
 
 ray = require_module("ray", "needs Ray")
 
-from cluster import LLM  # noqa: E402
-from cluster.bench.random_checkpoints import save_random_weights  # noqa: E402
+from pagerail import LLM  # noqa: E402
+from pagerail.cluster.bench.random_checkpoints import save_random_weights  # noqa: E402
+from pagerail.worker.model_loader import load_hf_config  # noqa: E402
 from tests.parity import compare, engine_greedy, reference_greedy  # noqa: E402
 from tests.ray_start import start_ray  # noqa: E402
 from tests.test_gpt_oss import gpt_oss_config  # noqa: E402
 from tests.test_model_families import family_config  # noqa: E402
 from tests.test_moe_engine import NEW_TOKENS, PROMPTS  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
-from worker.model_loader import load_hf_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,7 @@ def test_tp2_speculative_decoding_matches_transformers(local_ray, method, tmp_pa
     elif method == "draft_model":
         speculative["model"] = str(model_dir)
     else:
-        from cluster.bench.random_eagle_heads import make_eagle_head, make_transparent
+        from pagerail.cluster.bench.random_eagle_heads import make_eagle_head, make_transparent
 
         make_transparent(model_dir)
         speculative["model"] = str(make_eagle_head(model_dir, tmp_path / "head", method == "eagle3", exact=True))

@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
-from cluster import LLM, SamplingParams
-from cluster.bench.workload import random_workload
-from cluster.frontend.http_app import ServerState, create_app
+from pagerail import LLM, SamplingParams
+from pagerail.cluster.bench.workload import random_workload
+from pagerail.cluster.frontend.http_app import ServerState, create_app
 from tests.http_server import BackgroundServer
 
 pytestmark = pytest.mark.slow
@@ -202,14 +202,14 @@ def test_overload_gets_429_with_retry_after_while_admitted_requests_finish(smoll
 def client_tokenizer(client):
     from transformers import AutoTokenizer
 
-    from worker.model_loader import resolve_model_dir
+    from pagerail.worker.model_loader import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
 
 
 def test_bench_serve_and_sweep_run_on_the_embedded_model(client, tmp_path, capsys):
     """`pagerail bench serve` and `bench sweep` against this server: every request completes at its exact length."""
-    from cluster.cli import main
+    from pagerail.cluster.cli import main
 
     _, _, base_url = client
     common = ["--base-url", base_url, "--api-key", "sk-e2e", "--num-requests", "4"]

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from cluster import LLM, SamplingParams
-from cluster.core.engine import EngineCore
-from cluster.core.engine_request import EngineRequest
-from cluster.core.request import RequestStatus
-from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail import LLM, SamplingParams
+from pagerail.cluster.core.engine import EngineCore
+from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.cluster.core.request import RequestStatus
+from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from tests.fake_workers import FakeKVWorkers
 from tests.tiny_models import make_tiny_model
 
@@ -181,8 +181,8 @@ def test_ranks_in_processes_of_their_own_overlap_by_default_and_an_in_process_cp
     from tests.requirements import require_module
 
     require_module("ray", "needs Ray")
-    from cluster.distributed.local_executor import InProcessExecutor, worker_config
-    from cluster.distributed.worker_group import WorkerGroup
+    from pagerail.cluster.distributed.local_executor import InProcessExecutor, worker_config
+    from pagerail.cluster.distributed.worker_group import WorkerGroup
 
     model_dir = make_tiny_model("llama", tmp_path / "llama")
     config = worker_config(EngineConfig(cache=CacheConfig(block_size=4, num_gpu_blocks=16)), str(model_dir))

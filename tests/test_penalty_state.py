@@ -7,9 +7,9 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from proto import step_pb2
-from worker.penalty_state import PenaltyState
-from worker.request_state import RequestState
+from pagerail.proto import step_pb2
+from pagerail.worker.penalty_state import PenaltyState
+from pagerail.worker.request_state import RequestState
 
 VOCAB = 40
 HANDLES = st.integers(0, 5)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench.process_cpu import ProcessCpu, cpu_spent, process_label, session_cpu
+from pagerail.cluster.bench.process_cpu import ProcessCpu, cpu_spent, process_label, session_cpu
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 
@@ -32,7 +32,8 @@ time.sleep(60)
 def test_labels_name_ray_actors_python_modules_and_executables():
     assert process_label(["ray::HeadActor", ""]) == "ray::HeadActor"
     assert process_label(["ray::WorkerActor.execute_step()"]) == "ray::WorkerActor.execute_step()"
-    assert process_label(["/venv/bin/python3.11", "-u", "-m", "cluster.cli", "serve"]) == "python -m cluster.cli"
+    command = ["/venv/bin/python3.11", "-u", "-m", "pagerail.cluster.cli", "serve"]
+    assert process_label(command) == "python -m pagerail.cluster.cli"
     assert process_label(["/venv/bin/python", "/x/ray/_private/log_monitor.py", "--a"]) == "python log_monitor.py"
     assert process_label(["python", "-c", "print(1)"]) == "python -c"
     assert process_label(["python3", "tool.py", "-c", "x", "-m", "y"]) == "python tool.py"  # the script's flags

@@ -25,8 +25,8 @@ HOPPER_ROWS = (1, 64, 512)
 
 def _hopper_launches() -> None:
     """Both GEMMs at each shape and row count in bf16 (with a bias at decode), recorded rather than run."""
-    from worker.layers.quantization.triton_fp8_gemm import fp8_block_gemm
-    from worker.layers.quantization.triton_int4_gemm import int4_gemm
+    from pagerail.worker.layers.quantization.triton_fp8_gemm import fp8_block_gemm
+    from pagerail.worker.layers.quantization.triton_int4_gemm import int4_gemm
 
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
     for _, out_features, in_features in HOPPER_SHAPES:
@@ -50,8 +50,8 @@ def _hopper_report() -> None:
 
     import triton
 
+    from pagerail.worker.layers.quantization import triton_fp8_gemm, triton_int4_gemm
     from tests.triton_launches import LaunchRecorder, _Recording, build_for_hopper
-    from worker.layers.quantization import triton_fp8_gemm, triton_int4_gemm
 
     started = time.perf_counter()
     recorder = LaunchRecorder(forward=False)

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster import LLM
+from pagerail import LLM
+from pagerail.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagerail.worker.model_loader import load_model
 from tests.model_harness import prefill_logits, run_ranks
 from tests.parity import engine_greedy
 from tests.quant_checkpoints import FORMATS, write_quantized
 from tests.tiny_models import make_tiny_model
-from worker.layers.linear import ColumnParallelLinear, RowParallelLinear
-from worker.model_loader import load_model
 
 KINDS = ("llama", "qwen3", "qwen3_moe")
 PROMPT = torch.randint(3, 250, (24,), generator=torch.Generator().manual_seed(7))
@@ -197,7 +197,7 @@ def test_fp8_on_load_quantizes_each_row_of_every_projection(checkpoints) -> None
 
 
 def test_metrics_show_the_weight_format_bytes_and_kv_dtype(checkpoints) -> None:
-    from worker.layers.quantization.summary import weight_bytes
+    from pagerail.worker.layers.quantization.summary import weight_bytes
 
     llm = LLM(str(checkpoints("llama", "fp8_block")[0]), num_gpu_blocks=32, block_size=4, kv_cache_dtype="fp8")
     try:
@@ -215,7 +215,7 @@ def test_metrics_show_the_weight_format_bytes_and_kv_dtype(checkpoints) -> None:
 
 @pytest.mark.parametrize("dtype", (torch.float8_e4m3fn, torch.float8_e5m2))
 def test_fp8_bit_conversion_equals_torchs_for_every_code(dtype: torch.dtype) -> None:
-    from worker.layers.quantization.fp8_convert import fp8_to_float32
+    from pagerail.worker.layers.quantization.fp8_convert import fp8_to_float32
 
     codes = torch.arange(256, dtype=torch.uint8).view(dtype).reshape(16, 16)
     ours, theirs = fp8_to_float32(codes), codes.to(torch.float32)
@@ -228,7 +228,7 @@ def test_fp8_bit_conversion_equals_torchs_for_every_code(dtype: torch.dtype) -> 
 def test_the_gpu_w8a8_product_matches_the_dequantized_weight(checkpoints, fmt: str) -> None:
     """The GPU's W8A8 path (torch._scaled_mm, or the block GEMM's torch fallback) runs on CPU tensors too:
     activations quantized per token cost e4m3's precision, no more."""
-    from worker.layers.quantization.fp8_linear import apply_w8a8, dequantize_fp8
+    from pagerail.worker.layers.quantization.fp8_linear import apply_w8a8, dequantize_fp8
 
     model = load_model(checkpoints("llama", fmt)[0], dtype=torch.bfloat16)
     layers = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]

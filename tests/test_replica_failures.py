@@ -11,11 +11,11 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from cluster.core.engine_request import EngineRequest
-from cluster.core.sampling_params import SamplingParams
-from cluster.frontend.http_app import ServerState, create_app
-from cluster.routing.failover import ReplicaFailed, is_replica_failure
-from cluster.routing.routed_client import RoutedEngineClient
+from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.routing.failover import ReplicaFailed, is_replica_failure
+from pagerail.cluster.routing.routed_client import RoutedEngineClient
 from tests.fake_engine import FakeEngineClient
 from tests.requirements import require_module
 
@@ -127,14 +127,14 @@ def test_a_bug_behind_the_router_is_a_logged_500_at_the_front_door_not_a_failove
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://pagerail") as client:
             return await client.post("/v1/completions", json=body, headers={"X-Request-Id": "label-1"})
 
-    with caplog.at_level(logging.ERROR, logger="cluster.frontend.http_app"):
+    with caplog.at_level(logging.ERROR, logger="pagerail.cluster.frontend.http_app"):
         response = asyncio.run(post())
     assert response.status_code == 500, response.text
     error = response.json()["error"]
     assert error["type"] == "server_error" and error["code"] == "internal_error"
     assert "TypeError" not in response.text and "NoneType" not in response.text  # no internals for the client
     assert response.headers["x-request-id"] == "label-1"
-    (record,) = [r for r in caplog.records if r.name == "cluster.frontend.http_app"]
+    (record,) = [r for r in caplog.records if r.name == "pagerail.cluster.frontend.http_app"]
     assert record.exc_info is not None and record.exc_info[0] is TypeError  # the traceback is in the log
     assert "/v1/completions" in record.getMessage() and "label-1" in record.getMessage()
     # Not a failover: no other replica saw the request, nothing was counted, the replica stays in rotation.

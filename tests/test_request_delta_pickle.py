@@ -8,7 +8,7 @@ import pickle
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.core.engine_client import RequestDelta
+from pagerail.cluster.core.engine_client import RequestDelta
 
 _VALUES = {
     "request_id": st.text(max_size=12),

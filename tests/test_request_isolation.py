@@ -10,13 +10,13 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from cluster.core.async_engine import AsyncEngine
-from cluster.core.engine import EngineCore
-from cluster.core.engine_request import EngineRequest
-from cluster.core.local_client import LocalEngineClient
-from cluster.core.sampling_params import SamplingParams
-from cluster.frontend.http_app import ServerState, create_app
-from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.cluster.core.async_engine import AsyncEngine
+from pagerail.cluster.core.engine import EngineCore
+from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.cluster.core.local_client import LocalEngineClient
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.cluster.frontend.http_app import ServerState, create_app
+from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from tests.fake_workers import FakeKVWorkers
 from tests.http_server import BackgroundServer
 

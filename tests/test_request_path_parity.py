@@ -18,16 +18,16 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from cluster import LLM, SamplingParams
-from cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
-from cluster.core.async_engine import AsyncEngine
-from cluster.core.engine import EngineCore
-from cluster.core.local_client import LocalEngineClient
-from cluster.core.model_info import read_model_info
-from cluster.distributed.local_executor import InProcessExecutor, worker_config
-from cluster.frontend.grpc_api import build_grpc_server
-from cluster.frontend.http_app import ServerState, create_app
-from proto import api_pb2, api_pb2_grpc
+from pagerail import LLM, SamplingParams
+from pagerail.cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
+from pagerail.cluster.core.async_engine import AsyncEngine
+from pagerail.cluster.core.engine import EngineCore
+from pagerail.cluster.core.local_client import LocalEngineClient
+from pagerail.cluster.core.model_info import read_model_info
+from pagerail.cluster.distributed.local_executor import InProcessExecutor, worker_config
+from pagerail.cluster.frontend.grpc_api import build_grpc_server
+from pagerail.cluster.frontend.http_app import ServerState, create_app
+from pagerail.proto import api_pb2, api_pb2_grpc
 from tests.http_server import BackgroundServer
 
 pytestmark = pytest.mark.slow

@@ -9,18 +9,18 @@ from collections.abc import AsyncIterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.core.async_engine import AsyncEngine
-from cluster.core.engine import EngineCore
-from cluster.core.engine_client import RequestDelta
-from cluster.core.engine_request import EngineRequest, SiblingGroup
-from cluster.core.errors import QueueFullError
-from cluster.core.local_client import LocalEngineClient
-from cluster.core.sampling_params import SamplingParams
-from cluster.routing.failover import ReplicaFailed
-from cluster.routing.routed_client import RoutedEngineClient
-from cluster.routing.router import NoReplicaError
-from cluster.routing.router_metrics import with_label
-from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.cluster.core.async_engine import AsyncEngine
+from pagerail.cluster.core.engine import EngineCore
+from pagerail.cluster.core.engine_client import RequestDelta
+from pagerail.cluster.core.engine_request import EngineRequest, SiblingGroup
+from pagerail.cluster.core.errors import QueueFullError
+from pagerail.cluster.core.local_client import LocalEngineClient
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.cluster.routing.failover import ReplicaFailed
+from pagerail.cluster.routing.routed_client import RoutedEngineClient
+from pagerail.cluster.routing.router import NoReplicaError
+from pagerail.cluster.routing.router_metrics import with_label
+from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from tests.fake_workers import FakeKVWorkers, next_token
 
 VOCAB = 250
@@ -462,7 +462,7 @@ def test_the_routing_decision_is_an_event_on_the_request_span(replicas):
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from cluster.routing.routed_client import ROUTE_CACHED_TOKENS, ROUTE_REASON, ROUTE_REPLICA
+    from pagerail.cluster.routing.routed_client import ROUTE_CACHED_TOKENS, ROUTE_REASON, ROUTE_REPLICA
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

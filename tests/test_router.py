@@ -10,9 +10,9 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cluster.core.errors import QueueFullError
-from cluster.routing.prefix_index import PrefixIndex
-from cluster.routing.router import NoReplicaError, Router
+from pagerail.cluster.core.errors import QueueFullError
+from pagerail.cluster.routing.prefix_index import PrefixIndex
+from pagerail.cluster.routing.router import NoReplicaError, Router
 
 BLOCK = 4
 # Without subnormals: a library in the same process may set flush-to-zero, and hypothesis then refuses to draw them.

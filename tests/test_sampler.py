@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.penalty_state import PenaltyState
-from worker.sampler import Sampler, SamplingRow, TokenHistory, row_argmax
+from pagerail.worker.penalty_state import PenaltyState
+from pagerail.worker.sampler import Sampler, SamplingRow, TokenHistory, row_argmax
 
 GREEDY = 0.0
 
@@ -282,9 +282,9 @@ def test_batched_penalties_are_bit_identical_to_row_by_row(seed: int) -> None:
 )
 def test_argmax_only_requests_sample_the_argmax(fields, fast):
     """The rank's argmax shortcut is taken exactly for requests whose sampler path is a plain argmax."""
-    from proto import step_pb2
-    from worker.model_runner import sampling_row
-    from worker.request_state import RequestState, argmax_only
+    from pagerail.proto import step_pb2
+    from pagerail.worker.model_runner import sampling_row
+    from pagerail.worker.request_state import RequestState, argmax_only
 
     sampling = step_pb2.SamplingParams(**fields)
     assert argmax_only(sampling) is fast

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from cluster.core.sampling_params import SamplingParams
+from pagerail.cluster.core.sampling_params import SamplingParams
 
 
 def test_defaults_are_valid_and_not_greedy() -> None:

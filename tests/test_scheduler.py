@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.core.block_table import BlockTable
-from cluster.core.request import Request, RequestStatus
-from cluster.core.sampling_params import SamplingParams
-from cluster.core.scheduler import Scheduler
-from cluster.core.scheduler_output import PauseMode
-from common.engine_config import SchedulerConfig
+from pagerail.cluster.core.block_table import BlockTable
+from pagerail.cluster.core.request import Request, RequestStatus
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.cluster.core.scheduler import Scheduler
+from pagerail.cluster.core.scheduler_output import PauseMode
+from pagerail.common.engine_config import SchedulerConfig
 
 VOCAB = 1000
 EOS = 999

@@ -8,10 +8,10 @@ from unittest import mock
 
 import pytest
 
-from cluster.entrypoints.serve import add_serve_arguments, cpus_per_worker
-from common.engine_args import engine_config
-from worker.actor import WorkerActor
-from worker.config import WorkerConfig
+from pagerail.cluster.entrypoints.serve import add_serve_arguments, cpus_per_worker
+from pagerail.common.engine_args import engine_config
+from pagerail.worker.actor import WorkerActor
+from pagerail.worker.config import WorkerConfig
 
 
 def _parse(*flags: str) -> argparse.Namespace:

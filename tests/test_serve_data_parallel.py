@@ -77,7 +77,7 @@ def test_prefill_and_decode_replicas_behind_one_endpoint():
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     # The same prompts on one colocated replica give the same text.
-    from cluster import LLM, SamplingParams
+    from pagerail import LLM, SamplingParams
 
     with LLM() as llm:
         params = SamplingParams(max_tokens=12, temperature=0)

@@ -7,11 +7,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pagerail.worker.layers.lazy_tensor import LazyTensor
+from pagerail.worker.model_loader import checkpoint_files, iter_lazy_safetensors, load_hf_config, load_model
+from pagerail.worker.models.llama import LlamaForCausalLM
+from pagerail.worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 from tests.tiny_models import make_tiny_model
-from worker.layers.lazy_tensor import LazyTensor
-from worker.model_loader import checkpoint_files, iter_lazy_safetensors, load_hf_config, load_model
-from worker.models.llama import LlamaForCausalLM
-from worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 
 TP = 2
 

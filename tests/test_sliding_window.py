@@ -10,17 +10,17 @@ import pytest
 import torch
 from transformers import MistralConfig
 
-from cluster import LLM
-from cluster.bench.random_checkpoints import save_random_weights
-from cluster.core.engine import EngineCore
-from cluster.core.engine_request import EngineRequest
-from cluster.core.sampling_params import SamplingParams
-from common.attention_windows import layer_sliding_windows, uniform_sliding_window
-from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail import LLM
+from pagerail.cluster.bench.random_checkpoints import save_random_weights
+from pagerail.cluster.core.engine import EngineCore
+from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.common.attention_windows import layer_sliding_windows, uniform_sliding_window
+from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.worker.layers import cpu_paged_attention
 from tests.fake_workers import FakeKVWorkers
 from tests.parity import compare, engine_greedy, reference_greedy
 from tests.tiny_models import _COMMON
-from worker.layers import cpu_paged_attention
 
 WINDOW = 12  # not a multiple of the block sizes below, so windows start mid-block
 PROMPTS = [

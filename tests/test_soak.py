@@ -19,7 +19,7 @@ import grpc
 import httpx
 import pytest
 
-from proto import api_pb2, api_pb2_grpc
+from pagerail.proto import api_pb2, api_pb2_grpc
 from tests.serve_process import start_serve, wait_ready
 
 pytestmark = pytest.mark.slow

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster import LLM
-from cluster.bench.random_eagle_heads import make_eagle_head, make_transparent
-from cluster.core.sampling_params import SamplingParams
+from pagerail import LLM
+from pagerail.cluster.bench.random_eagle_heads import make_eagle_head, make_transparent
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.worker.spec_decode.eagle import EagleProposer
 from tests.tiny_models import make_tiny_model
-from worker.spec_decode.eagle import EagleProposer
 
 METHODS = ("eagle", "eagle3")
 
@@ -183,8 +183,8 @@ def test_drafts_equal_a_dense_reference_of_the_head(
 
 
 def test_heads_that_cannot_read_the_target_are_refused(target_dir: Path, tmp_path: Path) -> None:
-    from worker.model_loader import load_hf_config
-    from worker.spec_decode.eagle_head import check_head_config
+    from pagerail.worker.model_loader import load_hf_config
+    from pagerail.worker.spec_decode.eagle_head import check_head_config
 
     head = make_eagle_head(target_dir, tmp_path / "eagle", eagle3=False)
     with pytest.raises(ValueError, match="is an EAGLE head.*use method 'eagle'"):

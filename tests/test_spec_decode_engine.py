@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster import LLM
-from cluster.core.sampling_params import SamplingParams
-from cluster.core.speculation import WARMUP_STEPS, SpeculationPolicy
-from common.speculative_config import SpeculativeConfig
+from pagerail import LLM
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.cluster.core.speculation import WARMUP_STEPS, SpeculationPolicy
+from pagerail.common.speculative_config import SpeculativeConfig
 from tests.tiny_models import make_tiny_model
 
 # A batch-size threshold far above these batches keeps the back-off (which reads step times) out of the way, so a
@@ -79,11 +79,11 @@ def test_greedy_tokens_equal_decoding_without_speculation(kind: str, tmp_path: P
 def test_a_stop_token_inside_a_kept_run_drops_the_tokens_after_it() -> None:
     """The head appends a run token by token: a stop token or max_tokens inside it ends the request there, the
     rest of the run is dropped, and the request's blocks go back to the pool."""
-    from cluster.core.block_table import BlockTable
-    from cluster.core.request import Request
-    from cluster.core.scheduler import Scheduler
-    from cluster.core.speculation import SpecRun
-    from common.engine_config import SchedulerConfig
+    from pagerail.cluster.core.block_table import BlockTable
+    from pagerail.cluster.core.request import Request
+    from pagerail.cluster.core.scheduler import Scheduler
+    from pagerail.cluster.core.speculation import SpecRun
+    from pagerail.common.engine_config import SchedulerConfig
 
     # A stop token second in a run of five; max_tokens=4 making room for two drafts, all three tokens kept.
     cases = ((frozenset({6}), 10, [5, 6, 7, 8, 9], [5, 6], "stop"), (frozenset(), 4, [5, 6, 7], [5, 6, 7], "length"))
@@ -210,8 +210,8 @@ def test_a_draft_with_another_vocabulary_or_tokenizer_is_refused(llama_dir: Path
     (target / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0}}}')
     (draft / "tokenizer.json").write_text('{"model": {"vocab": {"b": 0}}}')
     # The ranks' start-up check (the head would already fail to read this stand-in tokenizer).
-    from worker.model_loader import load_hf_config
-    from worker.spec_decode.draft_model import check_draft_config
+    from pagerail.worker.model_loader import load_hf_config
+    from pagerail.worker.spec_decode.draft_model import check_draft_config
 
     with pytest.raises(ValueError, match=r"speculative_config.model has another tokenizer than the target model"):
         check_draft_config(draft, load_hf_config(target), target)
@@ -225,7 +225,7 @@ def test_the_embedded_model_gives_the_same_text_with_and_without_speculation(smo
     heads for the model draft too (EAGLE-3 over the residual stream of layers 2, 15 and 27), with the same text."""
     import sys
 
-    from cluster.bench.random_eagle_heads import make_eagle_head
+    from pagerail.cluster.bench.random_eagle_heads import make_eagle_head
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
     from compare_speculation import TEXTS

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine_args import engine_config
-from common.speculative_config import speculative_config_from
-from worker.sampler import Sampler, SamplingRow, _apply_temperature_and_filters
-from worker.spec_decode.ngram import propose_ngram
-from worker.spec_decode.verify import accepted_tokens
+from pagerail.common.engine_args import engine_config
+from pagerail.common.speculative_config import speculative_config_from
+from pagerail.worker.sampler import Sampler, SamplingRow, _apply_temperature_and_filters
+from pagerail.worker.spec_decode.ngram import propose_ngram
+from pagerail.worker.spec_decode.verify import accepted_tokens
 
 
 @pytest.mark.parametrize(
@@ -123,11 +123,11 @@ def test_speculative_tokens_follow_the_target_distribution(row: SamplingRow) -> 
 def test_a_speculating_chunk_samples_every_row_beside_decodes_that_do_not_sample() -> None:
     """A decode that samples nothing (a one-token input chunk) next to a speculating chunk whose extra rows make
     the sample count equal the request count: the decodes' sampled rows must still be looked up one by one."""
-    from proto import step_pb2
-    from worker.attention_backends.settings import AttentionSettings
-    from worker.input_buffers import InputBuffers
-    from worker.request_state import RequestState
-    from worker.step_inputs import prepare_step
+    from pagerail.proto import step_pb2
+    from pagerail.worker.attention_backends.settings import AttentionSettings
+    from pagerail.worker.input_buffers import InputBuffers
+    from pagerail.worker.request_state import RequestState
+    from pagerail.worker.step_inputs import prepare_step
 
     def state(handle: int, skip: bool, drafts: list[int] | None) -> RequestState:
         tokens = [handle * 10 + i for i in range(5)] + (drafts or [])

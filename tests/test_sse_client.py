@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cluster.bench.sse_client import HttpProtocolError, SseClient
+from pagerail.cluster.bench.sse_client import HttpProtocolError, SseClient
 
 
 class RawServer:

@@ -7,7 +7,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.frontend.sse_events import ChunkEvents
+from pagerail.cluster.frontend.sse_events import ChunkEvents
 
 # Any text a model or a client can put in a field: quotes, backslashes, control characters, non-ASCII, surrogates.
 texts = st.text(alphabet=st.characters(codec=None), max_size=20)

@@ -12,11 +12,11 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from cluster.core.executor import WorkerGroupError
-from cluster.distributed.remote_executor import RemoteExecutor
-from common.auth import auth_metadata
-from proto import step_pb2, worker_pb2_grpc
-from worker.grpc_server import start_worker_server
+from pagerail.cluster.core.executor import WorkerGroupError
+from pagerail.cluster.distributed.remote_executor import RemoteExecutor
+from pagerail.common.auth import auth_metadata
+from pagerail.proto import step_pb2, worker_pb2_grpc
+from pagerail.worker.grpc_server import start_worker_server
 
 TOKEN = "step-stream-test-token"
 WAIT_S = 10.0  # bound on anything that should happen at once; only a broken build waits that long

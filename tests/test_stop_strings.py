@@ -9,9 +9,9 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from cluster import LLM, SamplingParams
-from cluster.core.engine_client import RequestDelta
-from cluster.frontend.output_processor import ChoiceState
+from pagerail import LLM, SamplingParams
+from pagerail.cluster.core.engine_client import RequestDelta
+from pagerail.cluster.frontend.output_processor import ChoiceState
 from tests.ray_start import start_ray
 from tests.tiny_models import make_tiny_model
 

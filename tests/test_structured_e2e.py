@@ -11,8 +11,8 @@ import jsonschema
 import openai
 import pytest
 
-from cluster import LLM
-from cluster.frontend.http_app import ServerState, create_app
+from pagerail import LLM
+from pagerail.cluster.frontend.http_app import ServerState, create_app
 from tests.http_server import BackgroundServer
 
 pytestmark = pytest.mark.slow

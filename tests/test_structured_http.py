@@ -10,8 +10,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from cluster.core.engine_client import RequestDelta
-from cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.core.engine_client import RequestDelta
+from pagerail.cluster.frontend.http_app import ServerState, create_app
 from tests.fake_engine import FakeEngineClient
 from tests.http_server import BackgroundServer
 

@@ -9,9 +9,9 @@ import re
 import jsonschema
 import pytest
 
-from cluster import LLM, SamplingParams, StructuredOutputs
-from cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
-from common.grammar import GrammarError
+from pagerail import LLM, SamplingParams, StructuredOutputs
+from pagerail.cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
+from pagerail.common.grammar import GrammarError
 
 SCHEMA = {
     "type": "object",
@@ -196,9 +196,9 @@ def test_a_schema_keeps_its_property_order_and_dicts_are_accepted():
 def test_a_matcher_follows_its_request_through_a_restart_and_a_rollback(tiny_dir):
     import torch
 
-    from proto import step_pb2
-    from worker.constraints import ConstraintMatchers
-    from worker.request_state import RequestState
+    from pagerail.proto import step_pb2
+    from pagerail.worker.constraints import ConstraintMatchers
+    from pagerail.worker.request_state import RequestState
 
     sampling = step_pb2.SamplingParams(
         temperature=1.0, constraint_kind="json", constraint_spec=json.dumps(SCHEMA), stop_token_ids=[2]
@@ -248,7 +248,7 @@ def test_the_accelerator_mask_forbids_exactly_what_the_host_mask_does():
     import numpy as np
     import torch
 
-    from worker.constraints import mask_on_device
+    from pagerail.worker.constraints import mask_on_device
 
     rng = np.random.default_rng(0)
     bitmask = rng.integers(-(2**31), 2**31 - 1, size=(3, 20), dtype=np.int32)  # 640 bits for a 600-token vocabulary

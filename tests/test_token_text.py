@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cluster.frontend.token_text import _plain_backend, token_decoder
+from pagerail.cluster.frontend.token_text import _plain_backend, token_decoder
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def tiny_tokenizer(tmp_path_factory):
     """The tokenizer the overhead benchmark writes: SmolLM2's, cut to a 1024-token vocabulary."""
     from transformers import AutoTokenizer
 
-    from cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
+    from pagerail.cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
 
     model = write_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", TinyLlamaShape())
     return AutoTokenizer.from_pretrained(str(model))

@@ -11,8 +11,8 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from cluster.frontend.chat_output import ChoiceOutput
-from cluster.frontend.tool_calls import (
+from pagerail.cluster.frontend.chat_output import ChoiceOutput
+from pagerail.cluster.frontend.tool_calls import (
     ArgumentsDelta,
     ContentParser,
     HermesParser,
@@ -23,7 +23,7 @@ from cluster.frontend.tool_calls import (
     choose_parser,
     collect,
 )
-from cluster.frontend.tool_choice import (
+from pagerail.cluster.frontend.tool_choice import (
     NO_PARAMETERS,
     ToolDefinition,
     output_parser,

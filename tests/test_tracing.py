@@ -16,9 +16,9 @@ from opentelemetry import trace
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from common import telemetry
-from common.engine_config import ObservabilityConfig
-from proto import api_pb2, api_pb2_grpc
+from pagerail.common import telemetry
+from pagerail.common.engine_config import ObservabilityConfig
+from pagerail.proto import api_pb2, api_pb2_grpc
 from tests.fake_engine import FakeEngineClient
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.ray_start import start_ray
@@ -61,9 +61,9 @@ def test_tracing_off_installs_nothing_and_spans_are_noops():
         """
         import sys
         from opentelemetry import trace
-        from common import telemetry
-        from cluster.core.step_tracing import start_step_span
-        from cluster.core.scheduler_output import SchedulerOutput
+        from pagerail.common import telemetry
+        from pagerail.cluster.core.step_tracing import start_step_span
+        from pagerail.cluster.core.scheduler_output import SchedulerOutput
 
         assert telemetry.configure_tracing("head", endpoint=None) is False
         assert not telemetry.tracing_enabled()
@@ -98,7 +98,7 @@ def test_observability_config_is_validated():
 
 
 def test_serve_flags_reach_the_config(capsys):
-    from cluster.cli import build_parser, main
+    from pagerail.cluster.cli import build_parser, main
 
     args = build_parser().parse_args(
         ["serve", "--otlp-traces-endpoint", "http://c:4317", "--trace-sampling-ratio", "0.25"]
@@ -132,7 +132,7 @@ class CarrierRecordingEngine(FakeEngineClient):
 
 
 def test_grpc_generate_span_continues_the_callers_trace(receiver):
-    from cluster.frontend.grpc_api import build_grpc_server
+    from pagerail.cluster.frontend.grpc_api import build_grpc_server
 
     engine, trace_id = CarrierRecordingEngine(), uuid.uuid4().hex
 
@@ -167,7 +167,7 @@ def test_grpc_generate_span_continues_the_callers_trace(receiver):
 def test_streamed_http_request_span_covers_every_choice(receiver, smollm2_dir):
     from transformers import AutoTokenizer
 
-    from cluster.frontend.http_app import ServerState, create_app
+    from pagerail.cluster.frontend.http_app import ServerState, create_app
     from tests.http_server import BackgroundServer
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
@@ -194,14 +194,14 @@ def test_one_trace_from_http_through_head_to_both_ranks(receiver, tmp_path):
     ray = require_module("ray", "needs Ray")
     from transformers import AutoTokenizer
 
-    from cluster.distributed.head import ClusterOptions
-    from cluster.distributed.head_client import HeadEngineClient
-    from cluster.distributed.launcher import start_heads
-    from cluster.frontend.http_app import ServerState, create_app
-    from common.engine_config import CacheConfig, EngineConfig
+    from pagerail.cluster.distributed.head import ClusterOptions
+    from pagerail.cluster.distributed.head_client import HeadEngineClient
+    from pagerail.cluster.distributed.launcher import start_heads
+    from pagerail.cluster.frontend.http_app import ServerState, create_app
+    from pagerail.common.engine_config import CacheConfig, EngineConfig
+    from pagerail.worker.model_loader import resolve_model_dir
     from tests.http_server import BackgroundServer
     from tests.tiny_models import make_tiny_model
-    from worker.model_loader import resolve_model_dir
 
     trace_id = uuid.uuid4().hex
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))

@@ -109,7 +109,7 @@ def _reference(
 
 def _max_error(case: Case, seed: int = 0) -> float:
     """Run one case through the kernel; needs TRITON_INTERPRET=1 set before triton was imported."""
-    from worker.layers.triton_attention import paged_decode_attention, triton_available
+    from pagerail.worker.layers.triton_attention import paged_decode_attention, triton_available
 
     assert triton_available("cpu"), "the interpreter must be on for CPU tensors"
     generator = torch.Generator().manual_seed(seed)
@@ -169,7 +169,7 @@ def test_module_imports_and_reports_without_triton() -> None:
     # A CPU-only install has no triton: the module must still import, and report the kernel as unavailable.
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "from worker.layers.triton_attention import triton_available\n"
+        "from pagerail.worker.layers.triton_attention import triton_available\n"
         "assert not triton_available('cpu') and not triton_available('cuda')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from proto import step_pb2
+from pagerail.proto import step_pb2
+from pagerail.worker.attention_backends.settings import AttentionSettings
+from pagerail.worker.input_buffers import InputBuffers
+from pagerail.worker.request_state import RequestState
+from pagerail.worker.step_inputs import prepare_step
 from tests.requirements import TRITON_REQUIRED, require_module
 from tests.triton_interpreter import interpreted_report
-from worker.attention_backends.settings import AttentionSettings
-from worker.input_buffers import InputBuffers
-from worker.request_state import RequestState
-from worker.step_inputs import prepare_step
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -124,7 +124,7 @@ def reference_attention(
 
 def _max_error(case: Case, seed: int = 0) -> float:
     """Run one case through the kernel; needs TRITON_INTERPRET=1 set before triton was imported."""
-    from worker.layers.triton_mixed_attention import paged_mixed_attention, triton_available
+    from pagerail.worker.layers.triton_mixed_attention import paged_mixed_attention, triton_available
 
     assert triton_available("cpu"), "the interpreter must be on for CPU tensors"
     generator = torch.Generator().manual_seed(seed)
@@ -204,7 +204,7 @@ BAD_INPUTS = [
 def test_launcher_rejects_bad_inputs(argument: str, value: object, message: str) -> None:
     require_module("triton", "needs Triton", required_in_ci=TRITON_REQUIRED)
     # Validation runs before any launch, so this process needs no interpreter.
-    from worker.layers.triton_mixed_attention import paged_mixed_attention
+    from pagerail.worker.layers.triton_mixed_attention import paged_mixed_attention
 
     with pytest.raises(ValueError, match=message):
         paged_mixed_attention(**{**_valid_inputs(), argument: value})

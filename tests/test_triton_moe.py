@@ -142,8 +142,8 @@ def _poisoned_empty() -> Iterator[None]:
 
 def _run_case(case: Case, seed: int = 0) -> dict[str, object]:
     """One case through the kernels; needs TRITON_INTERPRET=1 set before triton was imported."""
-    from worker.layers.moe_activation import ExpertActivation
-    from worker.layers.triton_moe import _launch_config, fused_moe_available, triton_fused_experts
+    from pagerail.worker.layers.moe_activation import ExpertActivation
+    from pagerail.worker.layers.triton_moe import _launch_config, fused_moe_available, triton_fused_experts
 
     generator = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, case.dtype)
@@ -210,7 +210,7 @@ ALIGN_CASES = [(1, 8, 1, 16), (24, 8, 2, 16), (40, 128, 8, 16), (33, 16, 2, 32),
 def test_align_gives_each_block_one_expert_and_empty_experts_none(
     tokens: int, experts: int, top_k: int, block_m: int, remote: bool
 ) -> None:
-    from worker.layers.triton_moe import NON_LOCAL_BLOCK, UNUSED_BLOCK, moe_align
+    from pagerail.worker.layers.triton_moe import NON_LOCAL_BLOCK, UNUSED_BLOCK, moe_align
 
     generator = torch.Generator().manual_seed(tokens * experts + top_k)
     total = 2 * experts if remote else experts
@@ -237,7 +237,7 @@ def test_align_gives_each_block_one_expert_and_empty_experts_none(
 
 
 def test_shapes_are_checked() -> None:
-    from worker.layers.triton_moe import triton_fused_experts
+    from pagerail.worker.layers.triton_moe import triton_fused_experts
 
     hidden, w13, w2 = torch.zeros(3, 8), torch.zeros(4, 12, 8), torch.zeros(4, 8, 6)
     ids, weights = torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2)
@@ -270,9 +270,9 @@ def _hopper_report() -> None:
     """Entry point of the child process: each distinct launch of the two kernels built for sm_90, as JSON."""
     import triton
 
+    from pagerail.worker.layers import triton_moe
+    from pagerail.worker.layers.moe_activation import SILU, ExpertActivation
     from tests.triton_launches import LaunchRecorder, _Recording, build_for_hopper
-    from worker.layers import triton_moe
-    from worker.layers.moe_activation import SILU, ExpertActivation
 
     builds, failures, built = [], [], set()
     for shape, experts, hidden, inter, top_k, dtypes in HOPPER_SHAPES:

@@ -42,10 +42,10 @@ def _mxfp4_weights(shape: tuple[int, ...], std: float, generator: torch.Generato
 
 def _run_case(case: Case, seed: int = 0) -> dict[str, object]:
     """One case through the MXFP4 kernels; needs TRITON_INTERPRET=1 set before triton was imported."""
-    from worker.layers.moe_activation import ExpertActivation
-    from worker.layers.quantization.mxfp4 import dequantize_mxfp4
-    from worker.layers.triton_moe import _launch_config, triton_fused_experts
-    from worker.layers.triton_moe_mxfp4 import triton_mxfp4_experts
+    from pagerail.worker.layers.moe_activation import ExpertActivation
+    from pagerail.worker.layers.quantization.mxfp4 import dequantize_mxfp4
+    from pagerail.worker.layers.triton_moe import _launch_config, triton_fused_experts
+    from pagerail.worker.layers.triton_moe_mxfp4 import triton_mxfp4_experts
 
     generator = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, case.dtype)
@@ -86,10 +86,10 @@ def _run_case(case: Case, seed: int = 0) -> dict[str, object]:
 def _layer_case() -> dict[str, float]:
     """Mxfp4FusedMoE's packed path (as on CUDA) against the same layer dequantized (as on the CPU), split over two
     tensor-parallel ranks: the loaders' layout is the one the kernels read."""
+    from pagerail.worker.layers.moe_activation import ExpertActivation
+    from pagerail.worker.layers.moe_mxfp4 import Mxfp4FusedMoE
+    from pagerail.worker.parallel_state import TensorParallelGroup
     from tests.mxfp4_checkpoints import quantize_mxfp4
-    from worker.layers.moe_activation import ExpertActivation
-    from worker.layers.moe_mxfp4 import Mxfp4FusedMoE
-    from worker.parallel_state import TensorParallelGroup
 
     generator = torch.Generator().manual_seed(3)
     experts, hidden_size, inter, top_k = 8, 64, 64, 2
@@ -155,7 +155,7 @@ def test_cases_cover_the_routing_shapes(interpreted: dict[str, dict]) -> None:
 
 
 def test_packed_shapes_are_checked() -> None:
-    from worker.layers.triton_moe_mxfp4 import triton_mxfp4_experts
+    from pagerail.worker.layers.triton_moe_mxfp4 import triton_mxfp4_experts
 
     hidden, ids, weights = torch.zeros(3, 64), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2)
     w13 = (torch.zeros(4, 64, 2, 16, dtype=torch.uint8), torch.zeros(4, 64, 2, dtype=torch.uint8))
@@ -184,9 +184,9 @@ def _hopper_report() -> None:
     """Entry point of the child process: each distinct launch of the two kernels built for sm_90, as JSON."""
     import triton
 
+    from pagerail.worker.layers import triton_moe_mxfp4 as module
+    from pagerail.worker.layers.moe_activation import ExpertActivation
     from tests.triton_launches import LaunchRecorder, _Recording, build_for_hopper
-    from worker.layers import triton_moe_mxfp4 as module
-    from worker.layers.moe_activation import ExpertActivation
 
     builds, failures, built = [], [], set()
     for shape, experts, hidden, inter, top_k in HOPPER_SHAPES:

@@ -103,7 +103,7 @@ def _fp8_weight(case: Fp8Case, generator: torch.Generator) -> tuple[torch.Tensor
 
 
 def _run_fp8(case: Fp8Case, seed: int = 0) -> dict[str, float]:
-    from worker.layers.quantization.triton_fp8_gemm import (
+    from pagerail.worker.layers.quantization.triton_fp8_gemm import (
         fp8_block_gemm,
         fp8_block_linear,
         quantize_activations_per_group,
@@ -152,8 +152,8 @@ def int4_reference(x, values, scales, zeros, g_idx, bias=None) -> torch.Tensor:
 
 
 def _run_int4(case: Int4Case, seed: int = 0) -> dict[str, float]:
-    from worker.layers.quantization.int4_layout import pack_int4
-    from worker.layers.quantization.triton_int4_gemm import int4_gemm, int4_gemm_available
+    from pagerail.worker.layers.quantization.int4_layout import pack_int4
+    from pagerail.worker.layers.quantization.triton_int4_gemm import int4_gemm, int4_gemm_available
 
     generator = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, case.dtype)
@@ -197,7 +197,7 @@ def test_kernel_matches_float64_reference(case: Fp8Case | Int4Case, interpreted:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("in_features", "group"), [(256, 128), (200, 32), (96, 64)])
 def test_activation_quantization_is_per_token_group(dtype: torch.dtype, in_features: int, group: int) -> None:
-    from worker.layers.quantization.triton_fp8_gemm import FP8_MAX, quantize_activations_per_group
+    from pagerail.worker.layers.quantization.triton_fp8_gemm import FP8_MAX, quantize_activations_per_group
 
     x = _activations(7, in_features, dtype, torch.Generator().manual_seed(in_features))
     x[1, :group] *= 1e-4  # a quiet group beside loud ones gets a scale of its own
@@ -218,7 +218,7 @@ def test_activation_quantization_is_per_token_group(dtype: torch.dtype, in_featu
 
 
 def test_int4_packing_puts_row_8i_plus_j_in_nibble_j() -> None:
-    from worker.layers.quantization.int4_layout import pack_int4, unpack_int4
+    from pagerail.worker.layers.quantization.int4_layout import pack_int4, unpack_int4
 
     values = torch.randint(0, 16, (64, 24), generator=torch.Generator().manual_seed(0))
     values[7::8, 0] = 15  # a set top nibble: the word is negative as int32
@@ -232,8 +232,8 @@ def test_int4_packing_puts_row_8i_plus_j_in_nibble_j() -> None:
 @pytest.mark.parametrize("case", INT4_CASES, ids=lambda case: case.name)
 def test_int4_torch_path_matches_reference(case: Int4Case) -> None:
     """On CPU without the interpreter int4_gemm multiplies by dequantize_int4's weight (the reference's formula)."""
-    from worker.layers.quantization.int4_layout import dequantize_int4, pack_int4
-    from worker.layers.quantization.triton_int4_gemm import int4_gemm
+    from pagerail.worker.layers.quantization.int4_layout import dequantize_int4, pack_int4
+    from pagerail.worker.layers.quantization.triton_int4_gemm import int4_gemm
 
     generator = torch.Generator().manual_seed(1)
     dtype = getattr(torch, case.dtype)
@@ -249,7 +249,7 @@ def test_int4_torch_path_matches_reference(case: Int4Case) -> None:
 
 @pytest.mark.parametrize("case", FP8_CASES, ids=lambda case: case.name)
 def test_fp8_torch_path_matches_reference(case: Fp8Case) -> None:
-    from worker.layers.quantization.triton_fp8_gemm import fp8_block_linear, quantize_activations_per_group
+    from pagerail.worker.layers.quantization.triton_fp8_gemm import fp8_block_linear, quantize_activations_per_group
 
     generator = torch.Generator().manual_seed(2)
     dtype = getattr(torch, case.dtype)
@@ -261,8 +261,8 @@ def test_fp8_torch_path_matches_reference(case: Fp8Case) -> None:
 
 
 def test_shapes_are_checked() -> None:
-    from worker.layers.quantization.triton_fp8_gemm import fp8_block_gemm
-    from worker.layers.quantization.triton_int4_gemm import int4_gemm
+    from pagerail.worker.layers.quantization.triton_fp8_gemm import fp8_block_gemm
+    from pagerail.worker.layers.quantization.triton_int4_gemm import int4_gemm
 
     scales, zeros = torch.ones(1, 16), torch.zeros(1, 16, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"K=12 of x \(2, 12\) is not a multiple of 8"):

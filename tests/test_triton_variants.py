@@ -35,7 +35,7 @@ def _workload(num_requests: int):
 
 def _device_path_inputs(runner):
     """The runner's input buffers rebuilt on the device path (staging copy, table writes by index), as on CUDA."""
-    from worker.input_buffers import InputBuffers
+    from pagerail.worker.input_buffers import InputBuffers
 
     old = runner.inputs
     return InputBuffers(
@@ -52,7 +52,7 @@ def _report() -> None:
     """Entry point under the interpreter: the sm_90 keys of each kernel, after warm-up and after each workload."""
     import tempfile
 
-    from cluster import LLM, SamplingParams
+    from pagerail import LLM, SamplingParams
     from tests.tiny_models import make_tiny_model
     from tests.triton_launches import LaunchRecorder, engine_kernels
 

@@ -7,16 +7,16 @@ import grpc
 import pytest
 import torch
 
-from cluster.distributed.remote_executor import RemoteExecutor
-from common.auth import auth_metadata
-from common.engine_args import engine_config
-from proto import step_pb2, worker_pb2_grpc
+from pagerail.cluster.distributed.remote_executor import RemoteExecutor
+from pagerail.common.auth import auth_metadata
+from pagerail.common.engine_args import engine_config
+from pagerail.proto import step_pb2, worker_pb2_grpc
+from pagerail.worker.actor import WorkerActor
+from pagerail.worker.config import WorkerConfig
+from pagerail.worker.worker import Worker
 from tests.ray_start import start_ray
 from tests.requirements import require_module
 from tests.tiny_models import make_tiny_model
-from worker.actor import WorkerActor
-from worker.config import WorkerConfig
-from worker.worker import Worker
 
 ray = require_module("ray", "needs Ray")
 

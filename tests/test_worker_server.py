@@ -9,15 +9,15 @@ import grpc
 import pytest
 import torch
 
-from cluster.distributed.remote_executor import RemoteExecutor
-from common.auth import auth_metadata, check_token
-from common.engine_args import engine_config
-from common.tls import TlsConfig
-from proto import step_pb2, worker_pb2_grpc
+from pagerail.cluster.distributed.remote_executor import RemoteExecutor
+from pagerail.common.auth import auth_metadata, check_token
+from pagerail.common.engine_args import engine_config
+from pagerail.common.tls import TlsConfig
+from pagerail.proto import step_pb2, worker_pb2_grpc
+from pagerail.worker.config import WorkerConfig
+from pagerail.worker.grpc_server import start_worker_server
+from pagerail.worker.worker import Worker
 from tests.tiny_models import make_tiny_model
-from worker.config import WorkerConfig
-from worker.grpc_server import start_worker_server
-from worker.worker import Worker
 
 TOKEN = "s3cret-token-for-tests"
 PROMPT = [5, 6, 7, 8, 9]

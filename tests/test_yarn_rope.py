@@ -8,7 +8,7 @@ import torch
 from transformers import GptOssConfig
 from transformers.modeling_rope_utils import _compute_yarn_parameters
 
-from worker.layers.rotary import RotaryEmbedding, attention_scaling, inverse_frequencies, rope_parameters
+from pagerail.worker.layers.rotary import RotaryEmbedding, attention_scaling, inverse_frequencies, rope_parameters
 
 HEAD_DIM = 64
 MAX_POSITION = 131072

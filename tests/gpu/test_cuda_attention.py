@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_triton_decode_matches_sdpa(dtype):
-    from worker.layers.attention import Attention, AttentionMetadata
+    from pagerail.worker.layers.attention import Attention, AttentionMetadata
 
     torch.manual_seed(0)
     heads, kv_heads, head_dim, block_size, num_blocks = 32, 8, 128, 16, 512
@@ -32,7 +32,7 @@ def test_triton_decode_matches_sdpa(dtype):
     )
     q3 = q.view(len(lens), heads, head_dim)
     kernel = layer._decode(q3, cache[0], cache[1], meta)
-    import worker.layers.attention as attention
+    import pagerail.worker.layers.attention as attention
 
     original = attention.triton_available
     attention.triton_available = lambda device: False
@@ -45,7 +45,7 @@ def test_triton_decode_matches_sdpa(dtype):
 
 
 def test_engine_bf16_on_cuda(smollm2_dir):
-    from cluster import LLM, SamplingParams
+    from pagerail import LLM, SamplingParams
 
     llm = LLM(str(smollm2_dir), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3)
     outputs = llm.generate(["The capital of France is"] * 4, SamplingParams(temperature=0.0, max_tokens=16))

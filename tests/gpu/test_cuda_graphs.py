@@ -19,7 +19,7 @@ def runner_of(llm):
 
 
 def greedy(llm, prompts, max_tokens) -> list[list[int]]:
-    from cluster import SamplingParams
+    from pagerail import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -27,7 +27,7 @@ def greedy(llm, prompts, max_tokens) -> list[list[int]]:
 
 def greedy_with_tops(llm, prompts, max_tokens) -> list[tuple[list[int], list[set[int]]]]:
     """Greedy tokens and each step's top-5 token ids."""
-    from cluster import SamplingParams
+    from pagerail import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=5) for m in max_tokens]
     outputs = llm.generate(prompts, params)
@@ -37,8 +37,8 @@ def greedy_with_tops(llm, prompts, max_tokens) -> list[tuple[list[int], list[set
 def test_graphs_match_eager_on_tiny_llama(tmp_path, record_property):
     """Graph replays give eager's tokens, up to near-ties: a batch padded to a captured size may get another
     cuBLAS kernel and so other bf16 rounding, which can flip a greedy pick between two almost equal logits."""
-    from cluster import LLM
-    from cluster.bench.greedy_divergence import first_divergence, is_near_tie
+    from pagerail import LLM
+    from pagerail.cluster.bench.greedy_divergence import first_divergence, is_near_tie
     from tests.tiny_models import make_tiny_model
 
     model_dir = str(make_tiny_model("llama", tmp_path / "llama"))
@@ -87,8 +87,8 @@ def decode_tokens_per_second(llm, batch: int, max_tokens: int) -> float:
 def test_decode_throughput_batch_16(model, tmp_path, record_property):
     """Recorded (gpu-tests.xml, and summary.txt from it), not asserted: decode tokens/s at batch 16 with graphs
     and with enforce_eager."""
-    from cluster import LLM
-    from cluster.bench.random_checkpoints import embedded_or_shaped
+    from pagerail import LLM
+    from pagerail.cluster.bench.random_checkpoints import embedded_or_shaped
     from tests.tiny_models import make_tiny_model
 
     if model == "tiny":

@@ -19,7 +19,7 @@ HALF_ULPS = 2
 @pytest.fixture(autouse=True)
 def fused():
     require_module("triton", "needs Triton", required_in_ci=TRITON_REQUIRED)
-    from worker.layers import triton_fused
+    from pagerail.worker.layers import triton_fused
 
     assert triton_fused.ENABLED, "PAGERAIL_FUSED_OPS must not be off for these checks"
     assert triton_fused.fused_available(torch.zeros(1, device="cuda"))
@@ -49,7 +49,7 @@ def _assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("tokens", [1, 37, 8192])
 @pytest.mark.parametrize("hidden", [4096, 576, 5120])
 def test_add_and_norm(fused, dtype, tokens, hidden):
-    from worker.layers.norm import RMSNorm
+    from pagerail.worker.layers.norm import RMSNorm
 
     torch.manual_seed(tokens + hidden)
     norm = RMSNorm(hidden, 1e-5, dtype).cuda()
@@ -68,7 +68,7 @@ def test_add_and_norm(fused, dtype, tokens, hidden):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_per_head_norm_on_a_qkv_view(fused, dtype):
-    from worker.layers.norm import RMSNorm
+    from pagerail.worker.layers.norm import RMSNorm
 
     torch.manual_seed(0)
     tokens, heads, kv_heads, head_dim = 8192, 32, 8, 128
@@ -83,7 +83,7 @@ def test_per_head_norm_on_a_qkv_view(fused, dtype):
 @pytest.mark.parametrize("tokens", [1, 300, 8192])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(32, 8, 128), (9, 3, 64), (40, 8, 128)])
 def test_rotary(fused, dtype, tokens, heads, kv_heads, head_dim):
-    from worker.layers.rotary import RotaryEmbedding
+    from pagerail.worker.layers.rotary import RotaryEmbedding
 
     torch.manual_seed(tokens)
     max_position = 131072
@@ -106,7 +106,7 @@ def test_rotary(fused, dtype, tokens, heads, kv_heads, head_dim):
 @pytest.mark.parametrize("tokens", [1, 8192])
 @pytest.mark.parametrize("d", [14336, 1536])
 def test_silu_and_mul(fused, dtype, tokens, d):
-    from worker.layers.activation import SiluAndMul
+    from pagerail.worker.layers.activation import SiluAndMul
 
     torch.manual_seed(d)
     act = SiluAndMul()
@@ -116,9 +116,9 @@ def test_silu_and_mul(fused, dtype, tokens, d):
 
 def test_kernels_replay_in_a_cuda_graph(fused):
     # The model runner captures decode steps in CUDA graphs; the kernels must capture and replay.
-    from worker.layers.activation import SiluAndMul
-    from worker.layers.norm import RMSNorm
-    from worker.layers.rotary import RotaryEmbedding
+    from pagerail.worker.layers.activation import SiluAndMul
+    from pagerail.worker.layers.norm import RMSNorm
+    from pagerail.worker.layers.rotary import RotaryEmbedding
 
     torch.manual_seed(0)
     tokens, hidden, head_dim = 16, 4096, 128
@@ -149,8 +149,8 @@ def test_kernels_replay_in_a_cuda_graph(fused):
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
 @pytest.mark.parametrize(("dtype", "allowed"), [(torch.float32, 1e-4), (torch.bfloat16, 3e-2), (torch.float16, 1e-2)])
 def test_forward_with_fused_ops_matches_forward_without(fused, kind, dtype, allowed):
+    from pagerail.worker.layers.attention import AttentionMetadata, PrefillSpan
     from tests.test_fused_ops import _random_model
-    from worker.layers.attention import AttentionMetadata, PrefillSpan
 
     model = _random_model(kind, dtype).cuda()
     tokens = 200

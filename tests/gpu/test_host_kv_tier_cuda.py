@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from proto import step_pb2
-from worker.kv_offload import HostKvPool
+from pagerail.proto import step_pb2
+from pagerail.worker.kv_offload import HostKvPool
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -9,10 +9,10 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-from common.engine_args import engine_config  # noqa: E402
-from proto import step_pb2  # noqa: E402
-from worker.config import WorkerConfig  # noqa: E402
-from worker.worker import Worker  # noqa: E402
+from pagerail.common.engine_args import engine_config  # noqa: E402
+from pagerail.proto import step_pb2  # noqa: E402
+from pagerail.worker.config import WorkerConfig  # noqa: E402
+from pagerail.worker.worker import Worker  # noqa: E402
 
 MiB = 1 << 20
 UTILIZATION = 0.6

@@ -49,7 +49,7 @@ def _reference(q, key_cache, value_cache, table, starts, context_lens, block_siz
 
 
 def _run(heads, kv_heads, head_dim, block_size, seqs, dtype, index_dtype=torch.long):
-    from worker.layers.triton_mixed_attention import paged_mixed_attention
+    from pagerail.worker.layers.triton_mixed_attention import paged_mixed_attention
 
     torch.manual_seed(0)
     starts, context_lens, table, num_blocks = _layout(seqs, block_size, index_dtype)
@@ -94,7 +94,7 @@ def test_shapes_with_int32_indices(heads, kv_heads, head_dim, block_size):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_attention_layer_mixed_path_matches_sdpa_spans(dtype):
     """Attention.forward through the mixed kernel against its per-span SDPA path, both writing K/V first."""
-    from worker.layers.attention import Attention, AttentionMetadata, PrefillSpan
+    from pagerail.worker.layers.attention import Attention, AttentionMetadata, PrefillSpan
 
     torch.manual_seed(0)
     heads, kv_heads, head_dim, block_size = 16, 4, 128, 16

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagerail.worker.model_loader import load_model
 from tests.model_harness import prefill_logits
 from tests.quant_checkpoints import FORMATS, write_quantized
 from tests.tiny_models import make_tiny_model
-from worker.model_loader import load_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -42,7 +42,7 @@ def _cuda_logits(model_dir: Path) -> torch.Tensor:
         layer.kv_cache = torch.zeros(
             2, model.num_kv_heads_per_rank, num_tokens, model.head_dim, dtype=torch.bfloat16, device="cuda"
         )
-    from worker.layers.attention import AttentionMetadata, PrefillSpan
+    from pagerail.worker.layers.attention import AttentionMetadata, PrefillSpan
 
     meta = AttentionMetadata(
         slot_mapping=torch.arange(num_tokens, device="cuda"), prefills=[PrefillSpan(0, num_tokens)]
@@ -66,8 +66,8 @@ def test_quantized_models_on_cuda_match_their_dequantized_twins(checkpoints, kin
 
 
 def test_the_engine_serves_fp8_weights_over_an_fp8_kv_cache(smollm2_dir) -> None:
-    from cluster import LLM
-    from cluster.core.sampling_params import SamplingParams
+    from pagerail import LLM
+    from pagerail.cluster.core.sampling_params import SamplingParams
 
     prompts = ["The capital of France is", "Write a haiku about the sea.", "List three prime numbers:"]
     params = SamplingParams(temperature=0.0, max_tokens=24)

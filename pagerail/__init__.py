@@ -1,0 +1,27 @@
+"""pagerail: distributed LLM serving. The public Python API: `from pagerail import LLM, SamplingParams`."""
+
+import importlib
+from typing import TYPE_CHECKING
+
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput"]
+
+if TYPE_CHECKING:
+    from pagerail.cluster.core.outputs import CompletionOutput, RequestOutput
+    from pagerail.cluster.core.sampling_params import SamplingParams
+    from pagerail.cluster.core.structured_outputs import StructuredOutputs
+    from pagerail.cluster.entrypoints.llm import LLM
+
+# Imported lazily so the plain-Python scheduler modules load without torch or transformers.
+_HOMES = {
+    "LLM": "pagerail.cluster.entrypoints.llm",
+    "RequestOutput": "pagerail.cluster.core.outputs",
+    "CompletionOutput": "pagerail.cluster.core.outputs",
+    "SamplingParams": "pagerail.cluster.core.sampling_params",
+    "StructuredOutputs": "pagerail.cluster.core.structured_outputs",
+}
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'pagerail' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

@@ -1,0 +1,372 @@
+"""The engine loop: schedule, run the step on the workers, fold the sampled tokens back in."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagerail.cluster.core.block_table import BlockTable
+from pagerail.cluster.core.engine_metrics import EngineMetrics
+from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.cluster.core.errors import QueueFullError
+from pagerail.cluster.core.executor import Executor, PendingStep, WorkerGroupError
+from pagerail.cluster.core.host_kv_tier import HostKvTier
+from pagerail.cluster.core.kv_events import KvEventLog
+from pagerail.cluster.core.model_info import ModelInfo
+from pagerail.cluster.core.quarantine import Quarantine
+from pagerail.cluster.core.request import Request, RequestStatus
+from pagerail.cluster.core.scheduler import Scheduler
+from pagerail.cluster.core.scheduler_output import PauseMode, SchedulerOutput
+from pagerail.cluster.core.speculation import SpeculationPolicy, unpack_spec_runs
+from pagerail.cluster.core.step_builder import StepMessageBuilder
+from pagerail.cluster.core.step_tracing import dispatch_span, end_step_span, start_step_span
+from pagerail.common.engine_config import EngineConfig
+from pagerail.proto import step_pb2
+
+logger = logging.getLogger(__name__)
+
+# The shortest context worth serving: a cache that cannot hold this many tokens for one sequence is refused.
+MIN_USEFUL_CONTEXT = 16
+
+SampledTokens = dict[int, int]
+SampledLogprobs = dict[int, tuple[float, dict[int, float]]]
+
+
+def unpack_result(result: step_pb2.StepResult) -> tuple[SampledTokens, SampledLogprobs | None]:
+    """handle → token id, and handle → (logprob, top logprobs) when the step returned logprobs."""
+    # Repeated fields are read once as lists, not element by element.
+    sampled = dict(zip(result.handles, result.token_ids, strict=True))
+    if len(result.logprobs) != len(result.handles):
+        return sampled, None
+    logprobs: SampledLogprobs = {}
+    for i, handle in enumerate(result.handles):
+        top = result.top_logprobs[i]
+        logprobs[handle] = (result.logprobs[i], dict(zip(top.token_ids, top.logprobs, strict=True)))
+    return sampled, logprobs
+
+
+@dataclass
+class _InflightStep:
+    """A step handed to the ranks, with what is needed to apply its answer."""
+
+    out: SchedulerOutput
+    batch: step_pb2.StepBatch
+    pending: PendingStep
+    span: object
+    started: float
+    dispatched: float
+
+
+class EngineCore:
+    """Owns the scheduler and the global block table of one model replica."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        sliding_window: int | None = None,
+    ) -> None:
+        self.config = config
+        self.sliding_window = sliding_window
+        self.executor = executor
+        self.max_model_len = effective_max_model_len(config, max_model_len, executor.num_blocks)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        # Block events for a router that follows what this replica's caches hold (cluster/core/kv_events.py).
+        self.kv_events = KvEventLog()
+        self.block_table = self._new_block_table(executor.num_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.block_table, self.max_model_len)
+        self.speculation = SpeculationPolicy(config.speculative_config)
+        self.step_builder = StepMessageBuilder()
+        self._handles = itertools.count(1)
+        self.metrics = EngineMetrics(config.model_name)
+        self.metrics.observe_weights(getattr(executor, "weights", None))
+        # Worker-group failures in a row; reset by every successful step.
+        self.max_restarts = 3
+        self.restart_backoff_s = 0.5
+        self._consecutive_failures = 0
+        self.num_restarts = 0
+        self.num_quarantined = 0
+        # Singles out a request that keeps crashing the workers; it sees each step's outcome through the executor.
+        self.quarantine = Quarantine(self.scheduler)
+        self.last_step_idle = True
+        self.schedule_seconds: deque[float] = deque(maxlen=4096)
+        # Steps submitted and not yet applied, oldest first. Two: one runs on the ranks while the next waits
+        # there, built from placeholders for the tokens still being sampled. One: strictly serial steps.
+        overlap = config.scheduler.async_scheduling
+        if overlap is None:
+            overlap = bool(getattr(executor, "overlap_by_default", False))
+        self.max_inflight_steps = 2 if overlap else 1
+        self._inflight: deque[_InflightStep] = deque()
+        self.num_overlapped_steps = 0
+
+    @classmethod
+    def for_model(cls, config: EngineConfig, executor: Executor, info: ModelInfo) -> EngineCore:
+        """The engine of one replica of the model `info` describes: what every entry point (`LLM`, the head actor)
+        builds, so a model stops at the same tokens (its EOS ids) within the same context whichever serves it."""
+        limit = info.context_limit(config.scheduler.max_model_len)
+        return cls(config, executor, limit, info.vocab_size, info.eos_token_ids, info.sliding_window)
+
+    def _new_block_table(self, num_blocks: int) -> BlockTable:
+        cache = self.config.cache
+        host_slots = getattr(self.executor, "num_host_blocks", 0)
+        host_tier = HostKvTier(host_slots) if host_slots else None
+        return BlockTable(
+            num_blocks, cache.block_size, cache.enable_prefix_caching, self.sliding_window, host_tier, self.kv_events
+        )
+
+    def add_request(self, request: EngineRequest) -> Request:
+        """Queue a new request (final=False: the first chunk of a streaming-input session).
+
+        Its `request_id` must be new: ids are made by the server, and a duplicate is refused, never merged. Its
+        `trace_context` is the W3C carrier of the caller's request span, which this request's steps link to.
+
+        A request with `resumed_output_token_ids` starts as a preempted one would: those outputs are already
+        its own (they count toward max_tokens and min_tokens, and the ranks seed and penalise by them), they are
+        recomputed with the prompt, and sampling continues after them.
+        """
+        prompt, resumed = request.prompt_token_ids, request.resumed_output_token_ids
+        # The envelope holds ints >= 0 already: only the vocabulary bound is left to check.
+        if max(prompt) >= self.vocab_size:
+            self._check_tokens(prompt)
+        params = request.params
+        if resumed:
+            if max(resumed) >= self.vocab_size:
+                self._check_tokens(resumed, "resumed_output_token_ids")
+            if params.max_tokens is not None and len(resumed) >= params.max_tokens:
+                raise ValueError(
+                    f"resumed_output_token_ids already hold {len(resumed)} tokens, max_tokens={params.max_tokens}: "
+                    "nothing is left to generate"
+                )
+        limit = self.config.scheduler.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise QueueFullError(f"{limit} requests are already waiting (max_waiting_requests); retry shortly")
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop |= self.eos_token_ids
+        queued = Request(
+            request_id=request.request_id,
+            handle=next(self._handles),
+            prompt_token_ids=list(prompt),
+            sampling_params=params,
+            max_tokens=params.max_tokens,
+            stop_token_ids=frozenset(stop),
+            input_open=not request.final,
+            output_token_ids=list(resumed),
+            trace_context=request.trace_context,
+            num_reported_tokens=len(resumed),  # produced elsewhere: not this engine's generated tokens
+            speculative=self.speculation.eligible(params, request.final),
+        )
+        if resumed and params.logprobs is not None:
+            # Logprobs stay aligned with the outputs; the resumed ones are never sent again, so these are never read.
+            queued.logprobs.extend([0.0] * len(resumed))
+            queued.top_logprobs.extend({} for _ in resumed)
+        self.scheduler.add_request(queued)
+        return queued
+
+    def append_input(self, request_id: str, token_ids: Sequence[int], final: bool) -> Request:
+        """The next chunk of an open streaming-input session; a chunk that would not fit leaves it unchanged."""
+        self._check_tokens(token_ids)
+        return self.scheduler.append_input(request_id, list(token_ids), final)
+
+    def _check_tokens(self, token_ids: Sequence[int], what: str = "prompt token ids") -> None:
+        for token in token_ids:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise ValueError(f"{what} must be ints in [0, {self.vocab_size}), got {token!r}")
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.scheduler.abort(request_id)
+        if request is not None:
+            self.metrics.observe_finished(request)
+        return request
+
+    def pause(self, mode: PauseMode) -> None:
+        self.scheduler.pause(mode)
+
+    def drain(self) -> list[Request]:
+        """Apply every step in flight without scheduling more (a caller whose requests all ended, e.g. on a stop
+        string found by the caller, while a step for them was still running)."""
+        changed: list[Request] = []
+        while self._inflight:
+            changed.extend(self._apply_oldest())
+        return changed
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._inflight)
+
+    def step(self) -> list[Request]:
+        """schedule → run → postprocess; returns requests that got a token or finished.
+
+        With overlap on, the next step is scheduled and submitted before the previous one's tokens are back,
+        so the ranks never wait on the head: one call submits step N+1, then applies step N.
+        """
+        changed: list[Request] = []
+        computing = False
+        if len(self._inflight) < self.max_inflight_steps:
+            computing, expired = self._schedule_and_submit()
+            changed.extend(expired)
+        if computing:
+            if len(self._inflight) >= self.max_inflight_steps:
+                changed.extend(self._apply_oldest())
+        else:
+            # Nothing new to compute: there is nothing to overlap, so wait for every step in flight.
+            while self._inflight:
+                changed.extend(self._apply_oldest())
+        self.last_step_idle = not computing and not changed
+        return changed
+
+    def _schedule_and_submit(self) -> tuple[bool, list[Request]]:
+        """Schedule and submit a step; True when it computes something (not only forgets finished requests)."""
+        started = time.perf_counter()
+        started_ns = time.time_ns()
+        if self.speculation.enabled:
+            self.scheduler.spec_lookahead = self.speculation.lookahead(len(self.scheduler.running))
+        out = self.scheduler.schedule()
+        self.schedule_seconds.append(time.perf_counter() - started)
+        expired = out.expired
+        for request in expired:
+            self.metrics.observe_finished(request)
+        if out.empty:
+            return False, expired
+        span = start_step_span(out, started_ns)
+        batch = self.step_builder.build(out)
+        dispatched = time.perf_counter()
+        if self._inflight and out.scheduled:
+            self.num_overlapped_steps += 1  # submitted while the ranks still run the previous step
+        with dispatch_span(span, batch):
+            pending = self.executor.submit(batch)
+        self._inflight.append(_InflightStep(out, batch, pending, span, started, dispatched))
+        return bool(out.scheduled), expired
+
+    def _apply_oldest(self) -> list[Request]:
+        step = self._inflight.popleft()
+        try:
+            result = step.pending.result()
+        except WorkerGroupError as error:
+            end_step_span(step.span, error)
+            return self._recover(error, step.batch)
+        except Exception:
+            # The worker broke in a way a restart cannot mend (the in-process rank): later steps are abandoned.
+            self._abandon_inflight()
+            raise
+        waited = time.perf_counter() - step.dispatched
+        self._consecutive_failures = 0
+        self.quarantine.step_succeeded(step.batch)
+        sampled, logprobs = unpack_result(result)
+        spec_runs = unpack_spec_runs(result)
+        if spec_runs:
+            for handle, run in spec_runs.items():
+                self.step_builder.ranks_appended(handle, len(run.tokens) - 1)
+        if self.speculation.enabled:
+            drafted = sum(run.num_drafts for run in spec_runs.values())
+            lookahead = sum(item.lookahead for item in step.out.scheduled)
+            rows = step.out.num_batched_tokens - lookahead + drafted
+            self.speculation.observe_step(rows, result.compute_seconds, spec_runs)
+            self.metrics.observe_speculation(self.speculation, spec_runs)
+        changed = self.scheduler.update_from_output(
+            step.out, sampled, frozenset(result.constraint_done), logprobs, spec_runs
+        )
+        self.metrics.observe_step(self, step.out, result, step.dispatched - step.started, waited, changed)
+        end_step_span(step.span, result=result)
+        return changed
+
+    def _abandon_inflight(self) -> None:
+        """Forget the steps in flight: their answers are never applied, and the ranks are told to forget too."""
+        for step in self._inflight:
+            end_step_span(step.span, WorkerGroupError("abandoned after an earlier step failed"))
+        self._inflight.clear()
+        self.scheduler.requeue_all()
+        self.step_builder.reset()
+
+    def _recover(self, error: WorkerGroupError, batch: step_pb2.StepBatch) -> list[Request]:
+        """Rebuild the worker group and recompute every request; give up after repeated failures.
+
+        Clients see a pause: generated tokens are kept and recomputed, none is lost or repeated. A request that
+        keeps crashing the workers is failed alone and the others carry on (the rule: cluster/core/quarantine.py).
+        """
+        convicted = self.quarantine.step_failed(batch)
+        self._abandon_inflight()  # every request is recomputed: later steps' answers must not count
+        for request, strikes in convicted:
+            logger.error(
+                "request %s failed alone: the workers crashed in the %d steps in a row it was in (%s)",
+                request.request_id,
+                strikes,
+                error,
+                extra={"request_id": request.request_id},
+            )
+            request.error = (
+                f"the request was failed alone because it crashed the workers repeatedly: every one of the {strikes} "
+                f"steps in a row it ran in failed, while the requests batched with it ran ({error})"
+            )
+            request.error_code = "quarantined"
+            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ABORTED)
+            self.metrics.observe_finished(request)
+            self.num_quarantined += 1
+        if convicted:
+            self._consecutive_failures = 0  # its cause is gone: the restarts in a row count afresh
+        failed = [request for request, _ in convicted]
+        while True:
+            self._consecutive_failures += 1
+            if self._consecutive_failures > self.max_restarts:
+                return failed + self._fail_all(error)
+            delay = self.restart_backoff_s * 2 ** (self._consecutive_failures - 1)
+            logger.warning("worker group failed (%s); restart %d in %.1fs", error, self._consecutive_failures, delay)
+            time.sleep(delay)
+            try:
+                num_blocks = self.executor.restart()
+            except Exception as restart_error:  # a failed restart counts as another failure
+                error = WorkerGroupError(f"restart failed: {restart_error}")
+                continue
+            self.num_restarts += 1
+            if num_blocks != self.block_table.num_blocks:
+                self.block_table = self._new_block_table(num_blocks)
+                self.scheduler.block_table = self.block_table  # a restarted group may hold another count
+            self.quarantine.arrange()  # suspects of repeated failures rejoin one at a time
+            return failed
+
+    def _fail_all(self, error: WorkerGroupError) -> list[Request]:
+        """Finish every in-flight request with a retriable error instead of restarting forever."""
+        message = f"worker group failed {self._consecutive_failures - 1} times in a row; retry the request ({error})"
+        failed = list(self.scheduler.requests.values())
+        for request in failed:
+            request.error = message
+            request.error_code = "worker_failure"
+            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ABORTED)
+            self.metrics.observe_finished(request)
+        self._consecutive_failures = 0
+        self.quarantine.reset()
+        return failed
+
+
+def effective_max_model_len(config: EngineConfig, max_model_len: int, num_blocks: int) -> int:
+    """The longest sequence this replica can serve: the model's limit, capped to what one sequence can hold in
+    the KV cache (and, without chunked prefill, to one step's token budget, which bounds a recompute).
+
+    A request without max_tokens runs up to this limit, so it must never exceed what the cache can hold.
+    """
+    capacity = num_blocks * config.cache.block_size
+    limit = min(max_model_len, capacity)
+    if not config.scheduler.enable_chunked_prefill:
+        limit = min(limit, config.scheduler.max_num_batched_tokens)
+    if limit < min(max_model_len, MIN_USEFUL_CONTEXT):
+        raise ValueError(
+            f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {config.cache.block_size}), below the "
+            f"{MIN_USEFUL_CONTEXT}-token minimum context; raise kv_cache_memory_bytes / gpu_memory_utilization"
+        )
+    if limit < max_model_len:
+        logger.warning(
+            "max_model_len lowered from %d to %d: the most one sequence can hold in this KV cache (%d blocks of %d)%s",
+            max_model_len,
+            limit,
+            num_blocks,
+            config.cache.block_size,
+            "" if config.scheduler.enable_chunked_prefill else " or the step budget without chunked prefill",
+        )
+    return limit

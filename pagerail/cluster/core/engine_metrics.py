@@ -1,0 +1,306 @@
+"""Prometheus metrics of one model replica's engine: queue, memory, latency and network, vLLM's names."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from pagerail.cluster.core.fast_metrics import FastCounter, FastHistogram
+from pagerail.cluster.core.request import RequestStatus
+
+if TYPE_CHECKING:
+    from pagerail.cluster.core.engine import EngineCore
+    from pagerail.cluster.core.request import Request
+    from pagerail.cluster.core.scheduler_output import SchedulerOutput
+    from pagerail.proto import step_pb2
+
+# promtool (CI checks the exposition with it) rejects ":" in exported names, so vLLM's names take "pagerail_".
+PREFIX = "pagerail_"
+# LLM latencies run from milliseconds (one decode step) to minutes (a long generation in a queue).
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+    640.0,
+)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# "constrain" (token masks of constrained requests, on the sampling rank) is observed only in steps that have some.
+STEP_PHASES = ("schedule", "dispatch", "forward", "sample", "constrain")
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class EngineMetrics:
+    """Every series carries `model_name`; a registry of its own so several replicas can live in one process."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets, extra: tuple[str, ...] = ()) -> FastHistogram:
+            # Observed per request per step on the engine thread: bucket counts read at scrape time.
+            return FastHistogram(PREFIX + name, doc, [*labels, *extra], buckets, self.registry)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.paused = gauge("num_requests_paused", "Requests held by a pause.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).")
+        self.slot_utilization = gauge(
+            "kv_cache_slot_utilization", "Live tokens / allocated KV slots of the running batch (0 to 1)."
+        )
+        self.free_blocks = gauge("num_free_blocks", "KV cache blocks free for allocation.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = FastCounter(PREFIX + "generation_tokens", "Generated tokens.", labels, self.registry)
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (on the device).")
+        self.host_hits = counter(
+            "prefix_cache_host_hits", "Prompt tokens found in the host KV tier and loaded back instead of recomputed."
+        )
+        self.kv_offload_blocks = counter(
+            "kv_offload_blocks", "KV blocks copied to the host tier (offload) and back (load).", ("direction",)
+        )
+        self.kv_transfer_seconds = counter(
+            "kv_offload_transfer_seconds", "Rank 0's time issuing host KV tier copies (with the bytes: bandwidth)."
+        )
+        self.kv_transfer_bytes = counter("kv_offload_transfer_bytes", "Bytes of host KV tier copies on rank 0.")
+        self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.")
+        self.success = counter("request_success", "Finished requests by reason.", ("finished_reason",))
+        self.restarts = counter("worker_restarts", "Worker group restarts after a failure.")
+        self.dispatch_bytes = counter(
+            "dispatch_bytes", "Bytes of step messages between head and ranks.", ("direction", "rank")
+        )
+        self.moe_collective_bytes = counter(
+            "moe_collective_bytes",
+            "Bytes each rank put into the mixture-of-experts all-reduces (expert or tensor parallel experts).",
+        )
+        self.weight_bytes = Gauge(
+            PREFIX + "model_weight_bytes",
+            "Bytes of the replica's weights over all its ranks, by weight format and KV cache dtype.",
+            ("model_name", "weight_format", "kv_cache_dtype"),
+            registry=self.registry,
+        )
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculating decodes that proposed drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens the target model kept.")
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Draft tokens kept, by position in the draft.", ("position",)
+        )
+        self.spec_backed_off = gauge(
+            "spec_decode_backed_off", "1 while speculation is off because verifying would cost more than it saves."
+        )
+        self.spec_backoff_steps = counter("spec_decode_backoff_steps", "Steps run without speculation by back-off.")
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduled to first token.", LATENCY_BUCKETS
+        )
+        self.decode_time = histogram("request_decode_time_seconds", "First token to finish.", LATENCY_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens", "Tokens computed per engine step.", TOKEN_BUCKETS)
+        self.step_duration = histogram("step_duration_seconds", "Engine step time by phase.", STEP_BUCKETS, ("phase",))
+        self.dispatch_rtt = histogram("dispatch_rtt_seconds", "Step round trip per rank.", STEP_BUCKETS, ("rank",))
+        # Children bound once: the per-step path never looks labels up.
+        name = model_name
+        self._ttft, self._itl, self._e2e = self.ttft.labels(name), self.itl.labels(name), self.e2e.labels(name)
+        self._queue_time, self._prefill_time = self.queue_time.labels(name), self.prefill_time.labels(name)
+        self._decode_time, self._iteration_tokens = self.decode_time.labels(name), self.iteration_tokens.labels(name)
+        self._phases = {phase: self.step_duration.labels(name, phase) for phase in STEP_PHASES}
+        self._name_label = (name,)
+        self._seen_preemptions = 0
+        self._seen_prefix = (0, 0, 0)
+        self._seen_offload = (0, 0)
+        self._seen_restarts = 0
+        self._moe_bytes = self.moe_collective_bytes.labels(name)
+
+    def observe_speculation(self, policy, runs: dict) -> None:
+        """A step's speculation: what its speculating decodes proposed and kept, and whether it backed off."""
+        name = self._name_label[0]
+        self.spec_backed_off.labels(name).set(1.0 if policy.backed_off else 0.0)
+        if policy.backed_off:
+            self.spec_backoff_steps.labels(name).inc()
+        if not runs:
+            return
+        self.spec_drafts.labels(name).inc(len(runs))
+        self.spec_draft_tokens.labels(name).inc(sum(run.num_drafts for run in runs.values()))
+        kept = [len(run.tokens) - 1 for run in runs.values()]
+        self.spec_accepted.labels(name).inc(sum(kept))
+        for count in kept:
+            for position in range(count):
+                self.spec_accepted_per_pos.labels(name, str(position)).inc()
+
+    def observe_weights(self, weights: dict | None) -> None:
+        """The ranks' weight format and bytes, as they reported them when they started."""
+        if weights:
+            labels = (self._name_label[0], weights["weight_format"], weights["kv_cache_dtype"])
+            self.weight_bytes.labels(*labels).set(weights["weight_bytes"])
+
+    # -- per step (engine loop thread) ----------------------------------------------------------
+
+    def observe_step(
+        self,
+        engine: EngineCore,
+        out: SchedulerOutput,
+        result: step_pb2.StepResult,
+        schedule_s: float,
+        round_trip_s: float,
+        changed: list[Request],
+    ) -> None:
+        now = time.monotonic()
+        if out.has_admissions:
+            for item in out.scheduled:
+                # A request is first scheduled when it is admitted; later steps need no look.
+                if item.admitted and item.request.first_scheduled_time is None:
+                    request = item.request
+                    request.first_scheduled_time = now
+                    self._queue_time.observe(now - request.arrival_time)
+        self._iteration_tokens.observe(out.num_batched_tokens)
+        forward, compute = result.forward_seconds, result.compute_seconds
+        phases = self._phases
+        phases["schedule"].observe(schedule_s)
+        phases["dispatch"].observe(max(0.0, round_trip_s - compute))
+        phases["forward"].observe(forward)
+        constrain, transfer = result.constraint_seconds, result.kv_transfer_seconds
+        phases["sample"].observe(max(0.0, compute - forward - constrain - transfer))
+        if transfer:
+            self.kv_transfer_seconds.labels(self.model_name).inc(transfer)
+            self.kv_transfer_bytes.labels(self.model_name).inc(result.kv_transfer_bytes)
+        if constrain:
+            phases["constrain"].observe(constrain)
+        if result.moe_collective_bytes:
+            self._moe_bytes.inc(result.moe_collective_bytes)
+        self._observe_tokens(changed, now)
+        self._observe_dispatch(engine)
+
+    def _observe_tokens(self, changed: list[Request], now: float) -> None:
+        """New-token counts and latencies of the requests a step changed: the per-request hot path.
+
+        Requests that got their previous token in the same step share its time, so inter-token gaps are grouped
+        by that time and each distinct gap is observed once with its count.
+        """
+        generated = 0
+        # Gaps of requests that got one new token, by the time of their previous one; of several, by both.
+        single_gaps: dict[float, int] = {}
+        gaps: dict[tuple[float, int], int] = {}
+        running = RequestStatus.RUNNING
+        for request in changed:
+            num_outputs = len(request.output_token_ids)
+            new_tokens = num_outputs - request.num_reported_tokens
+            if new_tokens > 0:
+                generated += new_tokens
+                last = request.last_token_time
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                    if new_tokens == num_outputs:  # a resumed request's first token reached its client elsewhere
+                        self._ttft.observe(now - request.arrival_time)
+                    if request.first_scheduled_time is not None:
+                        self._prefill_time.observe(now - request.first_scheduled_time)
+                elif last is not None:
+                    if new_tokens == 1:
+                        single_gaps[last] = single_gaps.get(last, 0) + 1
+                    else:
+                        key = (last, new_tokens)
+                        gaps[key] = gaps.get(key, 0) + 1
+                request.last_token_time = now
+                request.num_reported_tokens = num_outputs
+            status = request.status
+            if status is not running and status.finished:
+                self.observe_finished(request, now)
+        for last, count in single_gaps.items():
+            self._itl.observe_repeated(now - last, count)
+        for (last, new_tokens), count in gaps.items():
+            self._itl.observe_repeated((now - last) / new_tokens, count)
+        if generated:
+            self.generation_tokens.inc(self._name_label, generated)
+
+    def observe_finished(self, request: Request, now: float | None = None) -> None:
+        """Count a finished request once, whether it ended in a step or by an abort."""
+        if request.metrics_done:
+            return
+        request.metrics_done = True
+        now = time.monotonic() if now is None else now
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(request.num_prompt_tokens)
+        self.success.labels(name, request.status.value).inc()
+        self._e2e.observe(now - request.arrival_time)
+        if request.first_token_time is not None:
+            self._decode_time.observe(now - request.first_token_time)
+
+    def _observe_dispatch(self, engine: EngineCore) -> None:
+        stats = getattr(engine.executor, "dispatch_stats", None)
+        if stats is None or not stats.bytes_received_per_rank:
+            return
+        name = self.model_name
+        for rank, received in enumerate(stats.bytes_received_per_rank):
+            self.dispatch_bytes.labels(name, "sent", str(rank)).inc(stats.bytes_sent_per_rank)
+            self.dispatch_bytes.labels(name, "received", str(rank)).inc(received)
+        for rank, rtt in enumerate(stats.last_round_trip_per_rank):
+            self.dispatch_rtt.labels(name, str(rank)).observe(rtt)
+
+    # -- gauges and totals, read at any time ----------------------------------------------------
+
+    def refresh(self, engine: EngineCore) -> None:
+        """Bring gauges and counters fed by the scheduler's totals up to date.
+
+        Run at scrape time rather than every step, so the hot path never walks the running batch for them.
+        """
+        name = self.model_name
+        scheduler, table = engine.scheduler, engine.block_table
+        running, waiting = len(scheduler.running), len(scheduler.waiting)
+        self.running.labels(name).set(running)
+        self.waiting.labels(name).set(waiting)
+        mode = scheduler.pause_mode.value
+        self.paused.labels(name).set(running + waiting if mode == "all" else waiting if mode == "new" else 0)
+        self.kv_usage.labels(name).set(table.usage)
+        self.free_blocks.labels(name).set(table.num_free_blocks)
+        slots = table.num_used_blocks * table.block_size
+        live = sum(r.num_computed_tokens for r in scheduler.running)
+        self.slot_utilization.labels(name).set(live / slots if slots else 0.0)
+        stats = scheduler.stats
+        self.preemptions.labels(name).inc(stats.num_preemptions - self._seen_preemptions)
+        self._seen_preemptions = stats.num_preemptions
+        queries, hits, host_hits = stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens, stats.num_host_hit_tokens
+        self.prefix_queries.labels(name).inc(queries - self._seen_prefix[0])
+        self.prefix_hits.labels(name).inc(hits - self._seen_prefix[1])
+        self.host_hits.labels(name).inc(host_hits - self._seen_prefix[2])
+        self._seen_prefix = (queries, hits, host_hits)
+        tier = table.host_tier
+        if tier is not None:
+            seen = self._seen_offload if tier.num_offloaded >= self._seen_offload[0] else (0, 0)  # a new tier
+            self.kv_offload_blocks.labels(name, "offload").inc(tier.num_offloaded - seen[0])
+            self.kv_offload_blocks.labels(name, "load").inc(tier.num_loaded - seen[1])
+            self._seen_offload = (tier.num_offloaded, tier.num_loaded)
+        self.restarts.labels(name).inc(engine.num_restarts - self._seen_restarts)
+        self._seen_restarts = engine.num_restarts
+
+    def render(self, engine: EngineCore) -> bytes:
+        """The Prometheus text exposition."""
+        self.refresh(engine)
+        return generate_latest(self.registry)

@@ -1,0 +1,99 @@
+"""The one typed envelope a request travels in from the front door to the engine core, validated when built."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from pagerail.cluster.core.sampling_params import SamplingParams, check_int
+
+__all__ = ["EngineRequest", "SiblingGroup"]
+
+
+@dataclass(frozen=True, slots=True)
+class SiblingGroup:
+    """Names one of the `size` sibling choices (`n`) of one prompt: the router keeps siblings together."""
+
+    parent_id: str
+    index: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.parent_id, str) or not self.parent_id:
+            raise ValueError(f"group.parent_id must be a non-empty str, got {self.parent_id!r}")
+        check_int("group.size", self.size, low=1)
+        check_int("group.index", self.index, low=0)
+        if self.index >= self.size:
+            raise ValueError(f"group.index must be < group.size ({self.size}), got {self.index}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A token-level request as every engine client and the engine core receive it.
+
+    `resumed_output_token_ids` is the resume offset: output tokens this request already produced elsewhere (a
+    replica that failed). The engine continues after them as after a preemption, so per-position seeds, penalty
+    counts, `max_tokens` and `min_tokens` go on exactly where the first run stopped; they are never sent again.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    # False: the first chunk of a streaming-input session; later chunks arrive through append_input.
+    final: bool = True
+    # W3C carrier (traceparent, tracestate) of the caller's request span, which the engine's step spans link to.
+    trace_context: Mapping[str, str] | None = None
+    arrival_time: float = field(default_factory=time.time)  # wall clock: comparable across processes
+    resumed_output_token_ids: tuple[int, ...] = ()
+    group: SiblingGroup | None = None
+    # False: the caller wants the output once, when the request ends (no delta per step to make and hand over).
+    stream: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {self.request_id!r}")
+        # Lists are accepted for convenience and frozen here: the envelope must not change on its way.
+        object.__setattr__(self, "prompt_token_ids", _token_tuple("prompt_token_ids", self.prompt_token_ids))
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must contain at least one token")
+        if not isinstance(self.params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(self.params).__name__}")
+        if not isinstance(self.final, bool):
+            raise ValueError(f"final must be a bool, got {self.final!r}")
+        if not isinstance(self.stream, bool):
+            raise ValueError(f"stream must be a bool, got {self.stream!r}")
+        if self.trace_context is not None:
+            if not isinstance(self.trace_context, Mapping) or not all(
+                isinstance(key, str) and isinstance(value, str) for key, value in self.trace_context.items()
+            ):
+                raise ValueError("trace_context must be a mapping of str to str or None")
+            object.__setattr__(self, "trace_context", dict(self.trace_context))
+        if isinstance(self.arrival_time, bool) or not isinstance(self.arrival_time, (int, float)):
+            raise ValueError(f"arrival_time must be a number, got {self.arrival_time!r}")
+        resumed = _token_tuple("resumed_output_token_ids", self.resumed_output_token_ids)
+        object.__setattr__(self, "resumed_output_token_ids", resumed)
+        if resumed and not self.final:
+            # A session's prompt is still growing: there is no fixed prompt for the outputs to follow.
+            raise ValueError("resumed_output_token_ids require final=True (a streaming-input session cannot resume)")
+        if self.group is not None and not isinstance(self.group, SiblingGroup):
+            raise ValueError(f"group must be a SiblingGroup or None, got {type(self.group).__name__}")
+
+    @property
+    def num_resumed_tokens(self) -> int:
+        return len(self.resumed_output_token_ids)
+
+    def resumed(self, output_token_ids: Sequence[int]) -> EngineRequest:
+        """The same request continuing after `output_token_ids` (its outputs so far, e.g. from a failed replica)."""
+        return replace(self, resumed_output_token_ids=tuple(output_token_ids))
+
+
+def _token_tuple(name: str, token_ids: object) -> tuple[int, ...]:
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        raise ValueError(f"{name} must be a sequence of ints, got {type(token_ids).__name__}")
+    tokens = tuple(token_ids)
+    # Builtins only for the common, valid prompt (thousands of tokens); exact `int` also refuses bools.
+    if tokens and not ({*map(type, tokens)} == {int} and min(tokens) >= 0):
+        bad = next(token for token in tokens if type(token) is not int or token < 0)
+        raise ValueError(f"{name} must be ints >= 0, got {bad!r}")
+    return tokens

@@ -1,0 +1,83 @@
+"""Facts about a model the head needs (context limit, vocabulary, end-of-sequence ids), read from its files."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagerail.common.attention_windows import uniform_sliding_window
+from pagerail.common.engine_config import EngineConfig
+from pagerail.common.expert_parallel import check_expert_parallel, num_routed_experts
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    max_position_embeddings: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    # The window when every layer attends over the same sliding window: the block table can then release blocks
+    # that left it. None when any layer attends over the whole context.
+    sliding_window: int | None = None
+    model_type: str | None = None
+    num_routed_experts: int = 0  # experts per MoE layer; 0 for a dense model
+
+    def check_engine(self, config: EngineConfig) -> None:
+        """Refuse, before any rank starts, engine settings this model cannot run (expert parallelism without
+        experts, or over ranks its experts do not divide among)."""
+        if config.enable_expert_parallel:
+            fields = {"model_type": self.model_type, "num_experts": self.num_routed_experts}
+            check_expert_parallel(fields, config.tensor_parallel_size)
+
+    def context_limit(self, max_model_len: int | None) -> int:
+        """The context the model is served with: what was asked for (None: all it has), never beyond its own."""
+        return min(max_model_len or self.max_position_embeddings, self.max_position_embeddings)
+
+
+def _as_ids(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _tokenizer_eos_ids(model_dir: Path) -> tuple[int, ...]:
+    """The id of the tokenizer's own end-of-sequence token (tokenizer_config.json's eos_token, looked up in
+    tokenizer.json), or () when the model ships no such tokenizer."""
+    config_file, tokenizer_file = model_dir / "tokenizer_config.json", model_dir / "tokenizer.json"
+    if not config_file.exists() or not tokenizer_file.exists():
+        return ()
+    eos = json.loads(config_file.read_text()).get("eos_token")
+    if isinstance(eos, dict):  # the AddedToken form
+        eos = eos.get("content")
+    if not isinstance(eos, str):
+        return ()
+    tokenizer = json.loads(tokenizer_file.read_text())
+    for added in tokenizer.get("added_tokens", []):
+        if added.get("content") == eos:
+            return (int(added["id"]),)
+    token_id = tokenizer.get("model", {}).get("vocab", {}).get(eos)
+    return (int(token_id),) if isinstance(token_id, int) else ()
+
+
+def read_model_info(model_dir: Path) -> ModelInfo:
+    """Read config.json without loading weights. The end-of-sequence ids: generation_config.json's list wins over
+    config.json's, and a model naming none in either stops at its tokenizer's eos token, so the same model stops
+    at the same token whichever entry point serves it."""
+    config = json.loads((model_dir / "config.json").read_text())
+    text_config = config.get("text_config", config)
+    eos = _as_ids(text_config.get("eos_token_id"))
+    generation = model_dir / "generation_config.json"
+    if generation.exists():
+        eos = _as_ids(json.loads(generation.read_text()).get("eos_token_id")) or eos
+    if not eos:
+        eos = _tokenizer_eos_ids(model_dir)
+    return ModelInfo(
+        max_position_embeddings=int(text_config.get("max_position_embeddings", 2048)),
+        vocab_size=int(text_config["vocab_size"]),
+        eos_token_ids=eos,
+        sliding_window=uniform_sliding_window(text_config),
+        model_type=text_config.get("model_type"),
+        num_routed_experts=num_routed_experts(text_config),
+    )

@@ -1,0 +1,125 @@
+"""A request as the head sees it: tokens so far, how many are in the KV cache, and why it stopped."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagerail.cluster.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    # A streaming-input session whose chunk so far is computed; its blocks stay allocated.
+    AWAITING_INPUT = "awaiting_input"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        # By value: an Enum member hashes in Python, a str in C, and this is asked per request per step.
+        return self._value_ in _FINISHED_VALUES
+
+
+_FINISHED_VALUES = frozenset(
+    status.value
+    for status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+)
+
+
+@dataclass(slots=True)
+class Request:
+    """One sequence. `num_computed_tokens` catches up with `len(all_token_ids)` step by step:
+    that one mechanism covers prefill, chunked prefill, decode, prefix hits and recomputation.
+    """
+
+    request_id: str
+    handle: int
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # None: up to the context limit, re-evaluated as a streaming-input session's prompt grows.
+    max_tokens: int | None
+    stop_token_ids: frozenset[int]
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Open streaming-input session: more prompt chunks may follow.
+    input_open: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Scheduled in steps the ranks have not answered yet: tokens being computed, and tokens being sampled.
+    # The scheduler plans the next step as if they were done (its placeholders); the answer confirms them.
+    num_inflight_tokens: int = 0
+    num_pending_samples: int = 0
+    # Bumped whenever the request loses its KV (preempted, or the workers restarted): an answer to a step
+    # scheduled before then no longer advances it.
+    epoch: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_cached_tokens: int = 0  # prefix-cache hit on the latest admission
+    num_host_cached_tokens: int = 0  # of which the host KV tier held
+    error: str | None = None  # why the engine gave up on it, when it did
+    # What kind of failure `error` is: "worker_failure" (retriable), "session_idle_timeout", "quarantined".
+    error_code: str | None = None
+    # When a streaming-input session last started waiting for its next chunk (time.monotonic()).
+    idle_since: float | None = None
+    # The workers must be sent the full block list and num_computed_tokens with the next step.
+    needs_resync: bool = False
+    # Speculative decoding may propose drafts for it (no output constraint, no penalties, no open input).
+    speculative: bool = False
+    # The lookahead of its speculating step in flight (0: none): the most drafts that step may still add, which the
+    # blocks of any step scheduled after it must cover.
+    spec_in_flight: int = 0
+    # W3C carrier (traceparent, tracestate) of the frontend's request span; the step spans link to it.
+    trace_context: dict[str, str] | None = None
+    # The scheduler's plain-decode item for this request and epoch, handed out again every step it decodes
+    # (a pagerail.cluster.core.scheduler_output.ScheduledRequest; typed loosely, that module imports this one).
+    decode_item: object | None = None
+    # Telemetry: when it was first scheduled, got its first and latest token; what the metrics counted.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_reported_tokens: int = 0
+    metrics_done: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def next_position(self) -> int:
+        """Where the next scheduled step starts: after the computed tokens and those of steps in flight."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def num_tokens_expected(self) -> int:
+        """The tokens the request will have once every step in flight answered."""
+        return len(self.all_token_ids) + self.num_pending_samples
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def awaiting_input(self) -> bool:
+        return self.status is RequestStatus.AWAITING_INPUT
+
+    def append_input(self, token_ids: list[int]) -> None:
+        self.prompt_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)

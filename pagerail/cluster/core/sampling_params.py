@@ -1,0 +1,146 @@
+"""User-facing sampling parameters of one request, validated when built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pagerail.cluster.core.structured_outputs import StructuredOutputs
+
+# Below this temperature a request is decoded greedily (argmax); dividing by it would overflow.
+GREEDY_TEMPERATURE = 1e-5
+MAX_N = 128
+MAX_LOGPROBS = 20
+# torch.Generator.manual_seed accepts exactly this range; checking here keeps a bad seed off the workers.
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the tokens of one request and when to stop; mirrors the OpenAI and vLLM fields."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 turn it off
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16  # None: up to the context limit
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top logprobs per token; 0 returns only the sampled token's logprob
+    stop: tuple[str, ...] = ()  # matched on text by the frontend, validated here
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Constrains the output to a JSON schema, regex, choice or grammar; a dict is read as StructuredOutputs(**dict).
+    structured_outputs: StructuredOutputs | None = None
+    # False keeps this request out of speculative decoding (when the engine has it on).
+    speculative: bool = True
+
+    def __post_init__(self) -> None:
+        self._validate_structured_outputs()
+        self._validate_counts()
+        self._validate_probabilities()
+        self._validate_penalties()
+        self._validate_stops()
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request is decoded by argmax rather than by drawing from the distribution."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def _validate_structured_outputs(self) -> None:
+        value = self.structured_outputs
+        if isinstance(value, dict):
+            try:
+                value = StructuredOutputs(**value)
+            except TypeError as error:  # an unknown key
+                raise ValueError(f"structured_outputs: {error}") from None
+            object.__setattr__(self, "structured_outputs", value)
+        if value is not None and not isinstance(value, StructuredOutputs):
+            raise ValueError(f"structured_outputs must be a StructuredOutputs or a dict, got {type(value).__name__}")
+
+    def _validate_counts(self) -> None:
+        check_int("n", self.n, low=1, high=MAX_N)
+        check_int("top_k", self.top_k, low=-1)  # -1 is vLLM's spelling of "off", accepted as is
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens, low=1)
+        check_int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.seed is not None:
+            check_int("seed", self.seed, low=_SEED_MIN, high=_SEED_MAX)
+
+    def _validate_probabilities(self) -> None:
+        temperature = _check_float("temperature", self.temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        top_p = _check_float("top_p", self.top_p)
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        min_p = _check_float("min_p", self.min_p)
+        if not 0 <= min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        # Ints are accepted but stored as floats so consumers see one type.
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
+            object.__setattr__(self, name, value)
+
+    def _validate_penalties(self) -> None:
+        repetition = _check_float("repetition_penalty", self.repetition_penalty)
+        if repetition <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {repetition}")
+        object.__setattr__(self, "repetition_penalty", repetition)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            object.__setattr__(self, name, value)
+
+    def _validate_stops(self) -> None:
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list or tuple of ints, got {type(ids).__name__}")
+        for token_id in ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"stop_token_ids must hold non-negative ints, got {token_id!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+
+        stop = self.stop
+        if isinstance(stop, str):  # the OpenAI API allows a single string
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        for text in stop:
+            # An empty stop string would match before the first token.
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop must hold non-empty strings, got {text!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+
+
+def check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
+    """Raise ValueError unless `value` is an int (not a bool) within [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+
+
+def _check_float(name: str, value: object) -> float:
+    """Raise ValueError unless `value` is a finite int or float (not a bool); return it as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return float(value)

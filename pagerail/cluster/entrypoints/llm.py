@@ -1,0 +1,264 @@
+"""The offline Python API: `LLM(model).generate(prompts, params)` and `LLM.chat(messages, params)`."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from pagerail.cluster.core.async_engine import AsyncEngine, OutputBatch
+from pagerail.cluster.core.engine import EngineCore
+from pagerail.cluster.core.engine_request import EngineRequest, SiblingGroup
+from pagerail.cluster.core.local_client import LocalEngineClient
+from pagerail.cluster.core.model_info import read_model_info
+from pagerail.cluster.core.outputs import CompletionOutput, RequestOutput
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.cluster.distributed.local_executor import InProcessExecutor, locate_model, worker_config
+from pagerail.cluster.frontend.output_processor import ChoiceState, append_choice, choice_params, choice_request_id
+from pagerail.common import telemetry
+from pagerail.common.engine_args import engine_config
+from pagerail.common.grammar import TOKENIZERS, GrammarError, check_constraint
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """A model replica in this process (tensor-parallel size 1), or replicas on Ray (tensor or data parallel),
+    behind a batch-generation API.
+
+    A thin synchronous client: requests go to the same engine clients `pagerail serve` uses (the in-process
+    engine loop, a head actor, routed replicas), and every choice's output through the front doors' ChoiceState,
+    so a request gives the same tokens and text here as over HTTP or gRPC.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        data_parallel_size: int = 1,
+        ray_address: str | None = None,
+        placement_strategy: str = "PACK",
+        head_name: str | None = None,
+        **engine_args: Any,
+    ) -> None:
+        """`engine_args` are the engine's arguments (common/engine_args.py), the same settings and defaults as
+        `pagerail serve`'s flags: `block_size=4` here is `--block-size 4` there. Where the ranks run: in this
+        process, or on Ray (`tensor_parallel_size` > 1, `data_parallel_size` > 1 or a `ray_address`)."""
+        self.config = engine_config(engine_args, model=model)
+        self.model_dir = locate_model(self.config)
+        info = read_model_info(self.model_dir)
+        info.check_engine(self.config)
+        self._vocab_size = info.vocab_size
+        self.tokenizer = _load_tokenizer(self.config.tokenizer or self.model_dir)
+        self._ids = itertools.count()
+        self._cluster = None
+        self.engine: EngineCore | None = None
+        self._shut_down = False
+        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
+        if data_parallel_size > 1 or self.config.tensor_parallel_size > 1 or ray_address is not None:
+            # Head actors on Ray drive worker actors over gRPC; several are routed between as `serve` does.
+            from pagerail.cluster.distributed.head import ClusterOptions
+            from pagerail.cluster.entrypoints.cluster_client import ClusterClient
+
+            options = ClusterOptions(placement_strategy=placement_strategy)
+            name = head_name or f"pagerail-head-{uuid.uuid4().hex[:8]}"
+            self._cluster = ClusterClient(self.config, options, ray_address, name, data_parallel_size)
+        else:
+            # This process is the head (and its only rank): its steps' spans go to the collector from here.
+            observability = self.config.observability
+            telemetry.configure_tracing(
+                "head", endpoint=observability.otlp_traces_endpoint, sampling_ratio=observability.trace_sampling_ratio
+            )
+            executor = InProcessExecutor(worker_config(self.config, self.model_dir))
+            self.engine = EngineCore.for_model(self.config, executor, info)
+            # generate() drives the loop from its own thread until something else needs it running alone.
+            self._engine_loop = AsyncEngine(self.engine, start=False)
+
+    @property
+    def engine_client(self):
+        """The engine client behind this LLM (the one `pagerail serve`'s frontend would use), for serving the same
+        engine over HTTP or gRPC in this process; in-process, its loop thread starts on first use."""
+        if self._cluster is not None:
+            return self._cluster.client
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down; create a new one")
+        self._engine_loop.start()
+        return LocalEngineClient(self._engine_loop, self.config.model_name)
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched together; outputs come back in prompt order."""
+        prompts = _as_prompt_list(prompts)
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down; create a new one")
+        params_list = _as_params_list(params, len(prompts))
+        self._check_constraints(params_list)
+        outputs: list[RequestOutput] = []
+        for prompt, sp in zip(prompts, params_list, strict=True):
+            token_ids = self._encode(prompt)
+            output = RequestOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, token_ids)
+            output.outputs = [CompletionOutput(index, "", [], None) for index in range(sp.n)]
+            outputs.append(output)
+        if self._cluster is not None:
+            self._cluster.run(outputs, params_list, self.tokenizer)
+        else:
+            self._run_in_process(outputs, params_list)
+        return outputs
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            list(
+                self.tokenizer.apply_chat_template(
+                    list(c), add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+            for c in conversations
+        ]
+        return self.generate(prompts, params)
+
+    @property
+    def stats(self):
+        """Scheduler counters (in-process), or the engine client's stats dict (on Ray; per replica, with the
+        router's, under data parallel)."""
+        if self._cluster is not None:
+            return self._cluster.stats()
+        return self.engine.scheduler.stats
+
+    def shutdown(self) -> None:
+        """Stop the head actors and their workers (on Ray), or release the in-process engine: its loop stops and
+        its model, KV cache and captured graphs are freed (and CUDA's cached memory returned), so another engine in
+        this process measures its memory from a clean device. Calling it again does nothing."""
+        self._shut_down = True
+        if self._cluster is not None:
+            cluster, self._cluster = self._cluster, None
+            cluster.shutdown()
+        if self.engine is not None:
+            engine, self.engine = self.engine, None
+            self._engine_loop.shutdown()
+            self._engine_loop = None
+            engine.executor.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError(f"the model at {self.model_dir} has no tokenizer; pass prompts as token id lists")
+        return list(self.tokenizer.encode(prompt))
+
+    def _check_constraints(self, params_list: list[SamplingParams]) -> None:
+        """Compile every distinct output constraint before anything is queued; GrammarError names the field."""
+        for constraint in {sp.structured_outputs for sp in params_list if sp.structured_outputs is not None}:
+            if self.tokenizer is None:
+                raise GrammarError("structured_outputs", f"{self.model_dir} has no tokenizer to compile with")
+            check_constraint(constraint.kind, constraint.spec, TOKENIZERS.for_hf(self.tokenizer, self._vocab_size))
+
+    def _run_in_process(self, outputs: list[RequestOutput], params_list: list[SamplingParams]) -> None:
+        """Submit every choice to the engine loop and fold its deltas in as each step hands them over."""
+        sink = _QueueSink()
+        choices: dict[int, tuple[str, RequestOutput, ChoiceState]] = {}
+        for output, sp in zip(outputs, params_list, strict=True):
+            for index in range(sp.n):
+                request_id = choice_request_id(output.request_id, index, sp.n)
+                state = ChoiceState(self.tokenizer, output.prompt_token_ids, sp, index, incremental=False)
+                key = len(choices)
+                choices[key] = (request_id, output, state)
+                group = SiblingGroup(output.request_id, index, sp.n) if sp.n > 1 else None
+                # Only stop strings need the output as it grows; otherwise it is read once, at the end.
+                request = EngineRequest(
+                    request_id, output.prompt_token_ids, choice_params(sp, index), group=group, stream=bool(sp.stop)
+                )
+                self._engine_loop.submit(request, sink, key)
+        # Until the engine sent every request's last delta: a request ended here on a stop string is aborted
+        # there, and its blocks are free once that answer comes.
+        open_requests = set(choices)
+        engine_loop = self._engine_loop
+        try:
+            while open_requests:
+                if engine_loop.started:
+                    batch = sink.batches.get()
+                else:
+                    engine_loop.run_once()
+                    if sink.batches.empty():
+                        continue
+                    batch = sink.batches.get_nowait()
+                for key, error in batch.errors:
+                    open_requests.discard(key)
+                    raise error
+                for key, delta in batch.deltas:
+                    if delta.finished:
+                        open_requests.discard(key)
+                    request_id, output, state = choices[key]
+                    if state.finished:
+                        continue
+                    append_choice(output, state.process(delta))
+                    if state.stopped:
+                        self._engine_loop.abort(request_id, sink, key)
+        except BaseException:
+            for key in open_requests:
+                engine_loop.abort(choices[key][0], sink, key)
+            if not engine_loop.started:
+                engine_loop.run_once()  # the aborts take effect now: their blocks are free when this returns
+            raise
+
+
+class _QueueSink:
+    """Where the engine loop hands this caller's outputs: one batch per loop iteration, read by generate()."""
+
+    def __init__(self) -> None:
+        self.batches: queue.SimpleQueue[OutputBatch] = queue.SimpleQueue()
+
+    def deliver(self, batch: OutputBatch) -> None:
+        self.batches.put(batch)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _load_tokenizer(source: str | Path):
+    """The model's tokenizer, or None for a checkpoint that ships none (token-id prompts only)."""
+    path = Path(source)
+    if path.is_dir() and not any((path / name).exists() for name in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(str(source))
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"params must be one SamplingParams or one per prompt ({count}), got {len(params)}")
+    return params

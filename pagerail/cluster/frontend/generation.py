@@ -1,0 +1,134 @@
+"""Streams one request's n choices to a front door: each choice's engine deltas through its ChoiceState, usage."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from pagerail.cluster.core.engine_client import EngineClient
+from pagerail.cluster.core.engine_request import EngineRequest, SiblingGroup
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.cluster.frontend import tracing
+from pagerail.cluster.frontend.output_processor import ChoiceDelta, ChoiceState, choice_params
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+async def stream_choice(
+    engine: EngineClient,
+    tokenizer,
+    request_id: str,
+    index: int,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    usage: Usage,
+    group: SiblingGroup | None = None,
+) -> AsyncIterator[ChoiceDelta]:
+    """One sequence: engine deltas → text deltas, cut at a stop string (the engine request is then aborted)."""
+    state = ChoiceState(tokenizer, prompt_ids, params, index)
+    span = trace.get_current_span()  # the request span, when the route runs inside one
+    carrier = tracing.engine_carrier(span)
+    stream = engine.generate(EngineRequest(request_id, prompt_ids, params, trace_context=carrier, group=group))
+    tracing.record_queued(span, request_id)
+    try:
+        async for delta in stream:
+            usage.cached_tokens = max(usage.cached_tokens, delta.num_cached_tokens)
+            tracing.record_delta(span, request_id, delta)
+            choice = state.process(delta)
+            usage.completion_tokens += len(choice.token_ids)
+            if state.stopped:
+                await engine.abort(request_id)
+            if state.finished:
+                _trace_finished(span, request_id, choice.finish_reason, state.num_output_tokens, usage)
+                yield choice
+                return
+            if choice.text or choice.token_ids:
+                yield choice
+    finally:
+        await stream.aclose()
+
+
+def _trace_finished(span: trace.Span, request_id: str, reason: str | None, num_outputs: int, usage: Usage) -> None:
+    """One choice finished: its event, and the request's token counts so far."""
+    tracing.record_finished(span, request_id, reason, num_outputs)
+    tracing.record_usage(span, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+
+
+def logprob_entries(tokenizer, delta: ChoiceDelta) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """Per token of `delta`: (its text, its logprob, [(text, logprob) of the most likely tokens, best first])."""
+    entries = []
+    for position, token in enumerate(delta.token_ids):
+        logprob = delta.logprobs[position] if position < len(delta.logprobs) else 0.0
+        top = delta.top_logprobs[position] if position < len(delta.top_logprobs) else {}
+        ranked = sorted(top.items(), key=lambda item: -item[1])
+        entries.append((token_text(tokenizer, token), logprob, [(token_text(tokenizer, t), lp) for t, lp in ranked]))
+    return entries
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """The text of one token on its own, as logprobs show it."""
+    return tokenizer.convert_tokens_to_string(tokenizer.convert_ids_to_tokens([token_id]))
+
+
+def stream_choices(
+    engine: EngineClient, tokenizer, request_id: str, prompt_ids: list[int], params: SamplingParams, usage: Usage
+) -> AsyncIterator[ChoiceDelta]:
+    """All n choices of one prompt, interleaved as they arrive. Each choice is its own engine request."""
+    usage.prompt_tokens += len(prompt_ids)
+    if params.n == 1:  # the choice's own stream: no generator in between for every chunk to pass
+        return stream_choice(engine, tokenizer, request_id, 0, prompt_ids, params, usage)
+    return _interleaved_choices(engine, tokenizer, request_id, prompt_ids, params, usage)
+
+
+async def _interleaved_choices(
+    engine: EngineClient, tokenizer, request_id: str, prompt_ids: list[int], params: SamplingParams, usage: Usage
+) -> AsyncIterator[ChoiceDelta]:
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int) -> None:
+        child = choice_params(params, index)
+        try:
+            async for delta in stream_choice(
+                engine,
+                tokenizer,
+                f"{request_id}-{index}",
+                index,
+                prompt_ids,
+                child,
+                usage,
+                SiblingGroup(request_id, index, params.n),
+            ):
+                await queue.put(delta)
+        except BaseException as error:  # surfaced to the consumer below
+            await queue.put(error)
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.create_task(pump(index)) for index in range(params.n)]
+    try:
+        remaining = params.n
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

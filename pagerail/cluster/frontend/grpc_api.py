@@ -1,0 +1,329 @@
+"""The public gRPC API: the Generation service over an EngineClient, plus health, reflection and API keys."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.metadata
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
+from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
+
+from pagerail.cluster.core.engine_client import EngineClient, RequestDelta
+from pagerail.cluster.core.engine_request import EngineRequest, SiblingGroup
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.cluster.frontend import tracing
+from pagerail.cluster.frontend.constraints import check_constraint_of
+from pagerail.cluster.frontend.grpc_convert import (
+    RpcError,
+    constraint_field,
+    numeric_stats,
+    sampling_params_from_proto,
+    status_on_error,
+    token_logprobs,
+    usage,
+)
+from pagerail.cluster.frontend.grpc_guards import ApiKeyInterceptor, EngineHealth
+from pagerail.cluster.frontend.output_processor import ChoiceState, choice_params, choice_request_id
+from pagerail.common.tls import ServerTls
+from pagerail.proto import api_pb2, api_pb2_grpc
+
+# How each kind of engine failure reaches a gRPC caller; anything else is UNAVAILABLE (retriable).
+_ERROR_CODES = {
+    "session_idle_timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "quarantined": grpc.StatusCode.ABORTED,
+}
+GENERATION_SERVICE = api_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+MAX_REQUEST_ID_LEN = 256
+
+
+@dataclass
+class _Choice:
+    """One of a stream's n choices: its engine request and how far it got."""
+
+    index: int
+    engine_id: str  # the engine's id, always made here: callers can never name another caller's request
+    params: SamplingParams  # the request's, with this choice's seed
+    state: ChoiceState | None = None  # created with the first delta: a session's prompt is complete only then
+    last: RequestDelta | None = None
+    finished: bool = False  # the client got this choice's last message
+    engine_done: bool = False  # the engine finished it or was told to abort it: nothing left to free
+
+
+@dataclass
+class _Stream:
+    """One call streaming from this server: its choices, and where their deltas arrive."""
+
+    request_id: str  # the caller's label (its own request_id, or one made here), echoed in every response
+    engine_id: str  # names the call's engine requests (one per choice)
+    prompt_ids: list[int]  # grows with each chunk of a streaming-input session
+    params: SamplingParams
+    send_text: bool
+    choices: list[_Choice] = field(init=False)  # one per `n`, made from the fields above
+    # (choice, RequestDelta), or the exception that ended the call.
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    span: trace.Span = trace.INVALID_SPAN  # the call's request span (Generate only)
+
+    def __post_init__(self) -> None:
+        n = self.params.n
+        self.choices = [
+            _Choice(index, choice_request_id(self.engine_id, index, n), choice_params(self.params, index))
+            for index in range(n)
+        ]
+
+    @property
+    def finished(self) -> bool:
+        return all(choice.finished for choice in self.choices)
+
+
+class GenerationServicer(api_pb2_grpc.GenerationServicer):
+    """pagerail.api.Generation over one engine replica; tokenization, detokenization and stop strings live here."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Any | None) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        # Keyed by (connection, the caller's request_id): a request_id is unique on its connection only.
+        self._streams: dict[tuple[str, str], _Stream] = {}
+        self._started = time.monotonic()
+
+    async def Generate(self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        # Not made current: this generator's frames may resume in other contexts; the span travels on the stream.
+        span = tracing.start_grpc_span("Generate", context.invocation_metadata())
+        try:
+            async with status_on_error(context):
+                if request.WhichOneof("input") is None:
+                    raise ValueError("input: set text or token_ids")
+                stream = self._new_stream(request)
+                # Compiled against the tokenizer before anything is queued: a bad constraint never reaches the engine.
+                await check_constraint_of(
+                    stream.params, self.tokenizer, self.engine.vocab_size, constraint_field(request.sampling_params)
+                )
+                stream.span = span
+                tracing.annotate_request(span, stream.request_id, self.engine.model_name, stream.params)
+                async for response in self._run(stream, context):
+                    yield response
+        finally:
+            tracing.end_grpc_span(span, context.code())
+
+    async def Session(self, request_iterator: AsyncIterator[api_pb2.SessionRequest], context):  # noqa: N802
+        async with status_on_error(context):
+            messages = aiter(request_iterator)
+            first = await anext(messages, None)
+            if first is None:
+                raise ValueError("the session ended before its first message")
+            stream = self._new_stream(first)
+            if stream.params.n > 1:
+                raise ValueError("sampling_params.n: a Session generates one sequence; use Generate for n > 1")
+            if stream.params.structured_outputs is not None:
+                # The grammar would have to follow input that is still arriving; a constraint covers a whole
+                # generation from a complete prompt.
+                raise ValueError(
+                    f"{constraint_field(first.sampling_params)}: a Session takes no output constraint; "
+                    "send the whole prompt with Generate to constrain the output"
+                )
+            feed = None if first.final else functools.partial(self._feed, messages)
+            async for response in self._run(stream, context, feed):
+                yield response
+
+    async def Abort(self, request: api_pb2.AbortRequest, context) -> api_pb2.AbortResponse:  # noqa: N802
+        # Only a request started on this same connection: another caller's request_id finds nothing.
+        stream = self._streams.get((context.peer(), request.request_id))
+        if stream is None:
+            return api_pb2.AbortResponse(found=False)
+        for choice in stream.choices:
+            if choice.engine_done:
+                continue
+            choice.engine_done = True
+            # Ends the choice now, even when the engine has nothing to send (a session still waiting for input).
+            last = choice.last or RequestDelta(choice.engine_id, [], len(stream.prompt_ids), 0)
+            ended = RequestDelta(choice.engine_id, [], last.num_prompt_tokens, last.num_output_tokens, True, "abort")
+            ended.num_cached_tokens = last.num_cached_tokens
+            stream.events.put_nowait((choice, ended))
+            await self.engine.abort(choice.engine_id)
+        return api_pb2.AbortResponse(found=True)
+
+    async def GetModelInfo(self, request: api_pb2.ModelInfoRequest, context) -> api_pb2.ModelInfo:  # noqa: N802
+        engine = self.engine
+        return api_pb2.ModelInfo(
+            model_name=engine.model_name, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size
+        )
+
+    async def GetServerInfo(self, request: api_pb2.ServerInfoRequest, context) -> api_pb2.ServerInfo:  # noqa: N802
+        async with status_on_error(context):
+            stats = numeric_stats(await self.engine.stats())
+            stats["grpc.active_streams"] = float(len(self._streams))
+            uptime = time.monotonic() - self._started
+            return api_pb2.ServerInfo(version=_version(), uptime_seconds=uptime, stats=stats)
+
+    def _new_stream(self, message: api_pb2.GenerateRequest | api_pb2.SessionRequest) -> _Stream:
+        engine_id = uuid.uuid4().hex
+        request_id = message.request_id or engine_id
+        if len(request_id) > MAX_REQUEST_ID_LEN:
+            raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_LEN} characters, got {len(request_id)}")
+        params = sampling_params_from_proto(message.sampling_params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings are matched on text, and this model has no tokenizer")
+        prompt_ids = self._input_ids(message, first=True)
+        if not prompt_ids:
+            raise ValueError("input: the prompt must contain at least one token")
+        return _Stream(request_id, engine_id, prompt_ids, params, send_text=not message.skip_detokenize)
+
+    def _input_ids(self, message: api_pb2.GenerateRequest | api_pb2.SessionRequest, *, first: bool) -> list[int]:
+        kind = message.WhichOneof("input")
+        if kind == "token_ids":
+            ids = list(message.token_ids.ids)
+            vocab_size = self.engine.vocab_size
+            bad = next((i for i, token in enumerate(ids) if not 0 <= token < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"token_ids.ids[{bad}] = {ids[bad]} is outside the vocabulary [0, {vocab_size})")
+            return ids
+        if kind == "text":
+            if self.tokenizer is None:
+                raise ValueError("text: this model has no tokenizer; send token_ids instead")
+            # Special tokens such as BOS belong in front of the prompt, not in front of every chunk.
+            return list(self.tokenizer.encode(message.text, add_special_tokens=first))
+        return []
+
+    async def _run(
+        self,
+        stream: _Stream,
+        context: grpc.aio.ServicerContext,
+        feed: Callable[[_Stream], Awaitable[None]] | None = None,
+    ) -> AsyncIterator[api_pb2.GenerateResponse]:
+        request_id = stream.request_id
+        key = (context.peer(), request_id)
+        if key in self._streams:
+            raise RpcError(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already streaming on this connection"
+            )
+        self._streams[key] = stream
+        tasks = [asyncio.create_task(self._pump(stream, choice, final=feed is None)) for choice in stream.choices]
+        try:
+            await context.send_initial_metadata((("request-id", request_id),))
+            if feed is not None:
+                await asyncio.sleep(0)  # let the engine open the request before the first append_input reaches it
+                tasks.append(asyncio.create_task(feed(stream)))
+            while not stream.finished:
+                event = await stream.events.get()
+                if isinstance(event, BaseException):
+                    raise event
+                choice, delta = event
+                if not choice.finished:  # an abort's own ending may race the engine's last delta
+                    yield self._response(stream, choice, delta)
+        finally:
+            self._streams.pop(key, None)
+            for choice in stream.choices:
+                if not choice.engine_done:  # a cancelled client or a stop string: free the KV blocks
+                    await self.engine.abort(choice.engine_id)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _pump(self, stream: _Stream, choice: _Choice, *, final: bool) -> None:
+        """Move one choice's engine deltas into the call's queue, so that a cancelled client can abort it first."""
+        try:
+            n = stream.params.n
+            request = EngineRequest(
+                choice.engine_id,
+                stream.prompt_ids,
+                choice.params,
+                final=final,
+                trace_context=tracing.engine_carrier(stream.span),
+                group=SiblingGroup(stream.engine_id, choice.index, n) if n > 1 else None,
+            )
+            generator = self.engine.generate(request)
+            tracing.record_queued(stream.span, choice.engine_id)
+            finished = False
+            async for delta in generator:
+                finished = delta.finished
+                stream.events.put_nowait((choice, delta))
+            if not finished:
+                stream.events.put_nowait(RpcError(grpc.StatusCode.INTERNAL, "the engine ended the stream unfinished"))
+        except Exception as exc:
+            stream.events.put_nowait(exc)
+
+    async def _feed(self, messages: AsyncIterator[api_pb2.SessionRequest], stream: _Stream) -> None:
+        """Hand a session's later input chunks to the engine until the final one or the client's half-close."""
+        try:
+            async for message in messages:
+                if message.request_id or message.HasField("sampling_params") or message.skip_detokenize:
+                    raise ValueError("request_id, sampling_params and skip_detokenize go in the first message only")
+                ids = self._input_ids(message, first=False)
+                stream.prompt_ids.extend(ids)
+                await self.engine.append_input(stream.choices[0].engine_id, ids, message.final)
+                if message.final:
+                    return
+            await self.engine.append_input(stream.choices[0].engine_id, [], True)
+        except Exception as exc:
+            stream.events.put_nowait(exc)
+
+    def _response(self, stream: _Stream, choice: _Choice, delta: RequestDelta) -> api_pb2.GenerateResponse:
+        if delta.error:
+            code = _ERROR_CODES.get(delta.error_code, grpc.StatusCode.UNAVAILABLE)
+            raise RpcError(code, f"the engine gave up on this request: {delta.error}")
+        choice.last = delta
+        tracing.record_delta(stream.span, choice.engine_id, delta)
+        if choice.state is None:
+            choice.state = ChoiceState(
+                self.tokenizer, stream.prompt_ids, choice.params, choice.index, detokenize=stream.send_text
+            )
+        out = choice.state.process(delta)
+        response = api_pb2.GenerateResponse(request_id=stream.request_id, token_ids=out.token_ids, index=choice.index)
+        if stream.send_text:
+            response.text = out.text
+        if stream.params.logprobs is not None:
+            response.logprobs.extend(token_logprobs(out))
+        if delta.finished:
+            choice.engine_done = True
+        if out.finish_reason is not None:
+            choice.finished = True
+            response.finish_reason = out.finish_reason
+            num_outputs = choice.state.num_output_tokens
+            response.usage.CopyFrom(usage(delta, num_outputs))
+            tracing.record_finished(stream.span, choice.engine_id, out.finish_reason, num_outputs)
+            tracing.record_usage(stream.span, delta.num_prompt_tokens, num_outputs, delta.num_cached_tokens)
+        return response
+
+
+@functools.cache
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pagerail")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def build_grpc_server(
+    engine: EngineClient,
+    tokenizer: Any | None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    health: EngineHealth | None = None,
+    tls: ServerTls | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """An unstarted grpc.aio server with Generation, Health and reflection, and the port it bound (port=0: any).
+
+    Health follows engine.is_ready; pass your own `health` to flip it with set_serving().
+    With `tls` the port speaks TLS only (and asks for client certificates when tls.client_ca is set).
+    Call from inside the event loop that will run the server.
+    """
+    interceptors = [ApiKeyInterceptor(api_key)] if api_key is not None else []
+    server = grpc.aio.server(interceptors=interceptors)
+    api_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, tokenizer), server)
+    health = health or EngineHealth(engine.is_ready, (GENERATION_SERVICE,))
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection((GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if tls is not None:
+        return server, server.add_secure_port(address, tls.server_credentials())
+    return server, server.add_insecure_port(address)

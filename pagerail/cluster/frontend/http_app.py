@@ -1,0 +1,346 @@
+"""The OpenAI-compatible HTTP server: routes, API key, body limit, request ids, errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+
+from pagerail.cluster.core.engine_client import EngineClient
+from pagerail.cluster.core.errors import QueueFullError
+from pagerail.cluster.frontend import openai_routes
+from pagerail.cluster.frontend.chat import encode_prompt, render_chat
+from pagerail.cluster.frontend.errors import (
+    APIError,
+    bad_request,
+    error_body,
+    from_validation_error,
+    from_value_error,
+    internal_error,
+    overloaded,
+    payload_too_large,
+    unauthorized,
+    unavailable,
+)
+from pagerail.cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from pagerail.cluster.frontend.tool_calls import TOOL_CALL_PARSERS
+from pagerail.cluster.frontend.tracing import traced_http
+from pagerail.common.auth import bearer_matches
+
+logger = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+_OPEN_PATHS = ("/health", "/ready", "/version", "/metrics")
+# Opened by the admin key alone, never the inference one; without an admin key they do not exist.
+_ADMIN_PATHS = ("/pause", "/resume", "/replicas/drain")
+# What a request that its client abandoned is logged with (nobody reads it): nginx's "client closed request".
+CLIENT_CLOSED_REQUEST = 499
+MAX_CLIENT_REQUEST_ID_LEN = 128
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the engine, the tokenizer, and whether new requests are still admitted."""
+
+    engine: EngineClient
+    tokenizer: object
+    served_model_name: str
+    api_key: str | None = field(default=None, repr=False)
+    admin_api_key: str | None = field(default=None, repr=False)
+    max_body_bytes: int = 4 << 20
+    draining: bool = False
+    in_flight: int = 0
+    # The model's tool-call format for tool_choice "auto" (see TOOL_CALL_PARSERS); None: its chat template's.
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
+
+
+def create_app(state: ServerState) -> FastAPI:
+    # FastAPI's own request spans would duplicate the request span GuardMiddleware opens (with gen_ai attributes).
+    app = FastAPI(title="pagerail", version=VERSION, docs_url=None, redoc_url=None, telemetry={"tracing": False})
+    app.state.server = state
+
+    app.add_middleware(GuardMiddleware, state=state)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError):
+        return _error_response(error)
+
+    @app.exception_handler(QueueFullError)
+    async def queue_full(_: Request, error: QueueFullError):
+        return _error_response(overloaded(error.retry_after_s))
+
+    @app.exception_handler(ValueError)
+    async def value_error(_: Request, error: ValueError):
+        return _error_response(from_value_error(error))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError):
+        return _error_response(bad_request(str(error.errors()[0].get("msg", error)) if error.errors() else str(error)))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def is_ready():
+        if state.draining or not await state.engine.is_ready():
+            return _error_response(unavailable("not ready" if not state.draining else "draining", 1))
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(await state.engine.metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": state.served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pagerail",
+            "max_model_len": state.engine.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    async def generation(request: Request, model, route, **options):
+        """Parse the body as `model` and run `route` over it, counted as in flight until its response ends."""
+        body = await _parse(request, state, model)
+        ids = (request.state.request_id, request.state.client_request_id)
+        route_call = route(body, state.engine, state.tokenizer, state.served_model_name, *ids, **options)
+        return await _admitted(state, request, route_call)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generation(request, CompletionRequest, openai_routes.completions)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generation(
+            request, ChatCompletionRequest, openai_routes.chat_completions, tool_call_parser=state.tool_call_parser
+        )
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        payload = await _json(request, state)
+        if "messages" in payload:
+            tokens = render_chat(state.tokenizer, payload["messages"])
+        elif "prompt" in payload:
+            tokens = encode_prompt(state.tokenizer, payload["prompt"], state.engine.vocab_size)
+        else:
+            raise bad_request("either prompt or messages is required", "prompt")
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        payload = await _json(request, state)
+        tokens = payload.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise bad_request("tokens must be a list of token ids", "tokens")
+        if any(not 0 <= t < state.engine.vocab_size for t in tokens):
+            raise bad_request(f"tokens must be in [0, {state.engine.vocab_size})", "tokens")
+        return {"prompt": state.tokenizer.decode(tokens)}
+
+    @app.post("/pause")
+    async def pause(mode: str = "all"):
+        if mode not in ("new", "all"):
+            raise bad_request("mode must be 'new' or 'all'", "mode")
+        await state.engine.pause(mode)
+        return {"status": "paused", "mode": mode}
+
+    @app.post("/resume")
+    async def resume():
+        await state.engine.resume()
+        return {"status": "running"}
+
+    @app.post("/replicas/drain")
+    async def drain_replica(replica: str = ""):
+        """Take a replica out of rotation and move its running requests, with their KV, to the others."""
+        moves = getattr(state.engine, "moves", None)
+        if moves is None:
+            raise bad_request("this server serves a single replica: there is no other to move requests to", "replica")
+        if replica not in state.engine.replicas:
+            raise bad_request(f"replica must be one of {sorted(state.engine.replicas)}, got {replica!r}", "replica")
+        return {"status": "draining", "replica": replica, "moved_requests": await moves.drain(replica)}
+
+    return app
+
+
+class GuardMiddleware:
+    """Plain ASGI (so streaming and client disconnects pass straight through): request id, API key, body size,
+    and the request span of the generation routes."""
+
+    def __init__(self, app, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        # The engine's id is always made here; the client's X-Request-Id is only a label (logs, spans, the
+        # response header), so no client can name, join or abort another client's request.
+        engine_request_id = uuid.uuid4().hex
+        request_id = client_request_label(headers.get("x-request-id")) or engine_request_id
+        scope.setdefault("state", {}).update(request_id=engine_request_id, client_request_id=request_id)
+
+        started = False
+
+        async def send_with_id(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message.setdefault("headers", [])
+                message["headers"] = list(message["headers"]) + [(b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        limit, received = self.state.max_body_bytes, 0
+
+        async def receive_within_limit() -> dict:
+            # Content-Length is only a claim, and a chunked body has none: count what actually arrives, and stop
+            # reading at the limit. The route's APIError handler answers the 413.
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise payload_too_large(limit)
+            return message
+
+        try:
+            _check_key(self.state, scope["path"], headers.get("authorization", ""))
+            length = headers.get("content-length", "")
+            if length.isdigit() and int(length) > limit:
+                raise payload_too_large(limit)
+        except APIError as error:
+            await _error_response(error)(scope, receive_within_limit, send_with_id)
+            return
+        try:
+            await traced_http(self.app, scope, receive_within_limit, send_with_id, headers)
+        except Exception:
+            if started:
+                raise  # mid-body: the server drops the connection, so no client takes a cut stream for a whole one
+            # A bug, not the client's fault: the traceback goes to the log, the client gets no internals.
+            logger.exception(
+                "unexpected error answering %s %s (request %s, client label %s)",
+                scope.get("method"),
+                scope["path"],
+                engine_request_id,
+                request_id,
+                extra={"request_id": engine_request_id},
+            )
+            await _error_response(internal_error())(scope, receive_within_limit, send_with_id)
+
+
+def client_request_label(value: str | None) -> str | None:
+    """A client's X-Request-Id made safe to echo and log: printable ASCII, at most MAX_CLIENT_REQUEST_ID_LEN."""
+    if not value:
+        return None
+    cleaned = "".join(c for c in value if 32 < ord(c) < 127)[:MAX_CLIENT_REQUEST_ID_LEN]
+    return cleaned or None
+
+
+def _check_key(state: ServerState, path: str, header: str) -> None:
+    if path in _ADMIN_PATHS:
+        if state.admin_api_key is None:
+            raise APIError(404, f"No route {path} on this server", code="not_found")
+        expected = state.admin_api_key
+    elif state.api_key is None or path in _OPEN_PATHS:
+        return
+    else:
+        expected = state.api_key
+    if not bearer_matches(header, expected.encode()):
+        raise unauthorized()
+
+
+async def _json(request: Request, state: ServerState) -> dict:
+    raw = await request.body()  # GuardMiddleware stops reading past max_body_bytes with a 413
+    try:
+        payload = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise bad_request(f"request body is not valid JSON: {error}") from None
+    if not isinstance(payload, dict):
+        raise bad_request("request body must be a JSON object")
+    return payload
+
+
+async def _parse(request: Request, state: ServerState, model):
+    if state.draining:
+        raise unavailable("the server is shutting down", retry_after_s=5)
+    payload = await _json(request, state)
+    try:
+        return model.model_validate(payload)
+    except ValidationError as error:
+        raise from_validation_error(error) from None
+
+
+async def _admitted(state: ServerState, request: Request, handler):
+    """Count in-flight requests so a drain knows when the last one has left."""
+    state.in_flight += 1
+    try:
+        response = await _unless_disconnected(request, handler)
+    except BaseException:
+        state.in_flight -= 1
+        raise
+    if hasattr(response, "body_iterator"):
+        inner = response.body_iterator
+
+        async def counted():
+            try:
+                async for chunk in inner:
+                    yield chunk
+            finally:
+                state.in_flight -= 1
+
+        response.body_iterator = counted()
+    else:
+        state.in_flight -= 1
+    return response
+
+
+async def _unless_disconnected(request: Request, handler: Awaitable[Response]) -> Response:
+    """Run a generation route until its response is ready; if the client hangs up first, cancel it, which closes
+    its engine streams and so aborts their requests. (A streamed body is watched by the streaming response.)"""
+    work = asyncio.ensure_future(handler)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        if not work.done() and watch.exception() is not None:
+            await asyncio.wait((work,))  # the receive channel failed, which is no hang-up: let the route finish
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes the connection; the body was read before the route ran."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error_body(error), status_code=error.status, headers=error.headers)

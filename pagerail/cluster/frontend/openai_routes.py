@@ -1,0 +1,276 @@
+"""OpenAI `/v1/completions` and `/v1/chat/completions`: streaming (SSE) and whole responses."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry import trace
+
+from pagerail.cluster.core.engine_client import EngineClient
+from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.cluster.frontend.chat import encode_prompt, render_chat
+from pagerail.cluster.frontend.chat_output import ChoiceOutput
+from pagerail.cluster.frontend.constraints import check_output_constraint
+from pagerail.cluster.frontend.errors import from_value_error, not_found_model
+from pagerail.cluster.frontend.generation import ChoiceDelta, Usage, logprob_entries, stream_choices
+from pagerail.cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from pagerail.cluster.frontend.sse_events import ChunkEvents
+from pagerail.cluster.frontend.tool_calls import choose_parser
+from pagerail.cluster.frontend.tool_choice import output_parser
+from pagerail.cluster.frontend.tracing import annotate_request
+
+
+def _check_model(requested: str | None, served: str) -> None:
+    if requested and requested != served:
+        raise not_found_model(requested)
+
+
+def _sampling(request, engine: EngineClient, prompt_len: int) -> SamplingParams:
+    try:
+        return request.to_sampling_params(default_max_tokens=max(1, engine.max_model_len - prompt_len))
+    except ValueError as error:
+        raise from_value_error(error) from None
+
+
+def _usage_json(usage: Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+class _Prefetched:
+    """A stream whose first item was already pulled (so bad input and a full queue became real errors before the
+    response started): that item, then the rest of the stream, with no generator in between."""
+
+    def __init__(self, first: ChoiceDelta | None, stream: AsyncIterator[ChoiceDelta]) -> None:
+        self._first = first
+        self._stream = stream
+
+    def __aiter__(self) -> _Prefetched:
+        return self
+
+    async def __anext__(self) -> ChoiceDelta:
+        first = self._first
+        if first is not None:
+            self._first = None
+            return first
+        return await anext(self._stream)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+async def _first_then_rest(stream: AsyncIterator[ChoiceDelta]) -> _Prefetched:
+    """Pull the first delta before the response starts, so bad input (a 400) and a full queue become real errors."""
+    try:
+        first = await anext(stream, None)
+    except ValueError as error:
+        raise from_value_error(error) from None
+    return _Prefetched(first, stream)
+
+
+async def _collect(streams: list[tuple[int, _Prefetched]]) -> dict[int, list[ChoiceDelta]]:
+    """Every choice's deltas by its index in the response (each stream's choices start at its offset)."""
+    collected: dict[int, list[ChoiceDelta]] = {}
+    try:
+        for offset, stream in streams:
+            async for delta in stream:
+                collected.setdefault(offset + delta.index, []).append(delta)
+    finally:
+        # Cancelled (the client hung up) while reading one stream: every engine request is aborted now.
+        for _, stream in streams:
+            await stream.aclose()
+    return collected
+
+
+def _whole_response(
+    response_id: str, kind: str, created: int, served: str, choices: list, usage: Usage
+) -> JSONResponse:
+    return JSONResponse(
+        {
+            "id": response_id,
+            "object": kind,
+            "created": created,
+            "model": served,
+            "choices": choices,
+            "usage": _usage_json(usage),
+        }
+    )
+
+
+# -- completions -----------------------------------------------------------------------------------
+
+
+def _completion_logprobs(tokenizer, deltas: list[ChoiceDelta]) -> dict:
+    tokens, token_logprobs, top_logprobs = [], [], []
+    for delta in deltas:
+        for text, logprob, top in logprob_entries(tokenizer, delta):
+            tokens.append(text)
+            token_logprobs.append(logprob)
+            top_logprobs.append(dict(top))
+    offsets, position = [], 0
+    for text in tokens:
+        offsets.append(position)
+        position += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+async def completions(
+    body: CompletionRequest, engine: EngineClient, tokenizer, served: str, request_id: str, label: str | None = None
+):
+    """`request_id` is the server's own id for the engine; `label` (the client's X-Request-Id) names the response."""
+    _check_model(body.model, served)
+    prompts = body.prompt_list()
+    encoded = [encode_prompt(tokenizer, prompt, engine.vocab_size) for prompt in prompts]
+    params = [_sampling(body, engine, len(ids)) for ids in encoded]
+    if params:  # every prompt has the same constraint
+        await check_output_constraint(params[0], tokenizer, engine.vocab_size, body.output_constraint()[1])
+    created = int(time.time())
+    completion_id = f"cmpl-{label or request_id}"
+    engine_id = f"cmpl-{request_id}"
+    annotate_request(trace.get_current_span(), completion_id, body.model or served, params[0] if params else None)
+    usage = Usage()
+    streams = []
+    for number, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
+        stream = await _first_then_rest(stream_choices(engine, tokenizer, f"{engine_id}-{number}", ids, sp, usage))
+        streams.append((number * sp.n, stream))
+
+    if body.stream:
+        chunks = ChunkEvents(completion_id, "text_completion", created, served)
+        wants_logprobs = body.logprobs is not None
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                for offset, stream in streams:
+                    async for delta in stream:
+                        logprobs = _completion_logprobs(tokenizer, [delta]) if wants_logprobs else None
+                        yield chunks.text_choice(offset + delta.index, delta.text, logprobs, delta.finish_reason)
+            finally:
+                # A client that hung up mid-stream: every prompt's engine requests are aborted now, not when the
+                # streams are collected.
+                for _, stream in streams:
+                    await stream.aclose()
+            if body.include_usage():
+                yield chunks.event([], usage=_usage_json(usage))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    collected = await _collect(streams)
+    choices = []
+    for index in sorted(collected):
+        deltas = collected[index]
+        choice = {
+            "index": index,
+            "text": "".join(d.text for d in deltas),
+            "logprobs": None,
+            "finish_reason": deltas[-1].finish_reason,
+        }
+        if body.logprobs is not None:
+            choice["logprobs"] = _completion_logprobs(tokenizer, deltas)
+        choices.append(choice)
+    return _whole_response(completion_id, "text_completion", created, served, choices, usage)
+
+
+# -- chat ------------------------------------------------------------------------------------------
+
+
+def _chat_logprobs(tokenizer, deltas: list[ChoiceDelta]) -> dict:
+    content = []
+    for delta in deltas:
+        for text, logprob, top in logprob_entries(tokenizer, delta):
+            content.append(
+                {
+                    "token": text,
+                    "logprob": logprob,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top],
+                }
+            )
+    return {"content": content}
+
+
+async def chat_completions(
+    body: ChatCompletionRequest,
+    engine: EngineClient,
+    tokenizer,
+    served: str,
+    request_id: str,
+    label: str | None = None,
+    tool_call_parser: str | None = None,
+):
+    """`request_id` is the server's own id for the engine; `label` (the client's X-Request-Id) names the response;
+    `tool_call_parser` names the model's tool-call format (None: the one its chat template teaches)."""
+    _check_model(body.model, served)
+    prompt_ids = render_chat(tokenizer, body.messages, body.tool_dicts())
+    params = _sampling(body, engine, len(prompt_ids))
+    await check_output_constraint(params, tokenizer, engine.vocab_size, body.output_constraint()[1], body.tools)
+    tool_choice = body.tool_choice_in_effect()
+    call_format = choose_parser(getattr(tokenizer, "chat_template", None), tool_call_parser)
+    outputs: dict[int, ChoiceOutput] = {}
+
+    def output(index: int) -> ChoiceOutput:
+        """Each choice reads its own tool calls out of its own text."""
+        if index not in outputs:
+            parallel = body.parallel_tool_calls is not False
+            outputs[index] = ChoiceOutput(output_parser(tool_choice, call_format, parallel))
+        return outputs[index]
+
+    created = int(time.time())
+    chat_id = f"chatcmpl-{label or request_id}"
+    annotate_request(trace.get_current_span(), chat_id, body.model or served, params)
+    usage = Usage()
+    stream = await _first_then_rest(
+        stream_choices(engine, tokenizer, f"chatcmpl-{request_id}", prompt_ids, params, usage)
+    )
+
+    if body.stream:
+        chunks = ChunkEvents(chat_id, "chat.completion.chunk", created, served)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                started: set[int] = set()
+                async for delta in stream:
+                    if delta.index not in started:
+                        started.add(delta.index)
+                        yield chunks.delta_choice(delta.index, output(delta.index).opening(), None, None)
+                    out = output(delta.index)
+                    # Content, or a tool call's start and its argument pieces, one chunk each; an empty delta when the
+                    # text is held (a tag arriving in pieces) still carries its logprobs and finish_reason.
+                    pieces = out.deltas(delta.text, final=delta.finish_reason is not None) or [{}]
+                    logprobs = _chat_logprobs(tokenizer, [delta]) if body.wants_logprobs() else None
+                    for number, piece in enumerate(pieces):
+                        last = number == len(pieces) - 1
+                        yield chunks.delta_choice(
+                            delta.index,
+                            piece,
+                            logprobs if number == 0 else None,
+                            out.finish_reason(delta.finish_reason) if last else None,
+                        )
+            finally:
+                await stream.aclose()  # a client that hung up: its engine requests are aborted now
+            if body.include_usage():
+                yield chunks.event([], usage=_usage_json(usage))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    collected = await _collect([(0, stream)])
+    choices = []
+    for index in sorted(collected):
+        deltas = collected[index]
+        out = output(index)
+        choices.append(
+            {
+                "index": index,
+                "message": out.message("".join(d.text for d in deltas)),
+                "logprobs": _chat_logprobs(tokenizer, deltas) if body.wants_logprobs() else None,
+                "finish_reason": out.finish_reason(deltas[-1].finish_reason),
+            }
+        )
+    return _whole_response(chat_id, "chat.completion", created, served, choices, usage)

@@ -1,0 +1,266 @@
+"""Pydantic models of the OpenAI completions and chat requests, and their mapping to SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from pagerail.cluster.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagerail.cluster.core.structured_outputs import StructuredOutputs
+from pagerail.cluster.frontend.errors import from_value_error
+from pagerail.cluster.frontend.output_format import ConstrainedOutputFields
+from pagerail.cluster.frontend.tool_choice import (
+    MessageToolCall,
+    NamedToolChoice,
+    ToolChoice,
+    ToolDefinition,
+    check_distinct,
+    effective_choice,
+    parse_tool_choice,
+    tool_constraint,
+)
+
+# Every stop string is searched for after each token, so their number and length bound the per-token cost.
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+
+
+# Request fields that SamplingParams takes under the same name.
+_PASSED_THROUGH = (
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+    "speculative",
+)  # fmt: skip
+
+
+class _Lenient(BaseModel):
+    # Clients send fields this server does not know (extra_body, vendor options); they are ignored, not refused.
+    # Strict types keep "0.5" from passing as a number and true from passing as 1.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool | None = False
+
+
+class _SamplingRequest(ConstrainedOutputFields):
+    """Fields shared by completions and chat; None means "the default", as OpenAI allows explicit nulls.
+    Lenient like _Lenient; response_format and structured_outputs come from ConstrainedOutputFields."""
+
+    model: str | None = None  # None: the model this server serves
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = False
+    include_stop_str_in_output: bool | None = False
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = True
+    # False keeps the request out of speculative decoding, where the server has it on.
+    speculative: bool | None = True
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+        for text in stops:
+            if not text:
+                raise ValueError("stop must hold non-empty strings")
+            if len(text) > MAX_STOP_LENGTH:
+                raise ValueError(f"stop must hold strings of at most {MAX_STOP_LENGTH} characters, got {len(text)}")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
+    @field_validator("logit_bias", "echo", "suffix", check_fields=False)
+    @classmethod
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        # Ignoring these would silently return something other than what was asked for.
+        if value:
+            raise ValueError(f"{info.field_name} is not supported; leave it out")
+        return value
+
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a chunk carrying token usage."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _build(self, max_tokens: int | None, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+        constraint, _ = self.output_constraint()  # raises APIError naming its field
+        stop = self.stop if self.stop is not None else ()
+        # Explicit nulls fall back to SamplingParams' own defaults.
+        values = {name: getattr(self, name) for name in _PASSED_THROUGH if getattr(self, name) is not None}
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+                stop=tuple([stop] if isinstance(stop, str) else stop),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                logprobs=logprobs,
+                structured_outputs=constraint,
+                **values,
+            )
+        except ValueError as err:
+            raise from_value_error(err) from err
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return value
+        shape = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
+        if not isinstance(value, list) or not value:
+            raise ValueError(shape + (" (got an empty list)" if value == [] else ""))
+        if all(isinstance(p, str) for p in value) or all(_is_token_id(t) for t in value):
+            return value
+        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
+            return value
+        raise ValueError(shape)
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value != (info.data.get("n") or 1):
+            raise ValueError("best_of is not supported unless it equals n; leave it out")
+        return value
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompt as a batch: one entry per choice group, each a string or a list of token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(t, int) for t in self.prompt):
+            return [list(self.prompt)]  # type: ignore[arg-type]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """SamplingParams for this request; raises APIError (400) naming the offending field."""
+        return self._build(self.max_tokens, default_max_tokens, self.logprobs)
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # which call a tool turn answers
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not all(isinstance(p, dict) for p in value):
+            raise ValueError("content must be a string or a list of content parts")
+        return value
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = True
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _check_max_tokens(cls, value: int | None, info: ValidationInfo) -> int | None:
+        other = info.data.get("max_tokens")
+        if value is not None and other is not None and other != value:
+            raise ValueError(f"max_completion_tokens must equal max_tokens when both are sent, got {value} and {other}")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tools(cls, value: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        if value:
+            check_distinct(value)
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(cls, value: Any, info: ValidationInfo) -> ToolChoice | None:
+        if "tools" not in info.data:
+            return None  # the tools are invalid, and that is the error to report
+        choice = parse_tool_choice(value, info.data["tools"])
+        constrained = isinstance(choice, NamedToolChoice) or choice == "required"
+        response_format = info.data.get("response_format")
+        if constrained and (info.data.get("structured_outputs") or (response_format and response_format.constrains())):
+            raise ValueError("tool_choice cannot name a function or be 'required' when the output is constrained by "
+                             "response_format or structured_outputs")  # fmt: skip
+        return choice
+
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
+
+    def tool_choice_in_effect(self) -> ToolChoice:
+        """The tool_choice that applies: "auto" when tools are given without one, "none" without tools."""
+        return effective_choice(self.tools, self.tool_choice)
+
+    def output_constraint(self) -> tuple[StructuredOutputs | None, str | None]:
+        """A named or "required" tool_choice constrains the output to its calls; otherwise response_format or
+        structured_outputs may."""
+        parallel = self.parallel_tool_calls is not False
+        constraint, field = tool_constraint(self.tools, self.tool_choice_in_effect(), parallel)
+        return (constraint, field) if constraint is not None else super().output_constraint()
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them; None when there are none."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """SamplingParams for this request; raises APIError (400) naming the offending field."""
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._build(max_tokens, default_max_tokens, logprobs)
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
