@@ -30,8 +30,8 @@ import torch  # noqa: E402
 
 from pagerail import LLM  # noqa: E402
 from pagerail.cluster.core.engine_request import EngineRequest  # noqa: E402
-from pagerail.cluster.core.sampling_params import SamplingParams  # noqa: E402
 from pagerail.cluster.routing.routed_client import RoutedEngineClient  # noqa: E402
+from pagerail.common.sampling_params import SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_kv_offload import kv_bytes_per_token, small_llama  # noqa: E402

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagerail import LLM  # noqa: E402
-from pagerail.cluster.core.sampling_params import SamplingParams  # noqa: E402
+from pagerail.common.sampling_params import SamplingParams  # noqa: E402
 
 
 def small_llama(root: Path) -> Path:

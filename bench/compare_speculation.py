@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pagerail import LLM  # noqa: E402
-from pagerail.cluster.core.sampling_params import SamplingParams  # noqa: E402
+from pagerail.common.sampling_params import SamplingParams  # noqa: E402
 
 TEXTS = (
     "The committee met on Tuesday to review the budget for the new library. After a long discussion, the members "

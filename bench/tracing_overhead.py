@@ -40,10 +40,10 @@ def span_cost_per_step_s(num_requests: int, tracer, repeats: int = 300) -> float
     from opentelemetry import trace
 
     from pagerail.cluster.core.request import Request
-    from pagerail.cluster.core.sampling_params import SamplingParams
     from pagerail.cluster.core.scheduler import ScheduledRequest, SchedulerOutput
     from pagerail.cluster.core.step_tracing import dispatch_span, end_step_span, start_step_span
     from pagerail.common import telemetry
+    from pagerail.common.sampling_params import SamplingParams
     from pagerail.proto import step_pb2
 
     out = SchedulerOutput(num_batched_tokens=num_requests)

@@ -7,17 +7,17 @@ __all__ = ["LLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "Compl
 
 if TYPE_CHECKING:
     from pagerail.cluster.core.outputs import CompletionOutput, RequestOutput
-    from pagerail.cluster.core.sampling_params import SamplingParams
-    from pagerail.cluster.core.structured_outputs import StructuredOutputs
     from pagerail.cluster.entrypoints.llm import LLM
+    from pagerail.common.sampling_params import SamplingParams
+    from pagerail.common.structured_outputs import StructuredOutputs
 
 # Imported lazily so the plain-Python scheduler modules load without torch or transformers.
 _HOMES = {
     "LLM": "pagerail.cluster.entrypoints.llm",
     "RequestOutput": "pagerail.cluster.core.outputs",
     "CompletionOutput": "pagerail.cluster.core.outputs",
-    "SamplingParams": "pagerail.cluster.core.sampling_params",
-    "StructuredOutputs": "pagerail.cluster.core.structured_outputs",
+    "SamplingParams": "pagerail.common.sampling_params",
+    "StructuredOutputs": "pagerail.common.structured_outputs",
 }
 
 

@@ -30,6 +30,7 @@ class FakeEngineClient:
         self.step_delay_s = step_delay_s
         self.active: set[str] = set()
         self.aborted: list[str] = []
+        self.stopped: list[str] = []  # ended by the caller on a stop string
         self.requests: list[EngineRequest] = []  # every envelope received, in order
         self.ready = True
         self.paused = False
@@ -91,9 +92,9 @@ class FakeEngineClient:
         if event is not None:
             event.set()
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, stopped: bool = False) -> None:
         if request_id in self.active:
-            self.aborted.append(request_id)
+            (self.stopped if stopped else self.aborted).append(request_id)
             self.active.discard(request_id)
 
     async def is_ready(self) -> bool:

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from pagerail.proto import step_pb2
+from pagerail.common.sampling_params import SamplingParams
 from pagerail.worker.attention_backends.base import AttentionBackend
 from pagerail.worker.attention_backends.select import CPU_PAGED, PAGED_DECODE, TORCH, TRITON_MIXED, select_backend
 from pagerail.worker.attention_backends.settings import AttentionSettings
@@ -29,7 +29,7 @@ def _state(handle: int, num_tokens: int, computed: int, scheduled: int, blocks: 
         handle=handle,
         token_ids=[(handle * 37 + i * 11) % 500 for i in range(num_tokens)],
         num_prompt_tokens=num_tokens,
-        sampling=step_pb2.SamplingParams(),
+        sampling=SamplingParams(),
         block_ids=blocks,
         num_computed_tokens=computed,
         generator=None,

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from pagerail.cluster.core.engine_request import EngineRequest
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.cluster.entrypoints.serve import add_serve_arguments, data_parallel_size, replica_bounds
 from pagerail.cluster.routing.autoscale import ScalingPolicy
 from pagerail.cluster.routing.replica_scaler import ReplicaScaler
 from pagerail.cluster.routing.routed_client import RoutedEngineClient
+from pagerail.common.sampling_params import SamplingParams
 from tests.fake_engine import FakeEngineClient
 
 

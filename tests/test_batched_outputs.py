@@ -17,8 +17,8 @@ from pagerail.cluster.core.async_engine import AsyncEngine
 from pagerail.cluster.core.engine import EngineCore
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.core.request import Request
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.common.sampling_params import SamplingParams
 from tests.fake_workers import FakeKVWorkers
 from tests.ray_start import start_ray
 
@@ -136,8 +136,8 @@ def test_in_process_streams_get_every_token_once_with_one_handoff_per_step():
 
         loop.call_soon_threadsafe = counted
 
-        async def abort(request_id: str) -> None:
-            engine.abort(request_id)
+        async def abort(request_id: str, stopped: bool = False) -> None:
+            engine.abort(request_id, stopped=stopped)
 
         await drive(plans, lambda p: engine.stream(EngineRequest(p.request_id, p.prompt, params_of(p))), abort)
 
@@ -182,7 +182,8 @@ def test_head_streams_get_every_token_once_in_one_message_per_step(tmp_path):
     from tests.requirements import require_module
 
     ray = require_module("ray", "needs Ray")
-    from pagerail.cluster.distributed.head import ClusterOptions, HeadActor
+    from pagerail.cluster.distributed.cluster_options import ClusterOptions
+    from pagerail.cluster.distributed.head import HeadActor
     from pagerail.cluster.distributed.head_client import HeadEngineClient
     from pagerail.cluster.distributed.launcher import NAMESPACE
     from tests.tiny_models import make_tiny_model

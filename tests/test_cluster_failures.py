@@ -17,12 +17,12 @@ ray = require_module("ray", "needs Ray")
 from ray.util import placement_group_table  # noqa: E402
 
 from pagerail.cluster.core.engine_request import EngineRequest  # noqa: E402
-from pagerail.cluster.core.sampling_params import SamplingParams  # noqa: E402
-from pagerail.cluster.distributed.head import ClusterOptions  # noqa: E402
+from pagerail.cluster.distributed.cluster_options import ClusterOptions  # noqa: E402
 from pagerail.cluster.distributed.launcher import start_heads  # noqa: E402
 from pagerail.cluster.distributed.local_executor import worker_config  # noqa: E402
 from pagerail.cluster.distributed.worker_group import WorkerGroup, process_running  # noqa: E402
 from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from pagerail.common.sampling_params import SamplingParams  # noqa: E402
 from pagerail.worker import actor as actor_module  # noqa: E402
 from tests.actor_probes import actor_pid, inject_step_fault, step_faults_hit, worker_pids  # noqa: E402
 from tests.ray_start import start_ray  # noqa: E402

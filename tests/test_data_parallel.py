@@ -17,11 +17,11 @@ ray = require_module("ray", "needs Ray")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from pagerail.cluster.core.engine_request import EngineRequest  # noqa: E402
-from pagerail.cluster.core.sampling_params import SamplingParams  # noqa: E402
-from pagerail.cluster.distributed.head import ClusterOptions  # noqa: E402
+from pagerail.cluster.distributed.cluster_options import ClusterOptions  # noqa: E402
 from pagerail.cluster.distributed.launcher import HeadLauncher, start_heads, stop_head  # noqa: E402
 from pagerail.cluster.routing.replica_pool import ReplicaPool, ReplicaSettings  # noqa: E402
 from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from pagerail.common.sampling_params import SamplingParams  # noqa: E402
 from tests.ray_start import start_ray  # noqa: E402
 from tests.test_cluster_failures import _answers, _pid, wait_for  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402

@@ -11,8 +11,8 @@ from pagerail.cluster.core.async_engine import AsyncEngine
 from pagerail.cluster.core.engine import EngineCore
 from pagerail.cluster.core.engine_client import RequestDelta, merge_deltas, read_deltas
 from pagerail.cluster.core.engine_request import EngineRequest
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.common.sampling_params import SamplingParams
 from tests.fake_workers import FakeKVWorkers
 
 VOCAB = 250

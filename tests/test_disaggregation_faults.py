@@ -13,12 +13,12 @@ from tests.requirements import require_module
 ray = require_module("ray", "needs Ray")
 
 from pagerail import LLM  # noqa: E402
-from pagerail.cluster.core.sampling_params import SamplingParams  # noqa: E402
-from pagerail.cluster.distributed.head import ClusterOptions  # noqa: E402
+from pagerail.cluster.distributed.cluster_options import ClusterOptions  # noqa: E402
 from pagerail.cluster.distributed.head_client import HeadEngineClient  # noqa: E402
 from pagerail.cluster.distributed.launcher import start_heads, stop_head  # noqa: E402
 from pagerail.cluster.routing.routed_client import RoutedEngineClient  # noqa: E402
 from pagerail.common.engine_config import CacheConfig, EngineConfig  # noqa: E402
+from pagerail.common.sampling_params import SamplingParams  # noqa: E402
 from tests.ray_start import start_ray  # noqa: E402
 from tests.test_cluster_failures import _answers, wait_for  # noqa: E402
 from tests.test_kv_moves import _stream  # noqa: E402

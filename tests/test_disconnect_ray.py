@@ -12,7 +12,7 @@ from tests.requirements import require_module
 
 ray = require_module("ray", "needs Ray")
 
-from pagerail.cluster.distributed.head import ClusterOptions  # noqa: E402
+from pagerail.cluster.distributed.cluster_options import ClusterOptions  # noqa: E402
 from pagerail.cluster.distributed.head_client import HeadEngineClient  # noqa: E402
 from pagerail.cluster.distributed.launcher import start_heads  # noqa: E402
 from pagerail.cluster.frontend.http_app import ServerState, create_app  # noqa: E402

@@ -9,8 +9,8 @@ from pagerail.cluster.core.engine import EngineCore
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.core.errors import QueueFullError
 from pagerail.cluster.core.request import RequestStatus
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.common.sampling_params import SamplingParams
 from tests.fake_workers import FakeKVWorkers, next_token
 
 VOCAB = 97

@@ -9,8 +9,8 @@ import pagerail.cluster.core.engine as engine_module
 from pagerail.cluster.core.engine import EngineCore
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.core.executor import PendingStep, WorkerGroupError
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.common.sampling_params import SamplingParams
 from pagerail.proto import step_pb2
 from tests.fake_workers import run_now
 

@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from pagerail.cluster.core.engine_request import EngineRequest, SiblingGroup
-from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.common.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=8, seed=3)
 

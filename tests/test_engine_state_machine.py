@@ -17,9 +17,9 @@ from pagerail.cluster.core.engine import EngineCore
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.core.errors import QueueFullError
 from pagerail.cluster.core.request import RequestStatus
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.cluster.core.scheduler_output import PauseMode
 from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.common.sampling_params import SamplingParams
 from tests.fake_workers import FakeKVWorkers, fingerprint, next_token
 from tests.test_block_table import check_lookups
 

@@ -8,9 +8,9 @@ import pytest
 from pagerail import LLM
 from pagerail.cluster.core.engine import EngineCore
 from pagerail.cluster.core.engine_request import EngineRequest
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.common.engine_args import ENGINE_ARG_NAMES
 from pagerail.common.engine_config import CacheConfig, EngineConfig
+from pagerail.common.sampling_params import SamplingParams
 from pagerail.proto import step_pb2
 from tests.fake_workers import FakeKVWorkers
 from tests.tiny_models import make_tiny_model
@@ -60,6 +60,6 @@ def test_reported_moe_bytes_reach_the_metrics():
         engine.add_request(EngineRequest(f"r{i}", [1 + i, 2, 3, 4, 5], SamplingParams(max_tokens=6, ignore_eos=True)))
     while engine.has_unfinished():
         engine.step()
-    text = engine.metrics.render(engine).decode()
+    text = engine.metrics_text().decode()
     line = next(x for x in text.splitlines() if x.startswith("pagerail_moe_collective_bytes_total"))
     assert float(line.rsplit(" ", 1)[1]) == workers.reported > 0

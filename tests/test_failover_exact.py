@@ -12,8 +12,8 @@ from pagerail.cluster.core.async_engine import AsyncEngine
 from pagerail.cluster.core.engine_client import RequestDelta
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.core.local_client import LocalEngineClient
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.cluster.routing.routed_client import RoutedEngineClient
+from pagerail.common.sampling_params import SamplingParams
 from tests.tiny_engine import close, tiny_engine
 from tests.tiny_models import make_tiny_model
 
@@ -62,8 +62,8 @@ class DyingReplica:
     async def append_input(self, request_id, token_ids, final):
         await self.inner.append_input(request_id, token_ids, final)
 
-    async def abort(self, request_id):
-        await self.inner.abort(request_id)
+    async def abort(self, request_id, stopped=False):
+        await self.inner.abort(request_id, stopped)
 
     async def is_ready(self):
         return self.fate["victim"] is not self

@@ -188,3 +188,24 @@ def test_from_value_error_finds_the_field() -> None:
     assert from_value_error(ValueError("top_p must be in (0, 1], got 2")).param == "top_p"
     assert from_value_error(ValueError("messages[2].content is empty")).param == "messages[2].content"
     assert from_value_error(ValueError("Prompt too long for this model")).param is None
+
+
+def test_every_sampling_setting_reaches_the_engine_from_each_front_door():
+    """A SamplingParams field is a request field of the HTTP models and of the gRPC message under its own name
+    (or one of the named exceptions), so a new setting cannot be left out of a front door unnoticed."""
+    import dataclasses
+
+    from pagerail.cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
+    from pagerail.common.sampling_params import SamplingParams
+    from pagerail.proto import api_pb2
+
+    names = {field.name for field in dataclasses.fields(SamplingParams)}
+    # Carried by response_format / structured_outputs (HTTP) and the `constraint` oneof (gRPC).
+    constraint = {"structured_outputs"}
+    grpc_fields = {field.name for field in api_pb2.SamplingParams.DESCRIPTOR.fields}
+    assert names - constraint <= grpc_fields
+    for model in (CompletionRequest, ChatCompletionRequest):
+        http_fields = set(model.model_fields)
+        if model is ChatCompletionRequest:
+            http_fields |= {"logprobs"}  # top_logprobs with logprobs: true
+        assert names <= http_fields, (model.__name__, names - http_fields)

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from pagerail import LLM
 from pagerail.cluster.bench.random_checkpoints import save_random_weights
-from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.common.sampling_params import SamplingParams
 from pagerail.worker.layers import cpu_paged_attention
 from pagerail.worker.model_loader import load_model
 from pagerail.worker.models.gpt_oss import GptOssForCausalLM

@@ -139,7 +139,7 @@ async def test_generate_by_text_detokenizes(tokenizer):
 
 
 @async_test
-async def test_stop_string_finishes_with_stop_cuts_tokens_and_aborts_engine(tokenizer):
+async def test_stop_string_finishes_with_stop_cuts_tokens_and_ends_the_engine_request_as_stopped(tokenizer):
     tokens = fake_tokens([300], 100)
     stop = tokenizer.decode(tokens[2:3])
     assert stop.strip() and stop not in tokenizer.decode(tokens[:2])  # the third token completes the stop string
@@ -151,7 +151,9 @@ async def test_stop_string_finishes_with_stop_cuts_tokens_and_aborts_engine(toke
     assert "".join(r.text for r in responses) == tokenizer.decode(tokens[:2])
     assert [t for r in responses for t in r.token_ids] == tokens[:3]  # none of the tokens after the stop
     assert responses[-1].finish_reason == "stop" and responses[-1].usage.completion_tokens == 3
-    await wait_until(lambda: len(engine.aborted) == 1)  # the engine id is made by the server
+    # The engine request ends at once, as a stop (not an abort); the engine id is made by the server.
+    await wait_until(lambda: len(engine.stopped) == 1)
+    assert engine.aborted == []
 
 
 @async_test

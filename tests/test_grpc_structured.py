@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from pagerail.cluster.core.structured_outputs import StructuredOutputs
 from pagerail.cluster.frontend.grpc_api import build_grpc_server
 from pagerail.cluster.frontend.grpc_convert import constraint_field, sampling_params_from_proto
+from pagerail.common.structured_outputs import StructuredOutputs
 from pagerail.proto import api_pb2, api_pb2_grpc
 from tests.fake_engine import FakeEngineClient
 

@@ -172,7 +172,7 @@ def _conversations(model_dir, turns: int = 4, **engine) -> tuple[list[list[int]]
     import random
 
     from pagerail import LLM
-    from pagerail.cluster.core.sampling_params import SamplingParams
+    from pagerail.common.sampling_params import SamplingParams
 
     rng = random.Random(0)
     histories = [[rng.randrange(3, 240) for _ in range(40 + 6 * i)] for i in range(16)]
@@ -185,7 +185,7 @@ def _conversations(model_dir, turns: int = 4, **engine) -> tuple[list[list[int]]
             outputs.append(tokens)
             history.extend(tokens + [5 + turn, 6, 7, 8, 9, 10])
     engine = llm.engine
-    metrics = engine.metrics.render(engine).decode()
+    metrics = engine.metrics_text().decode()
     llm.shutdown()
     return outputs, engine.scheduler.stats, engine.block_table.host_tier, metrics
 

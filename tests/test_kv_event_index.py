@@ -124,7 +124,7 @@ def test_the_engine_publishes_its_block_events(tmp_path) -> None:
     """A real engine: the blocks its prompts filled are stored on the device, evicted ones move to the host tier,
     and the index built from its events matches what its block table finds."""
     from pagerail import LLM
-    from pagerail.cluster.core.sampling_params import SamplingParams
+    from pagerail.common.sampling_params import SamplingParams
     from tests.tiny_models import make_tiny_model
 
     model_dir = make_tiny_model("llama", tmp_path / "llama")

@@ -12,9 +12,9 @@ import pytest
 from pagerail import LLM
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.core.kv_handoff import KvHandoff
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.cluster.routing.failover import ReplicaFailed
 from pagerail.cluster.routing.routed_client import RoutedEngineClient
+from pagerail.common.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow

@@ -126,3 +126,73 @@ def test_what_both_sides_share_sits_below_both():
         shared = f"pagerail.common.{shared}"
         assert (ROOT / Path(*shared.split("."))).with_suffix(".py").exists()
         assert layer_of(shared)[1] < layer_of("pagerail.worker.worker")[1]
+
+
+def import_graph(files: list[Path], root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, annotation-only (TYPE_CHECKING) imports included."""
+    modules = {module_name(path, root): path for path in files}
+    return {
+        module: {imported for imported, _ in imports_of(path) if imported in modules and imported != module}
+        for module, path in modules.items()
+    }
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    cycles.append(sorted(group))
+    return cycles
+
+
+def test_no_module_imports_itself_through_others():
+    cycles = import_cycles(import_graph(python_files()))
+    assert not cycles, "import cycles (annotation-only imports count):\n" + "\n".join(map(" <-> ".join, cycles))
+
+
+def test_the_cycle_check_sees_annotation_only_imports(tmp_path):
+    sources = {
+        "pagerail/cluster/core/a.py": "from pagerail.cluster.core.b import B\n",
+        "pagerail/cluster/core/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from pagerail.cluster.core.a import A\n",
+        "pagerail/cluster/core/c.py": "from pagerail.cluster.core.a import A\n",
+    }
+    for name, source in sources.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(source)
+    files = sorted(tmp_path.rglob("*.py"))
+    assert import_cycles(import_graph(files, tmp_path)) == [["pagerail.cluster.core.a", "pagerail.cluster.core.b"]]

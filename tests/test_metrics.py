@@ -89,7 +89,7 @@ def test_preemption_counter_rises_when_memory_runs_out(tmp_path):
     llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=24, max_num_batched_tokens=16)
     prompts = [[5 + i, 6, 7, 8, 9] * 4 for i in range(6)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
-    text = llm.engine.metrics.render(llm.engine).decode()
+    text = llm.engine.metrics_text().decode()
     assert llm.stats.num_preemptions > 0
     assert value(text, "num_preemptions_total") == llm.stats.num_preemptions
     assert value(text, "prefix_cache_queries_total") >= sum(len(p) for p in prompts)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from pagerail.proto import step_pb2
+from pagerail.common.sampling_params import SamplingParams
 from pagerail.worker.penalty_state import PenaltyState
 from pagerail.worker.request_state import RequestState
 
@@ -17,7 +17,7 @@ TOKENS = st.lists(st.integers(0, VOCAB - 1), max_size=8)
 
 
 def _state(handle: int, tokens: list[int], num_prompt: int) -> RequestState:
-    sampling = step_pb2.SamplingParams(repetition_penalty=1.2)
+    sampling = SamplingParams(repetition_penalty=1.2)
     return RequestState(handle, tokens, num_prompt, sampling, [], 0, None)
 
 

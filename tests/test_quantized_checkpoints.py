@@ -201,7 +201,7 @@ def test_metrics_show_the_weight_format_bytes_and_kv_dtype(checkpoints) -> None:
 
     llm = LLM(str(checkpoints("llama", "fp8_block")[0]), num_gpu_blocks=32, block_size=4, kv_cache_dtype="fp8")
     try:
-        text = llm.engine.metrics.render(llm.engine).decode()
+        text = llm.engine.metrics_text().decode()
         held = weight_bytes(llm.engine.executor.worker.model)
     finally:
         llm.shutdown()

@@ -12,10 +12,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from pagerail.cluster.core.engine_request import EngineRequest
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.cluster.frontend.http_app import ServerState, create_app
 from pagerail.cluster.routing.failover import ReplicaFailed, is_replica_failure
 from pagerail.cluster.routing.routed_client import RoutedEngineClient
+from pagerail.common.sampling_params import SamplingParams
 from tests.fake_engine import FakeEngineClient
 from tests.requirements import require_module
 

@@ -14,9 +14,9 @@ from pagerail.cluster.core.async_engine import AsyncEngine
 from pagerail.cluster.core.engine import EngineCore
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.core.local_client import LocalEngineClient
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.cluster.frontend.http_app import ServerState, create_app
 from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.common.sampling_params import SamplingParams
 from tests.fake_workers import FakeKVWorkers
 from tests.http_server import BackgroundServer
 

@@ -12,7 +12,7 @@ from pagerail.cluster.core.async_engine import AsyncEngine
 from pagerail.cluster.core.engine import EngineCore
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.core.request import Request, RequestStatus
-from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.common.sampling_params import SamplingParams
 from tests.tiny_engine import close, tiny_engine
 from tests.tiny_models import make_tiny_model
 

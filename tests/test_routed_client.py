@@ -15,12 +15,12 @@ from pagerail.cluster.core.engine_client import RequestDelta
 from pagerail.cluster.core.engine_request import EngineRequest, SiblingGroup
 from pagerail.cluster.core.errors import QueueFullError
 from pagerail.cluster.core.local_client import LocalEngineClient
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.cluster.routing.failover import ReplicaFailed
 from pagerail.cluster.routing.routed_client import RoutedEngineClient
 from pagerail.cluster.routing.router import NoReplicaError
 from pagerail.cluster.routing.router_metrics import with_label
 from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.common.sampling_params import SamplingParams
 from tests.fake_workers import FakeKVWorkers, next_token
 
 VOCAB = 250
@@ -63,9 +63,9 @@ class Recorder:
         self._check()
         await self.inner.append_input(request_id, token_ids, final)
 
-    async def abort(self, request_id):
+    async def abort(self, request_id, stopped=False):
         self.calls.append(("abort", request_id))
-        await self.inner.abort(request_id)
+        await self.inner.abort(request_id, stopped)
 
     async def is_ready(self):
         return not self.dead

@@ -282,11 +282,12 @@ def test_batched_penalties_are_bit_identical_to_row_by_row(seed: int) -> None:
 )
 def test_argmax_only_requests_sample_the_argmax(fields, fast):
     """The rank's argmax shortcut is taken exactly for requests whose sampler path is a plain argmax."""
+    from pagerail.common.sampling_wire import sampling_from_step
     from pagerail.proto import step_pb2
     from pagerail.worker.model_runner import sampling_row
     from pagerail.worker.request_state import RequestState, argmax_only
 
-    sampling = step_pb2.SamplingParams(**fields)
+    sampling = sampling_from_step(step_pb2.SamplingParams(**fields))  # what a rank keeps of the step message
     assert argmax_only(sampling) is fast
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 50, generator=generator)

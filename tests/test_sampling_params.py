@@ -5,8 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.common.sampling_params import SamplingParams
+from pagerail.common.sampling_wire import sampling_from_step, sampling_to_step
+from pagerail.common.structured_outputs import StructuredOutputs
+from pagerail.proto import step_pb2
 
 
 def test_defaults_are_valid_and_not_greedy() -> None:
@@ -102,3 +107,56 @@ def test_message_names_the_limit() -> None:
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens \(4\), got 5"):
         SamplingParams(max_tokens=4, min_tokens=5)
+
+
+# -- on the head-to-rank wire ------------------------------------------------------------------------------------
+
+_WIRE_SETTINGS = st.fixed_dictionaries(
+    {},
+    optional={
+        # Values that float32 holds exactly, so the rank's copy equals the head's.
+        "temperature": st.sampled_from([0.0, 0.25, 0.5, 1.0, 1.5]),
+        "top_p": st.sampled_from([0.125, 0.5, 1.0]),
+        "top_k": st.integers(-1, 100),
+        "min_p": st.sampled_from([0.0, 0.0625, 1.0]),
+        "seed": st.integers(-(2**63), 2**64 - 1),
+        "repetition_penalty": st.sampled_from([0.5, 1.0, 1.25]),
+        "presence_penalty": st.sampled_from([-2.0, 0.0, 0.5]),
+        "frequency_penalty": st.sampled_from([-0.5, 0.0, 2.0]),
+        "logprobs": st.one_of(st.none(), st.integers(0, 20)),
+        "min_tokens": st.integers(0, 8),
+        "stop_token_ids": st.lists(st.integers(0, 1000), max_size=4).map(lambda ids: tuple(sorted(set(ids)))),
+        "structured_outputs": st.sampled_from(
+            [
+                None,
+                StructuredOutputs(json={"type": "object"}),
+                StructuredOutputs(json_object=True),
+                StructuredOutputs(regex="[a-z]+"),
+                StructuredOutputs(choice=("yes", "no")),
+                StructuredOutputs(grammar='root ::= "a"'),
+            ]
+        ),
+    },
+)
+
+
+@given(_WIRE_SETTINGS)
+def test_a_rank_decodes_the_step_message_into_the_heads_sampling_params(settings) -> None:
+    """Every setting the ranks act on arrives as the head had it (a negative seed wrapped to uint64, as torch
+    wraps it); the head-only limits (max_tokens, stop strings) are not sent."""
+    head = SamplingParams(max_tokens=32, stop=("END",), **settings)
+    rank = sampling_from_step(step_pb2.SamplingParams.FromString(sampling_to_step(head).SerializeToString()))
+    expected = dataclasses.replace(head, max_tokens=None, stop=())
+    if head.seed is not None:
+        expected = dataclasses.replace(expected, seed=head.seed & 0xFFFFFFFFFFFFFFFF)
+    assert rank == expected
+
+
+def test_an_empty_step_message_is_the_default_sampling_params() -> None:
+    """Absent fields take SamplingParams' defaults (top_p and repetition_penalty 1, not the wire's zero)."""
+    assert sampling_from_step(step_pb2.SamplingParams()) == SamplingParams(max_tokens=None)
+
+
+def test_the_head_sends_the_requests_stop_ids_with_the_models_eos() -> None:
+    message = sampling_to_step(SamplingParams(stop_token_ids=[9, 4]), stop_token_ids={9, 4, 2})
+    assert list(message.stop_token_ids) == [2, 4, 9]

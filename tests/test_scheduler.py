@@ -6,10 +6,10 @@ import pytest
 
 from pagerail.cluster.core.block_table import BlockTable
 from pagerail.cluster.core.request import Request, RequestStatus
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.cluster.core.scheduler import Scheduler
 from pagerail.cluster.core.scheduler_output import PauseMode
 from pagerail.common.engine_config import SchedulerConfig
+from pagerail.common.sampling_params import SamplingParams
 
 VOCAB = 1000
 EOS = 999

@@ -14,9 +14,9 @@ from pagerail import LLM
 from pagerail.cluster.bench.random_checkpoints import save_random_weights
 from pagerail.cluster.core.engine import EngineCore
 from pagerail.cluster.core.engine_request import EngineRequest
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.common.attention_windows import layer_sliding_windows, uniform_sliding_window
 from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.common.sampling_params import SamplingParams
 from pagerail.worker.layers import cpu_paged_attention
 from tests.fake_workers import FakeKVWorkers
 from tests.parity import compare, engine_greedy, reference_greedy

@@ -12,7 +12,7 @@ import torch
 
 from pagerail import LLM
 from pagerail.cluster.bench.random_eagle_heads import make_eagle_head, make_transparent
-from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.common.sampling_params import SamplingParams
 from pagerail.worker.spec_decode.eagle import EagleProposer
 from tests.tiny_models import make_tiny_model
 

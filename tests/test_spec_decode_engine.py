@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from pagerail import LLM
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.cluster.core.speculation import WARMUP_STEPS, SpeculationPolicy
+from pagerail.common.sampling_params import SamplingParams
 from pagerail.common.speculative_config import SpeculativeConfig
 from tests.tiny_models import make_tiny_model
 
@@ -141,7 +141,7 @@ def test_speculation_backs_off_at_a_batch_size_and_says_so(llama_dir: Path) -> N
     llm.generate(_prompts(12), params)
     policy = llm.engine.speculation
     assert policy.num_backoff_steps > 0
-    text = llm.engine.metrics.render(llm.engine).decode()
+    text = llm.engine.metrics_text().decode()
     llm.shutdown()
     line = next(line for line in text.splitlines() if line.startswith("pagerail_spec_decode_backoff_steps_total{"))
     assert float(line.rsplit(" ", 1)[1]) == policy.num_backoff_steps

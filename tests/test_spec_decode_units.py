@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagerail.common.engine_args import engine_config
+from pagerail.common.sampling_params import SamplingParams
 from pagerail.common.speculative_config import speculative_config_from
 from pagerail.worker.sampler import Sampler, SamplingRow, _apply_temperature_and_filters
 from pagerail.worker.spec_decode.ngram import propose_ngram
@@ -123,7 +124,6 @@ def test_speculative_tokens_follow_the_target_distribution(row: SamplingRow) -> 
 def test_a_speculating_chunk_samples_every_row_beside_decodes_that_do_not_sample() -> None:
     """A decode that samples nothing (a one-token input chunk) next to a speculating chunk whose extra rows make
     the sample count equal the request count: the decodes' sampled rows must still be looked up one by one."""
-    from pagerail.proto import step_pb2
     from pagerail.worker.attention_backends.settings import AttentionSettings
     from pagerail.worker.input_buffers import InputBuffers
     from pagerail.worker.request_state import RequestState
@@ -132,7 +132,7 @@ def test_a_speculating_chunk_samples_every_row_beside_decodes_that_do_not_sample
     def state(handle: int, skip: bool, drafts: list[int] | None) -> RequestState:
         tokens = [handle * 10 + i for i in range(5)] + (drafts or [])
         return RequestState(
-            handle, tokens, 3, step_pb2.SamplingParams(), [handle], 4, None, 1 + len(drafts or []), skip,
+            handle, tokens, 3, SamplingParams(), [handle], 4, None, 1 + len(drafts or []), skip,
             drafts=drafts,
         )  # fmt: skip
 

@@ -1,5 +1,6 @@
 """Stop strings in the offline LLM: matched incrementally by the output processor, with the same outcome as decoding
-the whole output after every token, in-process and tensor parallel (the head aborts the request once it appears)."""
+the whole output after every token, in-process and tensor parallel (the head ends the request, reason "stop",
+once it appears)."""
 
 from __future__ import annotations
 
@@ -104,10 +105,24 @@ def model_dir(tmp_path_factory, tokenizer):
     return path
 
 
+def finished_by_reason(metrics_text: str) -> dict[str, float]:
+    """pagerail_request_success_total by finished_reason, from the engine's exposition."""
+    counts = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("pagerail_request_success_total{"):
+            reason = line.split('finished_reason="')[1].split('"')[0]
+            counts[reason] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
 def test_in_process_llm_stops_where_the_whole_text_first_holds_the_stop_string(model_dir, tokenizer):
     llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=256)
     check_stops(llm, tokenizer)
     assert not llm.engine.has_unfinished()
+    # A stop string ends its request as a finish with reason "stop" in every count, never as an abort: the four
+    # free runs end by length, the four stopped ones by "stop", and before max_tokens (fewer tokens generated).
+    assert llm.stats.num_aborted == 0 and llm.stats.num_stopped_by_caller == 4
+    assert finished_by_reason(llm.engine.metrics_text().decode()) == {"length": 4.0, "stop": 4.0}
 
 
 @pytest.mark.slow
@@ -126,6 +141,8 @@ def test_tensor_parallel_llm_stops_at_stop_strings_as_it_runs(model_dir, tokeniz
     finally:
         llm.shutdown()
         ray.shutdown()
-    # Each stopped request was aborted at the head while it ran, not generated to max_tokens and cut afterwards.
-    assert stats["num_aborted"] - before["num_aborted"] == 4
+    # Each stopped request was ended at the head while it ran (as a finish, not an abort), not generated to
+    # max_tokens and cut afterwards.
+    assert stats["num_stopped_by_caller"] - before["num_stopped_by_caller"] == 4
+    assert stats["num_aborted"] == before["num_aborted"]
     assert stats["num_unfinished"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]

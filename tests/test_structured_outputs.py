@@ -112,7 +112,7 @@ def test_unconstrained_requests_get_the_same_tokens_next_to_constrained_ones(llm
 def constrain_steps(llm: LLM) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = llm.engine.metrics.render(llm.engine).decode()
+    text = llm.engine.metrics_text().decode()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "pagerail_step_duration_seconds_count" and sample.labels.get("phase") == "constrain":
@@ -196,12 +196,15 @@ def test_a_schema_keeps_its_property_order_and_dicts_are_accepted():
 def test_a_matcher_follows_its_request_through_a_restart_and_a_rollback(tiny_dir):
     import torch
 
+    from pagerail.common.sampling_wire import sampling_from_step
     from pagerail.proto import step_pb2
     from pagerail.worker.constraints import ConstraintMatchers
     from pagerail.worker.request_state import RequestState
 
-    sampling = step_pb2.SamplingParams(
-        temperature=1.0, constraint_kind="json", constraint_spec=json.dumps(SCHEMA), stop_token_ids=[2]
+    sampling = sampling_from_step(
+        step_pb2.SamplingParams(
+            temperature=1.0, constraint_kind="json", constraint_spec=json.dumps(SCHEMA), stop_token_ids=[2]
+        )
     )
 
     def state_with(outputs: list[int]) -> RequestState:

@@ -194,7 +194,7 @@ def test_one_trace_from_http_through_head_to_both_ranks(receiver, tmp_path):
     ray = require_module("ray", "needs Ray")
     from transformers import AutoTokenizer
 
-    from pagerail.cluster.distributed.head import ClusterOptions
+    from pagerail.cluster.distributed.cluster_options import ClusterOptions
     from pagerail.cluster.distributed.head_client import HeadEngineClient
     from pagerail.cluster.distributed.launcher import start_heads
     from pagerail.cluster.frontend.http_app import ServerState, create_app

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagerail.proto import step_pb2
+from pagerail.common.sampling_params import SamplingParams
 from pagerail.worker.attention_backends.settings import AttentionSettings
 from pagerail.worker.input_buffers import InputBuffers
 from pagerail.worker.request_state import RequestState
@@ -215,7 +215,7 @@ def _state(handle: int, num_tokens: int, blocks: list[int], computed: int, sched
         handle=handle,
         token_ids=list(range(100 * handle, 100 * handle + num_tokens)),
         num_prompt_tokens=num_tokens,
-        sampling=step_pb2.SamplingParams(),
+        sampling=SamplingParams(),
         block_ids=blocks,
         num_computed_tokens=computed,
         generator=None,

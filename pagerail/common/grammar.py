@@ -33,7 +33,7 @@ def field_of(kind: str) -> str:
 
 @lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
 def grammar_text(kind: str, spec: str) -> str:
-    """llguidance's grammar for one constraint (pagerail.cluster.core.structured_outputs has the kinds)."""
+    """llguidance's grammar for one constraint (pagerail.common.structured_outputs has the kinds)."""
     import llguidance
 
     if kind == "json":

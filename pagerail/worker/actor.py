@@ -23,7 +23,7 @@ from pagerail.worker.config import WorkerConfig
 from pagerail.worker.grpc_server import start_worker_server
 from pagerail.worker.kv_channel import KvChannel
 from pagerail.worker.parallel_state import TensorParallelGroup
-from pagerail.worker.worker import Worker
+from pagerail.worker.worker import Worker, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ class WorkerActor:
     def _resolved_config(self) -> WorkerConfig:
         """Pin the device and the CPU thread count this actor may use."""
         config = self.config
-        if config.device in ("auto", "cuda") and torch.cuda.is_available():
+        if config.device != "cpu" and resolve_device("auto").type == "cuda":
             # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, which is therefore always device 0.
             return dataclasses.replace(config, pinned_device="cuda:0")
         if config.num_threads is None:

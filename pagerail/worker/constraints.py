@@ -71,10 +71,11 @@ class ConstraintMatchers:
     def start(self, states: list[RequestState]) -> None:
         """Begin compiling the matchers of newly arrived constrained requests."""
         for state in states:
-            if state.sampling.constraint_kind and state.handle not in self._matchers:
+            constraint = state.sampling.structured_outputs
+            if constraint is not None and state.handle not in self._matchers:
                 if self._compiler is None:
                     self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-                kind, spec = state.sampling.constraint_kind, state.sampling.constraint_spec
+                kind, spec = constraint.kind, constraint.spec
                 self._matchers[state.handle] = _Pending(
                     self._compiler.submit(self._compile, kind, spec), frozenset(state.sampling.stop_token_ids)
                 )
@@ -195,7 +196,7 @@ class ConstraintMatchers:
             return done
         started = time.perf_counter()
         for state, token_id in zip(states, token_ids, strict=True):
-            if not state.sampling.constraint_kind:
+            if state.sampling.structured_outputs is None:
                 continue
             entry = self._matchers.get(state.handle)
             if not isinstance(entry, _Matcher) or entry.done:

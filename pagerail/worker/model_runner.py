@@ -207,7 +207,8 @@ class ModelRunner:
         if self.constraints is not None and batch.new_requests:
             # Compiled on a background thread while the forward pass runs.
             states = self.states.states
-            self.constraints.start([states[new.handle] for new in batch.new_requests if new.sampling.constraint_kind])
+            arrived = [states[new.handle] for new in batch.new_requests]
+            self.constraints.start([state for state in arrived if state.sampling.structured_outputs is not None])
         if flat is not None:
             events = self._forward_events
             if events is None:

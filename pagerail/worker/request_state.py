@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagerail.common.sampling_params import SamplingParams
+from pagerail.common.sampling_wire import sampling_from_step
 from pagerail.proto import step_pb2
 from pagerail.worker.sampler import SamplingRow
 
@@ -18,7 +20,7 @@ class RequestState:
     handle: int
     token_ids: list[int]
     num_prompt_tokens: int
-    sampling: step_pb2.SamplingParams
+    sampling: SamplingParams  # decoded from the step message once, when the request arrives
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
@@ -66,7 +68,7 @@ def sampling_row(state: RequestState, ahead: int = 0) -> SamplingRow:
     return _row_settings(params, state.seeded_generator(ahead), banned)
 
 
-def argmax_only(sampling: step_pb2.SamplingParams) -> bool:
+def argmax_only(sampling: SamplingParams) -> bool:
     """True when every token of the request is the argmax of its logits, whatever its outputs so far."""
     row = _row_settings(sampling)
     # Stop tokens are banned until min_tokens outputs exist: the one setting that changes with the outputs.
@@ -75,19 +77,18 @@ def argmax_only(sampling: step_pb2.SamplingParams) -> bool:
 
 
 def _row_settings(
-    params: step_pb2.SamplingParams, generator: torch.Generator | None = None, banned: tuple[int, ...] = ()
+    params: SamplingParams, generator: torch.Generator | None = None, banned: tuple[int, ...] = ()
 ) -> SamplingRow:
-    """The one place a request's sampling settings are normalised: what the head sent as the request holds them,
-    an absent proto field (0) as that setting's neutral value; top_k <= 0 (0 or vLLM's -1) is off in the sampler."""
+    """The sampler's row of a request's settings this step; top_k <= 0 (0 or vLLM's -1) is off in the sampler."""
     return SamplingRow(
         temperature=params.temperature,
-        top_p=params.top_p if params.top_p > 0 else 1.0,
+        top_p=params.top_p,
         top_k=params.top_k,
         min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty if params.repetition_penalty > 0 else 1.0,
+        repetition_penalty=params.repetition_penalty,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
-        num_logprobs=params.num_logprobs if params.HasField("num_logprobs") else None,
+        num_logprobs=params.logprobs,
         generator=generator,
         banned_token_ids=banned,
     )
@@ -124,17 +125,18 @@ class RequestStates:
                 state.num_computed_tokens = 0
         scheduled: list[RequestState] = []
         for new in batch.new_requests:
+            sampling = sampling_from_step(new.sampling)
             state = RequestState(
                 handle=new.handle,
                 token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens,
-                sampling=new.sampling,
+                sampling=sampling,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
-                generator=self._generator(new.sampling),
+                generator=self._generator(sampling),
                 num_scheduled_tokens=new.num_scheduled_tokens,
                 skip_sampling=new.skip_sampling,
-                argmax_only=argmax_only(new.sampling),
+                argmax_only=argmax_only(sampling),
             )
             self._drop(states.get(new.handle))
             states[new.handle] = state
@@ -177,7 +179,7 @@ class RequestStates:
         if self.on_drop is not None:
             self.on_drop(state)
 
-    def _generator(self, sampling: step_pb2.SamplingParams) -> torch.Generator | None:
-        if not sampling.HasField("seed"):
+    def _generator(self, sampling: SamplingParams) -> torch.Generator | None:
+        if sampling.seed is None:
             return None
         return torch.Generator(device=self.device)

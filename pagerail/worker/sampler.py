@@ -6,10 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagerail.common.sampling_params import GREEDY_TEMPERATURE
 from pagerail.worker.host_readback import HostReadback, to_host
-
-# Below this temperature a row is decoded by argmax; the same threshold as SamplingParams.greedy.
-GREEDY_TEMPERATURE = 1e-5
 
 
 def row_argmax(logits: torch.Tensor, readback: HostReadback | None = None) -> list[int]:

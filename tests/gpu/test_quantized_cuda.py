@@ -67,7 +67,7 @@ def test_quantized_models_on_cuda_match_their_dequantized_twins(checkpoints, kin
 
 def test_the_engine_serves_fp8_weights_over_an_fp8_kv_cache(smollm2_dir) -> None:
     from pagerail import LLM
-    from pagerail.cluster.core.sampling_params import SamplingParams
+    from pagerail.common.sampling_params import SamplingParams
 
     prompts = ["The capital of France is", "Write a haiku about the sea.", "List three prime numbers:"]
     params = SamplingParams(temperature=0.0, max_tokens=24)

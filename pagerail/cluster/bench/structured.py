@@ -16,7 +16,7 @@ from pagerail.cluster.bench.stats import format_table
 from pagerail.cluster.bench.step_phases import on_step_results
 from pagerail.cluster.bench.workload import BenchRequest
 from pagerail.cluster.core.engine_request import EngineRequest
-from pagerail.cluster.core.structured_outputs import StructuredOutputs
+from pagerail.common.structured_outputs import StructuredOutputs
 
 # Cold compiles timed per schema; the median is reported, so one slow first run (lazy initialisation) does not skew it.
 COMPILE_REPEATS = 5

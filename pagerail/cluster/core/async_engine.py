@@ -110,10 +110,12 @@ class AsyncEngine:
     def append_input(self, request_id: str, token_ids: Sequence[int], final: bool) -> None:
         self._submit(Append(request_id, list(token_ids), final))
 
-    def abort(self, request_id: str, sink: OutputSink | None = None, key: Hashable = None) -> None:
+    def abort(
+        self, request_id: str, sink: OutputSink | None = None, key: Hashable = None, stopped: bool = False
+    ) -> None:
         """Abort a request; with `sink`, only when that sink still owns it under `key` (a refused duplicate id
-        must not abort the request holding it)."""
-        self._submit(Abort(request_id, sink, key))
+        must not abort the request holding it). `stopped`: the caller found a stop string (reason "stop")."""
+        self._submit(Abort(request_id, sink, key, stopped))
 
     def drop_sink(self, sink: OutputSink) -> None:
         """The consumer behind `sink` is gone: abort every request it owns."""
@@ -155,6 +157,7 @@ class AsyncEngine:
             "num_free_blocks": engine.block_table.num_free_blocks,
             "num_preemptions": scheduler.stats.num_preemptions,
             "num_aborted": scheduler.stats.num_aborted,
+            "num_stopped_by_caller": scheduler.stats.num_stopped_by_caller,
             "num_computed_tokens": scheduler.stats.num_computed_tokens,
             "num_prefix_hit_tokens": scheduler.stats.num_prefix_hit_tokens,
             "num_host_hit_tokens": scheduler.stats.num_host_hit_tokens,
@@ -167,7 +170,7 @@ class AsyncEngine:
 
     def metrics_text(self) -> str:
         """The engine's Prometheus exposition."""
-        return self.engine.metrics.render(self.engine).decode()
+        return self.engine.metrics_text().decode()
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -257,7 +260,7 @@ class AsyncEngine:
                     sink = command.sink
                     if sink is not None and (owner is None or owner.sink is not sink or owner.key != command.key):
                         continue  # that caller's request already ended, or was never admitted
-                    self._abort(command.request_id)
+                    self._abort(command.request_id, command.stopped)
                 case DropSink():
                     for request_id in [rid for rid, owner in self._owners.items() if owner.sink is command.sink]:
                         self._abort(request_id)
@@ -299,8 +302,8 @@ class AsyncEngine:
                 self.engine.abort(command.request_id)
                 self._batch_for(owner.sink).errors.append((owner.key, error))
 
-    def _abort(self, request_id: str) -> None:
-        request = self.engine.abort(request_id)
+    def _abort(self, request_id: str, stopped: bool = False) -> None:
+        request = self.engine.abort(request_id, stopped)
         if request is not None:
             self._publish(request)
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagerail.cluster.core.block_table import BlockTable
-from pagerail.cluster.core.engine_metrics import EngineMetrics
+from pagerail.cluster.core.engine_metrics import EngineMetrics, EngineSnapshot
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.core.errors import QueueFullError
 from pagerail.cluster.core.executor import Executor, PendingStep, WorkerGroupError
@@ -27,6 +27,8 @@ from pagerail.cluster.core.step_tracing import dispatch_span, end_step_span, sta
 from pagerail.common.engine_config import EngineConfig
 from pagerail.proto import step_pb2
 
+# Worker-group restarts in a row before the engine gives up and fails every request (retriable).
+DEFAULT_MAX_RESTARTS = 3
 logger = logging.getLogger(__name__)
 
 # The shortest context worth serving: a cache that cannot hold this many tokens for one sequence is refused.
@@ -89,7 +91,7 @@ class EngineCore:
         self.metrics = EngineMetrics(config.model_name)
         self.metrics.observe_weights(getattr(executor, "weights", None))
         # Worker-group failures in a row; reset by every successful step.
-        self.max_restarts = 3
+        self.max_restarts = DEFAULT_MAX_RESTARTS
         self.restart_backoff_s = 0.5
         self._consecutive_failures = 0
         self.num_restarts = 0
@@ -181,14 +183,39 @@ class EngineCore:
             if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
                 raise ValueError(f"{what} must be ints in [0, {self.vocab_size}), got {token!r}")
 
-    def abort(self, request_id: str) -> Request | None:
-        request = self.scheduler.abort(request_id)
+    def abort(self, request_id: str, stopped: bool = False) -> Request | None:
+        """End a request now; `stopped`: on a stop string its caller found (reason "stop", not an abort)."""
+        request = self.scheduler.abort(request_id, stopped)
         if request is not None:
             self.metrics.observe_finished(request)
         return request
 
     def pause(self, mode: PauseMode) -> None:
         self.scheduler.pause(mode)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The gauges and running totals the metrics read at scrape time."""
+        scheduler, table = self.scheduler, self.block_table
+        stats, tier = scheduler.stats, table.host_tier
+        return EngineSnapshot(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            pause_mode=scheduler.pause_mode.value,
+            kv_usage=table.usage,
+            num_free_blocks=table.num_free_blocks,
+            num_used_slots=table.num_used_blocks * table.block_size,
+            num_live_tokens=sum(r.num_computed_tokens for r in scheduler.running),
+            num_preemptions=stats.num_preemptions,
+            num_prefix_query_tokens=stats.num_prefix_query_tokens,
+            num_prefix_hit_tokens=stats.num_prefix_hit_tokens,
+            num_host_hit_tokens=stats.num_host_hit_tokens,
+            num_restarts=self.num_restarts,
+            host_tier_copies=None if tier is None else (tier.num_offloaded, tier.num_loaded),
+        )
+
+    def metrics_text(self) -> bytes:
+        """The Prometheus text exposition of this engine."""
+        return self.metrics.render(self.snapshot())
 
     def drain(self) -> list[Request]:
         """Apply every step in flight without scheduling more (a caller whose requests all ended, e.g. on a stop
@@ -273,7 +300,8 @@ class EngineCore:
         changed = self.scheduler.update_from_output(
             step.out, sampled, frozenset(result.constraint_done), logprobs, spec_runs
         )
-        self.metrics.observe_step(self, step.out, result, step.dispatched - step.started, waited, changed)
+        dispatch_stats = getattr(self.executor, "dispatch_stats", None)
+        self.metrics.observe_step(step.out, result, step.dispatched - step.started, waited, changed, dispatch_stats)
         end_step_span(step.span, result=result)
         return changed
 

@@ -37,6 +37,7 @@ class Abort:
     request_id: str
     sink: OutputSink | None = None
     key: Hashable = None
+    stopped: bool = False  # the caller found a stop string: the request finishes with reason "stop"
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -11,7 +12,6 @@ from pagerail.cluster.core.fast_metrics import FastCounter, FastHistogram
 from pagerail.cluster.core.request import RequestStatus
 
 if TYPE_CHECKING:
-    from pagerail.cluster.core.engine import EngineCore
     from pagerail.cluster.core.request import Request
     from pagerail.cluster.core.scheduler_output import SchedulerOutput
     from pagerail.proto import step_pb2
@@ -48,6 +48,26 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 # "constrain" (token masks of constrained requests, on the sampling rank) is observed only in steps that have some.
 STEP_PHASES = ("schedule", "dispatch", "forward", "sample", "constrain")
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The engine's gauges and running totals at one moment, as the metrics read them at scrape time."""
+
+    num_running: int
+    num_waiting: int
+    pause_mode: str  # "none", "new" or "all"
+    kv_usage: float
+    num_free_blocks: int
+    num_used_slots: int  # the used blocks' token slots
+    num_live_tokens: int  # tokens computed by the running requests
+    num_preemptions: int
+    num_prefix_query_tokens: int
+    num_prefix_hit_tokens: int
+    num_host_hit_tokens: int
+    num_restarts: int
+    # The host KV tier's copies, None without a tier.
+    host_tier_copies: tuple[int, int] | None = None  # (offloaded, loaded) blocks
 
 
 class EngineMetrics:
@@ -166,13 +186,14 @@ class EngineMetrics:
 
     def observe_step(
         self,
-        engine: EngineCore,
         out: SchedulerOutput,
         result: step_pb2.StepResult,
         schedule_s: float,
         round_trip_s: float,
         changed: list[Request],
+        dispatch_stats=None,
     ) -> None:
+        """One step's phases, tokens and latencies; `dispatch_stats` (the remote executor's) its bytes per rank."""
         now = time.monotonic()
         if out.has_admissions:
             for item in out.scheduled:
@@ -197,7 +218,8 @@ class EngineMetrics:
         if result.moe_collective_bytes:
             self._moe_bytes.inc(result.moe_collective_bytes)
         self._observe_tokens(changed, now)
-        self._observe_dispatch(engine)
+        if dispatch_stats is not None:
+            self._observe_dispatch(dispatch_stats)
 
     def _observe_tokens(self, changed: list[Request], now: float) -> None:
         """New-token counts and latencies of the requests a step changed: the per-request hot path.
@@ -253,9 +275,8 @@ class EngineMetrics:
         if request.first_token_time is not None:
             self._decode_time.observe(now - request.first_token_time)
 
-    def _observe_dispatch(self, engine: EngineCore) -> None:
-        stats = getattr(engine.executor, "dispatch_stats", None)
-        if stats is None or not stats.bytes_received_per_rank:
+    def _observe_dispatch(self, stats) -> None:
+        if not stats.bytes_received_per_rank:
             return
         name = self.model_name
         for rank, received in enumerate(stats.bytes_received_per_rank):
@@ -266,41 +287,39 @@ class EngineMetrics:
 
     # -- gauges and totals, read at any time ----------------------------------------------------
 
-    def refresh(self, engine: EngineCore) -> None:
-        """Bring gauges and counters fed by the scheduler's totals up to date.
+    def refresh(self, snapshot: EngineSnapshot) -> None:
+        """Bring gauges and counters fed by the engine's totals up to date.
 
         Run at scrape time rather than every step, so the hot path never walks the running batch for them.
         """
         name = self.model_name
-        scheduler, table = engine.scheduler, engine.block_table
-        running, waiting = len(scheduler.running), len(scheduler.waiting)
+        running, waiting = snapshot.num_running, snapshot.num_waiting
         self.running.labels(name).set(running)
         self.waiting.labels(name).set(waiting)
-        mode = scheduler.pause_mode.value
+        mode = snapshot.pause_mode
         self.paused.labels(name).set(running + waiting if mode == "all" else waiting if mode == "new" else 0)
-        self.kv_usage.labels(name).set(table.usage)
-        self.free_blocks.labels(name).set(table.num_free_blocks)
-        slots = table.num_used_blocks * table.block_size
-        live = sum(r.num_computed_tokens for r in scheduler.running)
-        self.slot_utilization.labels(name).set(live / slots if slots else 0.0)
-        stats = scheduler.stats
-        self.preemptions.labels(name).inc(stats.num_preemptions - self._seen_preemptions)
-        self._seen_preemptions = stats.num_preemptions
-        queries, hits, host_hits = stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens, stats.num_host_hit_tokens
+        self.kv_usage.labels(name).set(snapshot.kv_usage)
+        self.free_blocks.labels(name).set(snapshot.num_free_blocks)
+        slots = snapshot.num_used_slots
+        self.slot_utilization.labels(name).set(snapshot.num_live_tokens / slots if slots else 0.0)
+        self.preemptions.labels(name).inc(snapshot.num_preemptions - self._seen_preemptions)
+        self._seen_preemptions = snapshot.num_preemptions
+        queries, hits = snapshot.num_prefix_query_tokens, snapshot.num_prefix_hit_tokens
+        host_hits = snapshot.num_host_hit_tokens
         self.prefix_queries.labels(name).inc(queries - self._seen_prefix[0])
         self.prefix_hits.labels(name).inc(hits - self._seen_prefix[1])
         self.host_hits.labels(name).inc(host_hits - self._seen_prefix[2])
         self._seen_prefix = (queries, hits, host_hits)
-        tier = table.host_tier
-        if tier is not None:
-            seen = self._seen_offload if tier.num_offloaded >= self._seen_offload[0] else (0, 0)  # a new tier
-            self.kv_offload_blocks.labels(name, "offload").inc(tier.num_offloaded - seen[0])
-            self.kv_offload_blocks.labels(name, "load").inc(tier.num_loaded - seen[1])
-            self._seen_offload = (tier.num_offloaded, tier.num_loaded)
-        self.restarts.labels(name).inc(engine.num_restarts - self._seen_restarts)
-        self._seen_restarts = engine.num_restarts
+        if snapshot.host_tier_copies is not None:
+            offloaded, loaded = snapshot.host_tier_copies
+            seen = self._seen_offload if offloaded >= self._seen_offload[0] else (0, 0)  # a new tier
+            self.kv_offload_blocks.labels(name, "offload").inc(offloaded - seen[0])
+            self.kv_offload_blocks.labels(name, "load").inc(loaded - seen[1])
+            self._seen_offload = (offloaded, loaded)
+        self.restarts.labels(name).inc(snapshot.num_restarts - self._seen_restarts)
+        self._seen_restarts = snapshot.num_restarts
 
-    def render(self, engine: EngineCore) -> bytes:
+    def render(self, snapshot: EngineSnapshot) -> bytes:
         """The Prometheus text exposition."""
-        self.refresh(engine)
+        self.refresh(snapshot)
         return generate_latest(self.registry)

@@ -6,7 +6,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from pagerail.cluster.core.sampling_params import SamplingParams, check_int
+from pagerail.common.sampling_params import SamplingParams, check_int
 
 __all__ = ["EngineRequest", "SiblingGroup"]
 

@@ -24,8 +24,8 @@ class LocalEngineClient:
     async def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None:
         self._engine.append_input(request_id, token_ids, final)
 
-    async def abort(self, request_id: str) -> None:
-        self._engine.abort(request_id)
+    async def abort(self, request_id: str, stopped: bool = False) -> None:
+        self._engine.abort(request_id, stopped=stopped)
 
     async def is_ready(self) -> bool:
         return True

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.common.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -123,3 +123,36 @@ class Request:
     def append_input(self, token_ids: list[int]) -> None:
         self.prompt_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    def append_output(
+        self,
+        token_id: int,
+        logprobs: tuple[float, dict[int, float]] | None,
+        max_model_len: int,
+        constraint_done: bool = False,
+    ) -> RequestStatus | None:
+        """Append one sampled token (and its logprob with the top ones, when asked for); the reason the request
+        finishes on it, or None when it goes on. The only stop rule: every path that appends a token uses it.
+
+        `constraint_done`: the request's output constraint accepts nothing after this token (a closed JSON value).
+        """
+        outputs = self.output_token_ids
+        outputs.append(token_id)
+        self.all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs[0])
+            self.top_logprobs.append(logprobs[1])
+        if constraint_done or (token_id in self.stop_token_ids and len(outputs) >= self.sampling_params.min_tokens):
+            return RequestStatus.FINISHED_STOPPED
+        max_tokens = self.max_tokens
+        if (max_tokens is not None and len(outputs) >= max_tokens) or len(self.all_token_ids) >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def ends_in_flight(self, max_model_len: int) -> bool:
+        """True when a token still being sampled is the request's last by length: nothing more to schedule."""
+        if not self.num_pending_samples:
+            return False
+        max_tokens = self.max_tokens
+        num_outputs = len(self.output_token_ids) + self.num_pending_samples
+        return (max_tokens is not None and num_outputs >= max_tokens) or self.num_tokens_expected >= max_model_len

@@ -7,15 +7,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from pagerail.cluster.core import session_inputs
 from pagerail.cluster.core.admission import check_fits
 from pagerail.cluster.core.block_table import BlockTable
 from pagerail.cluster.core.errors import QueueFullError
 from pagerail.cluster.core.request import Request, RequestStatus
 from pagerail.cluster.core.scheduler_output import PauseMode, ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagerail.cluster.core.speculation import SpecRun, follows_run, speculation_room
-from pagerail.cluster.core.step_update import apply_step_output
-from pagerail.cluster.core.stop_conditions import ends_in_flight
 from pagerail.common.engine_config import SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -70,16 +67,41 @@ class Scheduler:
         self.waiting.append(request)
 
     def append_input(self, request_id: str, token_ids: list[int], final: bool) -> Request:
-        """Next chunk of a streaming-input session (cluster/core/session_inputs.py)."""
-        return session_inputs.append_input(self, request_id, token_ids, final)
+        """Next chunk of a streaming-input session. A chunk that would not fit is refused, the session unchanged."""
+        request = self.requests.get(request_id)
+        if request is None or not request.input_open:
+            raise ValueError(f"request_id {request_id!r} is not an open streaming-input session")
+        num_tokens = request.num_tokens + len(token_ids)
+        check_fits(request, num_tokens, self.max_model_len, self.config, self.block_table)
+        request.append_input(token_ids)
+        request.input_open = not final
+        if not request.awaiting_input:
+            return request  # still running or waiting: the new tokens are picked up by the next steps
+        if not token_ids and not final:
+            request.idle_since = self.clock()  # an empty chunk only shows the client is still there
+            return request
+        del self.idle_sessions[request_id]
+        request.idle_since = None
+        if not token_ids and request.num_computed_tokens == request.num_tokens:
+            # The input ended after its last chunk was computed, but positions computed while input was open
+            # kept no logits: recompute the last one to sample the first output token.
+            request.num_computed_tokens -= 1
+            request.needs_resync = True
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        return request
 
-    def abort(self, request_id: str) -> Request | None:
-        """Drop a request wherever it is and free its blocks."""
+    def abort(self, request_id: str, stopped: bool = False) -> Request | None:
+        """Drop a request wherever it is and free its blocks. `stopped`: its caller found a stop string in its
+        text, so it finished (reason "stop") rather than being aborted."""
         request = self.requests.get(request_id)
         if request is None:
             return None
-        self.stats.num_aborted += 1
-        self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        if stopped:
+            self.stats.num_stopped_by_caller += 1
+        else:
+            self.stats.num_aborted += 1
+        self.finish_request(request, RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED)
         return request
 
     def requeue_all(self) -> None:
@@ -122,7 +144,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Spend this step's token budget: running requests first, then waiting ones."""
-        expired = session_inputs.expire_idle(self) if self.idle_sessions else []
+        expired = self._expire_idle_sessions() if self.idle_sessions else []
         out = SchedulerOutput(finished_handles=self._finished_handles, expired=expired)
         self._finished_handles = []
         if self.pause_mode is PauseMode.ALL:
@@ -158,7 +180,7 @@ class Scheduler:
             num_new = expected - position
             if num_new > budget:
                 num_new = budget
-            if num_new <= 0 or (pending and ends_in_flight(request, max_model_len)):
+            if num_new <= 0 or (pending and request.ends_in_flight(max_model_len)):
                 continue
             if extra and not follows_run(request, num_new, extra, position, max_model_len):
                 continue
@@ -349,13 +371,112 @@ class Scheduler:
 
         Returns the requests that changed (got a token or finished), for streaming to callers.
         """
-        return apply_step_output(self, out, sampled, constraint_done, logprobs, spec_runs)
+        changed: list[Request] = []
+        # Runs once per scheduled request per step: the block table is asked to hash only when a block filled
+        # (hash_due_at).
+        commit_computed = self.block_table.commit_computed
+        hash_due_at = self.block_table.hash_due_at
+        running = RequestStatus.RUNNING
+        max_model_len = self.max_model_len
+        for item in out.scheduled:
+            request = item.request
+            if item.lookahead:
+                request.spec_in_flight = 0
+            if request.status is not running and request.finished:
+                continue
+            if item.lookahead and spec_runs and request.handle in spec_runs:
+                # A speculating step: several tokens, or one when the rank found nothing to propose.
+                self._apply_run(item, spec_runs[request.handle], request.handle in constraint_done)
+                changed.append(request)
+                continue
+            if not item.skip_sampling:
+                request.num_pending_samples -= 1
+            if item.epoch == request.epoch:
+                request.num_inflight_tokens -= item.num_tokens
+                computed = request.num_computed_tokens = request.num_computed_tokens + item.num_tokens
+                due = hash_due_at.get(request.request_id)
+                if due is not None and computed >= due:
+                    # The step succeeded: the blocks it filled may now serve other requests from the prefix cache.
+                    commit_computed(request.request_id, request.all_token_ids, computed)
+            # else: preempted after this step was scheduled; its sampled token still counts, its KV is gone.
+            token_id = sampled.get(request.handle)
+            if token_id is None:
+                self._after_unsampled_step(request, item.skip_sampling)
+                continue
+            entry = logprobs[request.handle] if logprobs is not None else None
+            done = bool(constraint_done) and request.handle in constraint_done
+            status = request.append_output(token_id, entry, max_model_len, done)
+            if status is not None:
+                self.finish_request(request, status)
+            changed.append(request)
+        return changed
+
+    def _after_unsampled_step(self, request: Request, skipped_sampling: bool) -> None:
+        """A step that sampled nothing for `request`: a session that computed all its input waits for more; a
+        chunk computed without logits while the input closed recomputes its last position to sample."""
+        if request.input_open and request.num_computed_tokens == request.num_tokens and not request.num_inflight_tokens:
+            self._park_until_input(request)
+        elif (
+            skipped_sampling
+            and request.status is RequestStatus.RUNNING
+            and not request.num_inflight_tokens
+            and not request.num_pending_samples
+            and request.num_computed_tokens == request.num_tokens
+        ):
+            # The input closed while this chunk was in flight, so it was computed without logits: recompute its
+            # last position to sample the first output token (as append_input does for a session that was
+            # already waiting for input).
+            request.num_computed_tokens -= 1
+            request.needs_resync = True
+
+    def _apply_run(self, item: ScheduledRequest, run: SpecRun, constraint_done: bool = False) -> None:
+        """Append a speculating step's tokens one by one (a stop or max_tokens inside the run ends it there), then
+        count the positions whose KV the step left valid: the next token's and each kept draft's, one per token."""
+        request = item.request
+        request.num_pending_samples -= 1
+        current = item.epoch == request.epoch
+        if current:
+            request.num_inflight_tokens -= 1
+        last = len(run.tokens) - 1
+        for index, token_id in enumerate(run.tokens):
+            entry = run.logprobs[index] if run.logprobs is not None else None
+            # The ranks cut a run after the token that completed its constraint: its last token.
+            status = request.append_output(token_id, entry, self.max_model_len, constraint_done and index == last)
+            if status is not None:
+                self.finish_request(request, status)
+                return
+        if current:
+            computed = request.num_computed_tokens = request.num_computed_tokens + len(run.tokens)
+            due = self.block_table.hash_due_at.get(request.request_id)
+            if due is not None and computed >= due:
+                # Only kept tokens are in all_token_ids: a rejected draft's slot is past `computed` and never hashed.
+                self.block_table.commit_computed(request.request_id, request.all_token_ids, computed)
 
     def finish(self, request_id: str, status: RequestStatus) -> None:
-        """Finish a request for a reason found outside the scheduler (a stop string)."""
+        """Finish a request for a reason found outside the scheduler (a stop string, a failure)."""
         request = self.requests.get(request_id)
         if request is not None:
             self.finish_request(request, status)
+
+    # -- streaming-input sessions --------------------------------------------------------------
+
+    def _park_until_input(self, request: Request) -> None:
+        """A running session computed all the input it has: it waits, out of the batch, for its next chunk."""
+        self.running.remove(request)
+        request.status = RequestStatus.AWAITING_INPUT
+        request.idle_since = self.clock()
+        self.idle_sessions[request.request_id] = request
+
+    def _expire_idle_sessions(self) -> list[Request]:
+        """Close sessions that waited longer than session_idle_timeout_s for their next chunk."""
+        timeout = self.config.session_idle_timeout_s
+        now = self.clock()
+        expired = [r for r in self.idle_sessions.values() if now - r.idle_since > timeout]
+        for request in expired:
+            request.error = f"the session received no input for {timeout:g} s (session_idle_timeout) and was closed"
+            request.error_code = "session_idle_timeout"
+            self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return expired
 
     # -- internals -----------------------------------------------------------------------------
 

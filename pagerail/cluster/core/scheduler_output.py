@@ -76,6 +76,7 @@ class SchedulerStats:
     num_steps: int = 0
     num_preemptions: int = 0
     num_aborted: int = 0  # requests a caller aborted (disconnects included)
+    num_stopped_by_caller: int = 0  # requests their caller ended on a stop string (finished as "stop", not aborted)
     num_finished: int = 0  # requests that ended, for any reason (so a caller can tell a step ended none)
     num_idle_sessions_released: int = 0  # idle sessions whose blocks were reclaimed (also in num_preemptions)
     num_prefix_hit_tokens: int = 0  # found on the device

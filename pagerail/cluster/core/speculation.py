@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagerail.cluster.core.request import Request
-from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.common.sampling_params import SamplingParams
 from pagerail.common.speculative_config import SpeculativeConfig
 from pagerail.proto import step_pb2
 

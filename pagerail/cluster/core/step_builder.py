@@ -2,35 +2,9 @@
 
 from __future__ import annotations
 
-from pagerail.cluster.core.request import Request
 from pagerail.cluster.core.scheduler_output import SchedulerOutput
+from pagerail.common.sampling_wire import sampling_to_step
 from pagerail.proto import step_pb2
-
-
-def sampling_to_proto(request: Request) -> step_pb2.SamplingParams:
-    """The part of a request's sampling settings the workers act on, as the request holds them: the rank reads
-    them into its sampler's row in one place (worker/request_state.py), the only place they are normalised."""
-    params = request.sampling_params
-    message = step_pb2.SamplingParams(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        min_tokens=params.min_tokens,
-        stop_token_ids=sorted(request.stop_token_ids),
-    )
-    if params.seed is not None:
-        message.seed = params.seed & 0xFFFFFFFFFFFFFFFF  # negative seeds wrap, as torch does
-    if params.logprobs is not None:
-        message.num_logprobs = params.logprobs
-    constraint = params.structured_outputs
-    if constraint is not None:
-        message.constraint_kind = constraint.kind
-        message.constraint_spec = constraint.spec
-    return message
 
 
 class StepMessageBuilder:
@@ -101,7 +75,7 @@ class StepMessageBuilder:
                         request_id=request.request_id,
                         token_ids=request.all_token_ids,
                         num_prompt_tokens=request.num_prompt_tokens,
-                        sampling=sampling_to_proto(request),
+                        sampling=sampling_to_step(request.sampling_params, request.stop_token_ids),
                         block_ids=item.new_block_ids,
                         num_computed_tokens=request.num_computed_tokens,
                         num_scheduled_tokens=item.num_tokens,

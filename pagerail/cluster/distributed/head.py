@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
 import ray
 
@@ -14,6 +13,7 @@ from pagerail.cluster.core.engine_client import RequestDelta
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.core.kv_handoff import describe_prefix, held_blocks, release_held, reserve_slots
 from pagerail.cluster.core.model_info import read_model_info
+from pagerail.cluster.distributed.cluster_options import ClusterOptions
 from pagerail.cluster.distributed.local_executor import locate_model, worker_config
 from pagerail.cluster.distributed.output_channel import OutputChannel, OutputMessage
 from pagerail.cluster.distributed.worker_group import WorkerGroup
@@ -21,19 +21,6 @@ from pagerail.common import telemetry
 from pagerail.common.engine_config import EngineConfig
 from pagerail.common.heap import freeze_startup_heap
 from pagerail.common.logs import configure_logging
-from pagerail.common.tls import TlsConfig
-
-
-@dataclass(frozen=True)
-class ClusterOptions:
-    """How the replica's workers are placed and protected."""
-
-    placement_strategy: str = "PACK"  # SPREAD / STRICT_SPREAD put ranks on different nodes
-    use_gpu: bool = False
-    cpus_per_worker: float = 1
-    step_timeout_s: float = 300.0
-    max_restarts: int = 3
-    tls: TlsConfig | None = None
 
 
 class HeadActor:
@@ -111,12 +98,12 @@ class HeadActor:
         if channel is not None:
             channel.close()
 
-    def abort(self, request_id: str, channel_id: str | None = None) -> None:
-        """Abort a request; with `channel_id`, only if that channel holds it."""
+    def abort(self, request_id: str, channel_id: str | None = None, stopped: bool = False) -> None:
+        """Abort a request; with `channel_id`, only if that channel holds it. `stopped`: on a stop string."""
         if channel_id is None:
-            self.async_engine.abort(request_id)
+            self.async_engine.abort(request_id, stopped=stopped)
         elif (channel := self._channels.get(channel_id)) is not None:
-            channel.abort(request_id)
+            channel.abort(request_id, stopped)
 
     def _channel(self, channel_id: str) -> OutputChannel:
         channel = self._channels.get(channel_id)

@@ -115,9 +115,9 @@ class HeadEngineClient:
     async def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None:
         await self._head.append_input.remote(request_id, token_ids, final)
 
-    async def abort(self, request_id: str) -> None:
-        if self._reader is not None:
-            await self._head.abort.remote(request_id, self._reader.channel_id)  # only a request of this client
+    async def abort(self, request_id: str, stopped: bool = False) -> None:
+        if self._reader is not None:  # only a request of this client
+            await self._head.abort.remote(request_id, self._reader.channel_id, stopped)
 
     async def is_ready(self) -> bool:
         try:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import ray
 
-from pagerail.cluster.distributed.head import ClusterOptions, HeadActor
+from pagerail.cluster.distributed.cluster_options import ClusterOptions
+from pagerail.cluster.distributed.head import HeadActor
 from pagerail.common.engine_config import EngineConfig
 
 NAMESPACE = "pagerail"

@@ -43,9 +43,9 @@ class OutputChannel:
         finally:
             del self._admissions[request_id]
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, stopped: bool = False) -> None:
         """Abort one of this channel's requests (a request another channel holds under that id is left alone)."""
-        self._engine.abort(request_id, self.sink, request_id)
+        self._engine.abort(request_id, self.sink, request_id, stopped)
 
     async def next_message(self) -> OutputMessage | None:
         """Everything that arrived since the previous message (waiting for something); None once closed."""

@@ -12,6 +12,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pagerail.cluster.core.executor import CompletedStep, PendingStep, WorkerGroupError
+from pagerail.cluster.distributed.cluster_options import DEFAULT_OPTIONS
 from pagerail.cluster.distributed.dispatch_stats import DispatchStats
 from pagerail.cluster.distributed.step_streams import StepStreamError, StepStreams
 from pagerail.common.auth import auth_metadata
@@ -65,7 +66,7 @@ class RemoteExecutor:
         addresses: list[str],
         token: str,
         tls: TlsConfig | None = None,
-        step_timeout_s: float = 300.0,
+        step_timeout_s: float = DEFAULT_OPTIONS.step_timeout_s,
         dead_ranks: Callable[[], list[int]] | None = None,
         liveness_interval_s: float = 1.0,
     ) -> None:

@@ -11,6 +11,7 @@ from ray.util.placement_group import get_placement_group, placement_group, remov
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagerail.cluster.core.executor import CompletedStep, PendingStep, WorkerGroupError
+from pagerail.cluster.distributed.cluster_options import DEFAULT_OPTIONS, PLACEMENT_STRATEGIES
 from pagerail.cluster.distributed.remote_executor import RemoteExecutor
 from pagerail.common.tls import TlsConfig
 from pagerail.proto import step_pb2
@@ -40,15 +41,15 @@ class WorkerGroup:
         *,
         use_gpu: bool = False,
         cpus_per_worker: float = 1,
-        placement_strategy: str = "PACK",
+        placement_strategy: str = DEFAULT_OPTIONS.placement_strategy,
         tls: TlsConfig | None = None,
-        step_timeout_s: float = 300.0,
+        step_timeout_s: float = DEFAULT_OPTIONS.step_timeout_s,
         ready_timeout_s: float = 600.0,
         name: str | None = None,
     ) -> None:
-        if placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+        if placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(
-                f"placement_strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, got {placement_strategy!r}"
+                f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {placement_strategy!r}"
             )
         self.config = config
         self.size = size

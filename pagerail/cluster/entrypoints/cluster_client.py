@@ -12,14 +12,14 @@ from typing import Any
 import ray
 
 from pagerail.cluster.core.outputs import RequestOutput
-from pagerail.cluster.core.sampling_params import SamplingParams
-from pagerail.cluster.distributed.head import ClusterOptions
+from pagerail.cluster.distributed.cluster_options import ClusterOptions
 from pagerail.cluster.distributed.head_client import HeadEngineClient
 from pagerail.cluster.distributed.launcher import connect, start_heads, stop_head, uses_gpu
 from pagerail.cluster.frontend.generation import Usage, stream_choices
 from pagerail.cluster.frontend.output_processor import append_choice
 from pagerail.cluster.routing.replica_pool import ReplicaPool, ReplicaSettings
 from pagerail.common.engine_config import EngineConfig
+from pagerail.common.sampling_params import SamplingParams
 
 
 class HeadUnavailableError(RuntimeError):

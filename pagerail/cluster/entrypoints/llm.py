@@ -17,12 +17,13 @@ from pagerail.cluster.core.engine_request import EngineRequest, SiblingGroup
 from pagerail.cluster.core.local_client import LocalEngineClient
 from pagerail.cluster.core.model_info import read_model_info
 from pagerail.cluster.core.outputs import CompletionOutput, RequestOutput
-from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.cluster.distributed.cluster_options import DEFAULT_OPTIONS
 from pagerail.cluster.distributed.local_executor import InProcessExecutor, locate_model, worker_config
 from pagerail.cluster.frontend.output_processor import ChoiceState, append_choice, choice_params, choice_request_id
 from pagerail.common import telemetry
 from pagerail.common.engine_args import engine_config
 from pagerail.common.grammar import TOKENIZERS, GrammarError, check_constraint
+from pagerail.common.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 
@@ -42,7 +43,7 @@ class LLM:
         *,
         data_parallel_size: int = 1,
         ray_address: str | None = None,
-        placement_strategy: str = "PACK",
+        placement_strategy: str = DEFAULT_OPTIONS.placement_strategy,
         head_name: str | None = None,
         **engine_args: Any,
     ) -> None:
@@ -63,7 +64,7 @@ class LLM:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
         if data_parallel_size > 1 or self.config.tensor_parallel_size > 1 or ray_address is not None:
             # Head actors on Ray drive worker actors over gRPC; several are routed between as `serve` does.
-            from pagerail.cluster.distributed.head import ClusterOptions
+            from pagerail.cluster.distributed.cluster_options import ClusterOptions
             from pagerail.cluster.entrypoints.cluster_client import ClusterClient
 
             options = ClusterOptions(placement_strategy=placement_strategy)
@@ -215,7 +216,7 @@ class LLM:
                         continue
                     append_choice(output, state.process(delta))
                     if state.stopped:
-                        self._engine_loop.abort(request_id, sink, key)
+                        self._engine_loop.abort(request_id, sink, key, stopped=True)
         except BaseException:
             for key in open_requests:
                 engine_loop.abort(choices[key][0], sink, key)

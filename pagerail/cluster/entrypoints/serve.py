@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+from pagerail.cluster.distributed.cluster_options import DEFAULT_OPTIONS, PLACEMENT_STRATEGIES
 from pagerail.cluster.frontend.tool_calls import TOOL_CALL_PARSERS
 from pagerail.cluster.routing.autoscale import ScalingPolicy
 from pagerail.cluster.routing.routed_client import ROUTING_INDEXES
@@ -103,8 +104,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray-address", default=None, help='join this Ray cluster ("auto": the local one)')
     parser.add_argument(
         "--placement-strategy",
-        default="PACK",
-        choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+        default=DEFAULT_OPTIONS.placement_strategy,
+        choices=PLACEMENT_STRATEGIES,
         help="how the ranks' bundles are placed: STRICT_SPREAD puts one rank per node",
     )
     parser.add_argument("--api-key", default=os.environ.get("PAGERAIL_API_KEY"), help="or PAGERAIL_API_KEY")
@@ -135,14 +136,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--step-timeout",
         type=float,
-        default=300.0,
+        default=DEFAULT_OPTIONS.step_timeout_s,
         help="seconds a step may take before its ranks count as hung and are restarted (a failed or dead rank "
         "is noticed at once)",
     )
     parser.add_argument(
         "--max-worker-restarts",
         type=int,
-        default=3,
+        default=DEFAULT_OPTIONS.max_restarts,
         help="worker-group restarts in a row, without a successful step between them, before in-flight requests fail",
     )
 
@@ -223,13 +224,13 @@ def serve(args: argparse.Namespace) -> int:
     import ray
 
     from pagerail.cluster.core.engine_request import EngineRequest
-    from pagerail.cluster.core.sampling_params import SamplingParams
-    from pagerail.cluster.distributed.head import ClusterOptions
+    from pagerail.cluster.distributed.cluster_options import ClusterOptions
     from pagerail.cluster.distributed.launcher import HeadLauncher, connect, start_heads, stop_head, uses_gpu
     from pagerail.cluster.distributed.local_executor import locate_model
     from pagerail.cluster.frontend.actor import FrontendActor
     from pagerail.cluster.frontend.server import FrontendSettings
     from pagerail.cluster.routing.replica_pool import ReplicaSettings
+    from pagerail.common.sampling_params import SamplingParams
 
     check_replica_flags(args)
 

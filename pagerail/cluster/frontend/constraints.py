@@ -7,11 +7,11 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
-from pagerail.cluster.core.sampling_params import SamplingParams
-from pagerail.cluster.core.structured_outputs import StructuredOutputs
 from pagerail.cluster.frontend.errors import bad_request
 from pagerail.cluster.frontend.tool_choice import ToolDefinition
 from pagerail.common.grammar import TOKENIZERS, GrammarError, check_constraint
+from pagerail.common.sampling_params import SamplingParams
+from pagerail.common.structured_outputs import StructuredOutputs
 
 
 def check_constraint_now(

@@ -10,9 +10,9 @@ from opentelemetry import trace
 
 from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.core.engine_request import EngineRequest, SiblingGroup
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.cluster.frontend import tracing
 from pagerail.cluster.frontend.output_processor import ChoiceDelta, ChoiceState, choice_params
+from pagerail.common.sampling_params import SamplingParams
 
 
 @dataclass
@@ -36,7 +36,7 @@ async def stream_choice(
     usage: Usage,
     group: SiblingGroup | None = None,
 ) -> AsyncIterator[ChoiceDelta]:
-    """One sequence: engine deltas → text deltas, cut at a stop string (the engine request is then aborted)."""
+    """One sequence: engine deltas → text deltas, cut at a stop string (the engine request then finishes there)."""
     state = ChoiceState(tokenizer, prompt_ids, params, index)
     span = trace.get_current_span()  # the request span, when the route runs inside one
     carrier = tracing.engine_carrier(span)
@@ -49,7 +49,7 @@ async def stream_choice(
             choice = state.process(delta)
             usage.completion_tokens += len(choice.token_ids)
             if state.stopped:
-                await engine.abort(request_id)
+                await engine.abort(request_id, stopped=True)
             if state.finished:
                 _trace_finished(span, request_id, choice.finish_reason, state.num_output_tokens, usage)
                 yield choice

@@ -19,7 +19,6 @@ from opentelemetry import trace
 
 from pagerail.cluster.core.engine_client import EngineClient, RequestDelta
 from pagerail.cluster.core.engine_request import EngineRequest, SiblingGroup
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.cluster.frontend import tracing
 from pagerail.cluster.frontend.constraints import check_constraint_of
 from pagerail.cluster.frontend.grpc_convert import (
@@ -33,6 +32,7 @@ from pagerail.cluster.frontend.grpc_convert import (
 )
 from pagerail.cluster.frontend.grpc_guards import ApiKeyInterceptor, EngineHealth
 from pagerail.cluster.frontend.output_processor import ChoiceState, choice_params, choice_request_id
+from pagerail.common.sampling_params import SamplingParams
 from pagerail.common.tls import ServerTls
 from pagerail.proto import api_pb2, api_pb2_grpc
 
@@ -222,7 +222,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             self._streams.pop(key, None)
             for choice in stream.choices:
                 if not choice.engine_done:  # a cancelled client or a stop string: free the KV blocks
-                    await self.engine.abort(choice.engine_id)
+                    stopped = choice.state is not None and choice.state.stopped
+                    await self.engine.abort(choice.engine_id, stopped=stopped)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -12,30 +12,35 @@ import grpc
 
 from pagerail.cluster.core.engine_client import RequestDelta
 from pagerail.cluster.core.errors import QueueFullError
-from pagerail.cluster.core.sampling_params import SamplingParams
-from pagerail.cluster.core.structured_outputs import StructuredOutputs
 from pagerail.cluster.frontend.output_processor import ChoiceDelta
+from pagerail.common.sampling_params import SamplingParams
+from pagerail.common.structured_outputs import StructuredOutputs
 from pagerail.proto import api_pb2
 
 logger = logging.getLogger(__name__)
 
-_OPTIONAL_FIELDS = ("temperature", "top_p", "seed", "repetition_penalty", "max_tokens", "logprobs")
-_OPTIONAL_FIELDS += ("skip_special_tokens", "n", "speculative")
-# Their proto3 zero values equal the SamplingParams defaults, so they are always copied.
-_PLAIN_FIELDS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos")
-_PLAIN_FIELDS += ("include_stop_str_in_output",)
 # Each member of the `constraint` oneof and the StructuredOutputs field it fills.
 _CONSTRAINT_KINDS = {"json_schema": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 _CONSTRAINT_KINDS["json_object"] = "json_object"
+# The message's other fields carry SamplingParams fields of the same name, read by the descriptor: (name, has
+# presence, repeated). A field without presence has SamplingParams' default as its proto3 zero value.
+_FIELDS = tuple(
+    (field.name, field.has_presence, field.is_repeated)
+    for field in api_pb2.SamplingParams.DESCRIPTOR.fields
+    if field.name not in _CONSTRAINT_KINDS
+)
 
 
 def sampling_params_from_proto(message: api_pb2.SamplingParams) -> SamplingParams:
     """SamplingParams from its message; raises ValueError naming the bad field. Absent max_tokens means no limit."""
-    kwargs: dict[str, Any] = {name: getattr(message, name) for name in _OPTIONAL_FIELDS if message.HasField(name)}
-    kwargs.update({name: getattr(message, name) for name in _PLAIN_FIELDS})
-    kwargs.setdefault("max_tokens", None)
+    kwargs: dict[str, Any] = {"max_tokens": None}
+    for name, has_presence, repeated in _FIELDS:
+        if repeated:
+            kwargs[name] = tuple(getattr(message, name))
+        elif not has_presence or message.HasField(name):
+            kwargs[name] = getattr(message, name)
     kwargs["structured_outputs"] = structured_outputs_from_proto(message)
-    return SamplingParams(stop_token_ids=tuple(message.stop_token_ids), stop=tuple(message.stop), **kwargs)
+    return SamplingParams(**kwargs)
 
 
 def constraint_field(message: api_pb2.SamplingParams) -> str | None:

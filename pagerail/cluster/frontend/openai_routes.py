@@ -9,7 +9,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
 
 from pagerail.cluster.core.engine_client import EngineClient
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.cluster.frontend.chat import encode_prompt, render_chat
 from pagerail.cluster.frontend.chat_output import ChoiceOutput
 from pagerail.cluster.frontend.constraints import check_output_constraint
@@ -20,6 +19,7 @@ from pagerail.cluster.frontend.sse_events import ChunkEvents
 from pagerail.cluster.frontend.tool_calls import choose_parser
 from pagerail.cluster.frontend.tool_choice import output_parser
 from pagerail.cluster.frontend.tracing import annotate_request
+from pagerail.common.sampling_params import SamplingParams
 
 
 def _check_model(requested: str | None, served: str) -> None:

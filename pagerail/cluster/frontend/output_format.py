@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from pagerail.cluster.core.structured_outputs import StructuredOutputs
 from pagerail.cluster.frontend.errors import bad_request
+from pagerail.common.structured_outputs import StructuredOutputs
 
 # Older request fields of the same constraints; refused with a pointer to their replacement rather than ignored.
 LEGACY_FIELDS = {

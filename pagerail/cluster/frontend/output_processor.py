@@ -12,8 +12,8 @@ from typing import Any
 
 from pagerail.cluster.core.engine_client import RequestDelta
 from pagerail.cluster.core.outputs import RequestOutput
-from pagerail.cluster.core.sampling_params import SamplingParams
 from pagerail.cluster.frontend.detokenizer import IncrementalDetokenizer
+from pagerail.common.sampling_params import SamplingParams
 
 
 @dataclass

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from pagerail.cluster.core.sampling_params import MAX_LOGPROBS, SamplingParams
-from pagerail.cluster.core.structured_outputs import StructuredOutputs
 from pagerail.cluster.frontend.errors import from_value_error
 from pagerail.cluster.frontend.output_format import ConstrainedOutputFields
 from pagerail.cluster.frontend.tool_choice import (
@@ -20,18 +19,18 @@ from pagerail.cluster.frontend.tool_choice import (
     parse_tool_choice,
     tool_constraint,
 )
+from pagerail.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagerail.common.structured_outputs import StructuredOutputs
 
 # Every stop string is searched for after each token, so their number and length bound the per-token cost.
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 
 
-# Request fields that SamplingParams takes under the same name.
-_PASSED_THROUGH = (
-    "n", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "min_tokens", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-    "speculative",
-)  # fmt: skip
+# SamplingParams fields that _SamplingRequest.build reads in a way of their own; every other SamplingParams field
+# is a request field of the same name, passed through as sent (tests/test_http_protocol.py keeps that true).
+_BUILT_APART = frozenset({"max_tokens", "stop", "stop_token_ids", "logprobs", "structured_outputs"})
+_PASSED_THROUGH = tuple(field.name for field in dataclasses.fields(SamplingParams) if field.name not in _BUILT_APART)
 
 
 class _Lenient(BaseModel):
@@ -112,7 +111,7 @@ class _SamplingRequest(ConstrainedOutputFields):
         constraint, _ = self.output_constraint()  # raises APIError naming its field
         stop = self.stop if self.stop is not None else ()
         # Explicit nulls fall back to SamplingParams' own defaults.
-        values = {name: getattr(self, name) for name in _PASSED_THROUGH if getattr(self, name) is not None}
+        values = {name: value for name in _PASSED_THROUGH if (value := getattr(self, name)) is not None}
         try:
             return SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else default_max_tokens,

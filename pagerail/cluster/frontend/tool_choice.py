@@ -8,7 +8,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from pagerail.cluster.core.structured_outputs import StructuredOutputs
 from pagerail.cluster.frontend.errors import bad_request
 from pagerail.cluster.frontend.tool_calls import (
     ContentParser,
@@ -18,6 +17,7 @@ from pagerail.cluster.frontend.tool_calls import (
     ToolCallParser,
     auto_parser,
 )
+from pagerail.common.structured_outputs import StructuredOutputs
 
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 MODES = ("none", "auto", "required")

@@ -9,7 +9,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, StatusCode
 
 from pagerail.cluster.core.engine_client import RequestDelta
-from pagerail.cluster.core.sampling_params import SamplingParams
+from pagerail.common.sampling_params import SamplingParams
 from pagerail.common.telemetry import extract_metadata, get_tracer, inject_carrier, tracing_enabled
 
 CACHED_TOKENS = "pagerail.usage.cached_tokens"

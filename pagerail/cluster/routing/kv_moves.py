@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pagerail.cluster.core.engine_client import RequestDelta
 from pagerail.cluster.core.engine_request import EngineRequest
@@ -23,8 +23,10 @@ from pagerail.cluster.routing.failover import ReplicaFailed
 from pagerail.common.telemetry import get_tracer, traced
 
 if TYPE_CHECKING:
-    from pagerail.cluster.routing.routed_client import RoutedEngineClient
+    from pagerail.cluster.core.engine_client import EngineClient
     from pagerail.cluster.routing.routed_streams import OpenRequest
+    from pagerail.cluster.routing.router import Router
+    from pagerail.cluster.routing.router_metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 _tracer = get_tracer("pagerail.router")
@@ -36,11 +38,28 @@ class Moved(ReplicaFailed):
     """The router ended the request on its replica to resume it, with its KV, on another."""
 
 
+class MoveHost(Protocol):
+    """What moving a request needs of the client that routes it: its replicas and router, its open requests,
+    rotation, and the transfer metrics."""
+
+    router: Router
+    metrics_registry: RouterMetrics
+
+    @property
+    def replicas(self) -> dict[str, EngineClient]: ...
+
+    def open_request(self, request_id: str) -> OpenRequest | None: ...
+
+    def open_on(self, replica: str) -> list[str]: ...
+
+    def set_in_rotation(self, name: str, in_rotation: bool) -> None: ...
+
+
 class KvMoves:
     """The routed client's moves: which replicas prefill and which decode (none: no disaggregation), and the
     hand-off itself."""
 
-    def __init__(self, routed: RoutedEngineClient, prefill: frozenset[str] = frozenset()) -> None:
+    def __init__(self, routed: MoveHost, prefill: frozenset[str] = frozenset()) -> None:
         self.routed = routed
         self.prefill = frozenset(prefill)
         self.num_moves = 0

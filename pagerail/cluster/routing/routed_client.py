@@ -329,13 +329,13 @@ class RoutedEngineClient:
             session.record(token_ids, final)
             await entry.client.append_input(request_id, token_ids, final)
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, stopped: bool = False) -> None:
         entry = self._open.get(request_id)
         if entry is None or entry.client is None:
             return
         entry.aborted = True
         try:
-            await entry.client.abort(request_id)
+            await entry.client.abort(request_id, stopped=stopped)
         except Exception:  # a dead replica: its stream fails, and the request ends as aborted
             logger.warning("abort of %s at replica %s failed", request_id, entry.replica, exc_info=True)
 

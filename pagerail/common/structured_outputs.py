@@ -48,6 +48,20 @@ class StructuredOutputs:
         if len(self.spec) > MAX_SPEC_CHARS:
             raise ValueError(f"structured_outputs.{self.kind} must be at most {MAX_SPEC_CHARS} characters")
 
+    @classmethod
+    def from_spec(cls, kind: str, spec: str) -> StructuredOutputs:
+        """The constraint whose `kind` and `spec` these are (the inverse of the two properties below)."""
+        if kind not in KINDS:
+            raise ValueError(f"structured_outputs kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if kind == "json_object":
+            return cls(json_object=True)
+        if kind == "choice":
+            try:
+                return cls(choice=json.loads(spec))
+            except json.JSONDecodeError as error:
+                raise ValueError(f"structured_outputs.choice is not a JSON list: {error}") from None
+        return cls(**{kind: spec})
+
     @property
     def kind(self) -> str:
         """Which constraint this is: one of KINDS."""

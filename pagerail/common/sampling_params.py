@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pagerail.cluster.core.structured_outputs import StructuredOutputs
+from pagerail.common.structured_outputs import StructuredOutputs
 
 # Below this temperature a request is decoded greedily (argmax); dividing by it would overflow.
 GREEDY_TEMPERATURE = 1e-5
