@@ -125,6 +125,20 @@ def test_failure_mid_generation_is_invisible_in_the_output(no_sleep):
     assert no_sleep == [engine.restart_backoff_s]
 
 
+def test_a_restart_with_fewer_blocks_re_derives_the_longest_sequence(no_sleep):
+    """The context limit follows the restarted group's cache: 256 blocks of 4 hold the model's 512 tokens, 64 hold
+    256, and the scheduler refuses (and sizes requests without max_tokens by) the new limit."""
+    group = FakeGroup(256, failures=[3])
+    engine = make_engine(group)
+    assert engine.max_model_len == 512
+    group.num_blocks = 64  # the group comes back with a quarter of its cache
+    run(engine, num_requests=2)
+    assert group.restarts == 1 and engine.block_table.num_blocks == 64
+    assert engine.max_model_len == engine.scheduler.max_model_len == 256
+    with pytest.raises(ValueError, match="max_model_len=256"):
+        engine.add_request(EngineRequest("long", list(range(1, 200)), SamplingParams(max_tokens=100)))
+
+
 def test_repeated_failures_back_off_then_fail_with_a_retriable_error(no_sleep):
     group = FakeGroup(256, failures=list(range(3, 100)))
     engine = make_engine(group)

@@ -72,6 +72,13 @@ class SchedulerConfig:
     def session_limit(self) -> int:
         return self.max_sessions if self.max_sessions is not None else self.max_num_seqs
 
+    def context_limit(self, max_position_embeddings: int) -> int:
+        """The context a model is served with, before the KV cache caps it: max_model_len as asked for (None: all
+        the model has), never beyond the model's positions. The head and every rank size by this one number."""
+        if self.max_model_len is None:
+            return max_position_embeddings
+        return min(self.max_model_len, max_position_embeddings)
+
     def __post_init__(self) -> None:
         if not (self.max_waiting_requests is None or self.max_waiting_requests >= 1):
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")

@@ -143,8 +143,7 @@ def _prefill_step(
     (their context gathered on the SDPA path) are not profiled.
     """
     # Positions index the rotary tables, which stop at max_position_embeddings.
-    longest = min(max_model_len, getattr(model.config, "max_position_embeddings", max_model_len))
-    span = max(1, min(num_tokens, longest))
+    span = max(1, min(num_tokens, max_model_len))  # max_model_len: the served context (context_limit)
     starts = range(0, num_tokens, span)
     positions = torch.cat([torch.arange(min(span, num_tokens - s), device=device) for s in starts])
     meta = AttentionMetadata(

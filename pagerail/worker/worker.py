@@ -107,7 +107,7 @@ class Worker:
             target=self.model,
             target_dir=model_dir,
         )
-        max_model_len = scheduler.max_model_len or self.model.config.max_position_embeddings
+        max_model_len = scheduler.context_limit(self.model.config.max_position_embeddings)
         # Every number behind the cache size when a profiling forward chose it.
         self.kv_profile: KvCacheProfile | None = None
         # The blocks the head may hand out; the cache holds SCRATCH_BLOCKS more, numbered from num_blocks.

@@ -78,6 +78,9 @@ class EngineCore:
         self.config = config
         self.sliding_window = sliding_window
         self.executor = executor
+        # The model's context as asked for; the KV cache (and the step budget) may serve less, and a restarted
+        # worker group with another block count re-derives it.
+        self.context_limit = max_model_len
         self.max_model_len = effective_max_model_len(config, max_model_len, executor.num_blocks)
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -113,7 +116,7 @@ class EngineCore:
     def for_model(cls, config: EngineConfig, executor: Executor, info: ModelInfo) -> EngineCore:
         """The engine of one replica of the model `info` describes: what every entry point (`LLM`, the head actor)
         builds, so a model stops at the same tokens (its EOS ids) within the same context whichever serves it."""
-        limit = info.context_limit(config.scheduler.max_model_len)
+        limit = config.scheduler.context_limit(info.max_position_embeddings)
         return cls(config, executor, limit, info.vocab_size, info.eos_token_ids, info.sliding_window)
 
     def _new_block_table(self, num_blocks: int) -> BlockTable:
@@ -354,8 +357,11 @@ class EngineCore:
                 continue
             self.num_restarts += 1
             if num_blocks != self.block_table.num_blocks:
+                # A restarted group may hold another count: the table, and the longest sequence it can hold.
+                self.max_model_len = effective_max_model_len(self.config, self.context_limit, num_blocks)
+                self.scheduler.max_model_len = self.max_model_len
                 self.block_table = self._new_block_table(num_blocks)
-                self.scheduler.block_table = self.block_table  # a restarted group may hold another count
+                self.scheduler.block_table = self.block_table
             self.quarantine.arrange()  # suspects of repeated failures rejoin one at a time
             return failed
 

@@ -29,10 +29,6 @@ class ModelInfo:
             fields = {"model_type": self.model_type, "num_experts": self.num_routed_experts}
             check_expert_parallel(fields, config.tensor_parallel_size)
 
-    def context_limit(self, max_model_len: int | None) -> int:
-        """The context the model is served with: what was asked for (None: all it has), never beyond its own."""
-        return min(max_model_len or self.max_position_embeddings, self.max_position_embeddings)
-
 
 def _as_ids(value: object) -> tuple[int, ...]:
     if value is None:
