@@ -1,9 +1,11 @@
-"""One request set through the `LLM` API, the OpenAI HTTP API and the gRPC API gives the same tokens and text.
+"""One request set through the `LLM` API (in-process and on Ray), the OpenAI HTTP API and the gRPC API gives the
+same tokens and text.
 
-The set holds what the entry points once each did their own way: stop strings that must wait for `min_tokens`,
-`n` seeded choices, presence/frequency/repetition penalties, logprobs, and a model whose configs name no EOS id
-(it must stop at its tokenizer's EOS token whichever entry point serves it). The servers run over an engine built
-as the head actor builds its own (`EngineCore.for_model`), not over the LLM's engine.
+The set holds what the entry points once each did their own way: stop strings that must wait for `min_tokens`, a
+stop string in the first tokens, `n` seeded choices, presence/frequency/repetition penalties, logprobs, and a model
+whose configs name no EOS id (it must stop at its tokenizer's EOS token whichever entry point serves it). The
+servers run over an engine built as the head actor builds its own (`EngineCore.for_model`), not over the LLM's
+engine; the Ray run goes through a head actor and a worker actor.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from pagerail.cluster.frontend.grpc_api import build_grpc_server
 from pagerail.cluster.frontend.http_app import ServerState, create_app
 from pagerail.proto import api_pb2, api_pb2_grpc
 from tests.http_server import BackgroundServer
+from tests.ray_start import start_ray
+from tests.requirements import require_module
 
 pytestmark = pytest.mark.slow
 
@@ -93,6 +97,8 @@ def request_set(llm: LLM, tokenizer) -> list[tuple[list[int], SamplingParams]]:
         ),
         (first_eos_prompt(llm), SamplingParams(temperature=0.0, max_tokens=32)),
         (PROMPTS[3], SamplingParams(temperature=0.7, seed=3, max_tokens=12, ignore_eos=True, logprobs=3)),
+        # The same stop string with nothing holding it back: it ends the request within its first two tokens.
+        (stop_prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])),
     ]
 
 
@@ -175,6 +181,21 @@ def test_llm_http_and_grpc_give_the_same_tokens_and_text(model_dir):
     eos_run = offline[3].outputs[0]
     assert eos_run.finish_reason == "stop" and eos_run.token_ids[-1] == EOS and len(eos_run.token_ids) < 32
     assert len({tuple(c.token_ids) for c in offline[1].outputs}) == 3  # seeded choices differ from each other
+    early = offline[5].outputs[0]
+    assert early.finish_reason == "stop" and 1 <= len(early.token_ids) <= 2
+
+    # The same LLM API on Ray: a head actor drives a worker actor over gRPC.
+    ray = require_module("ray", "needs Ray")
+    start_ray(num_cpus=2, namespace="pagerail", include_dashboard=False, log_to_driver=False)
+    try:
+        with LLM(str(model_dir), served_model_name=MODEL, ray_address="auto", **engine_args) as on_ray:
+            over_ray = on_ray.generate([prompt for prompt, _ in requests], [sp for _, sp in requests])
+    finally:
+        ray.shutdown()
+    for output, remote in zip(offline, over_ray, strict=True):
+        assert [(c.token_ids, c.text, c.finish_reason) for c in remote.outputs] == [
+            (c.token_ids, c.text, c.finish_reason) for c in output.outputs
+        ]
 
     # The servers' engine, built as the head actor builds its own.
     info = read_model_info(model_dir)

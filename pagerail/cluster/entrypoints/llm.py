@@ -13,13 +13,12 @@ from transformers import AutoTokenizer
 
 from pagerail.cluster.core.async_engine import AsyncEngine, OutputBatch
 from pagerail.cluster.core.engine import EngineCore
-from pagerail.cluster.core.engine_request import EngineRequest, SiblingGroup
 from pagerail.cluster.core.local_client import LocalEngineClient
 from pagerail.cluster.core.model_info import read_model_info
 from pagerail.cluster.core.outputs import CompletionOutput, RequestOutput
 from pagerail.cluster.distributed.cluster_options import DEFAULT_OPTIONS
 from pagerail.cluster.distributed.local_executor import InProcessExecutor, locate_model, worker_config
-from pagerail.cluster.frontend.output_processor import ChoiceState, append_choice, choice_params, choice_request_id
+from pagerail.cluster.frontend.output_processor import ChoiceState, append_choice, fan_out
 from pagerail.common import telemetry
 from pagerail.common.engine_args import engine_config
 from pagerail.common.grammar import TOKENIZERS, GrammarError, check_constraint
@@ -181,16 +180,12 @@ class LLM:
         sink = _QueueSink()
         choices: dict[int, tuple[str, RequestOutput, ChoiceState]] = {}
         for output, sp in zip(outputs, params_list, strict=True):
-            for index in range(sp.n):
-                request_id = choice_request_id(output.request_id, index, sp.n)
+            # Only stop strings need the output as it grows; otherwise it is read once, at the end.
+            children = fan_out(output.request_id, output.prompt_token_ids, sp, stream=bool(sp.stop))
+            for index, request in enumerate(children):
                 state = ChoiceState(self.tokenizer, output.prompt_token_ids, sp, index, incremental=False)
                 key = len(choices)
-                choices[key] = (request_id, output, state)
-                group = SiblingGroup(output.request_id, index, sp.n) if sp.n > 1 else None
-                # Only stop strings need the output as it grows; otherwise it is read once, at the end.
-                request = EngineRequest(
-                    request_id, output.prompt_token_ids, choice_params(sp, index), group=group, stream=bool(sp.stop)
-                )
+                choices[key] = (request.request_id, output, state)
                 self._engine_loop.submit(request, sink, key)
         # Until the engine sent every request's last delta: a request ended here on a stop string is aborted
         # there, and its blocks are free once that answer comes.

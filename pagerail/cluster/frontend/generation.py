@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from pagerail.cluster.core.engine_client import EngineClient
-from pagerail.cluster.core.engine_request import EngineRequest, SiblingGroup
+from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.frontend import tracing
-from pagerail.cluster.frontend.output_processor import ChoiceDelta, ChoiceState, choice_params
+from pagerail.cluster.frontend.output_processor import ChoiceDelta, ChoiceState, fan_out
 from pagerail.common.sampling_params import SamplingParams
 
 
@@ -27,20 +27,13 @@ class Usage:
 
 
 async def stream_choice(
-    engine: EngineClient,
-    tokenizer,
-    request_id: str,
-    index: int,
-    prompt_ids: list[int],
-    params: SamplingParams,
-    usage: Usage,
-    group: SiblingGroup | None = None,
+    engine: EngineClient, tokenizer, request: EngineRequest, index: int, usage: Usage
 ) -> AsyncIterator[ChoiceDelta]:
-    """One sequence: engine deltas → text deltas, cut at a stop string (the engine request then finishes there)."""
-    state = ChoiceState(tokenizer, prompt_ids, params, index)
+    """One choice: engine deltas → text deltas, cut at a stop string (the engine request then finishes there)."""
+    request_id = request.request_id
+    state = ChoiceState(tokenizer, request.prompt_token_ids, request.params, index)
     span = trace.get_current_span()  # the request span, when the route runs inside one
-    carrier = tracing.engine_carrier(span)
-    stream = engine.generate(EngineRequest(request_id, prompt_ids, params, trace_context=carrier, group=group))
+    stream = engine.generate(request)
     tracing.record_queued(span, request_id)
     try:
         async for delta in stream:
@@ -87,39 +80,31 @@ def stream_choices(
 ) -> AsyncIterator[ChoiceDelta]:
     """All n choices of one prompt, interleaved as they arrive. Each choice is its own engine request."""
     usage.prompt_tokens += len(prompt_ids)
-    if params.n == 1:  # the choice's own stream: no generator in between for every chunk to pass
-        return stream_choice(engine, tokenizer, request_id, 0, prompt_ids, params, usage)
-    return _interleaved_choices(engine, tokenizer, request_id, prompt_ids, params, usage)
+    carrier = tracing.engine_carrier(trace.get_current_span())
+    children = fan_out(request_id, prompt_ids, params, trace_context=carrier)
+    if len(children) == 1:  # the choice's own stream: no generator in between for every chunk to pass
+        return stream_choice(engine, tokenizer, children[0], 0, usage)
+    return _interleaved_choices(engine, tokenizer, children, usage)
 
 
 async def _interleaved_choices(
-    engine: EngineClient, tokenizer, request_id: str, prompt_ids: list[int], params: SamplingParams, usage: Usage
+    engine: EngineClient, tokenizer, children: list[EngineRequest], usage: Usage
 ) -> AsyncIterator[ChoiceDelta]:
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(index: int) -> None:
-        child = choice_params(params, index)
+    async def pump(index: int, child: EngineRequest) -> None:
         try:
-            async for delta in stream_choice(
-                engine,
-                tokenizer,
-                f"{request_id}-{index}",
-                index,
-                prompt_ids,
-                child,
-                usage,
-                SiblingGroup(request_id, index, params.n),
-            ):
+            async for delta in stream_choice(engine, tokenizer, child, index, usage):
                 await queue.put(delta)
         except BaseException as error:  # surfaced to the consumer below
             await queue.put(error)
         finally:
             await queue.put(done)
 
-    tasks = [asyncio.create_task(pump(index)) for index in range(params.n)]
+    tasks = [asyncio.create_task(pump(index, child)) for index, child in enumerate(children)]
     try:
-        remaining = params.n
+        remaining = len(children)
         while remaining:
             item = await queue.get()
             if item is done:

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
 from pagerail.cluster.core.engine_client import EngineClient, RequestDelta
-from pagerail.cluster.core.engine_request import EngineRequest, SiblingGroup
+from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.frontend import tracing
 from pagerail.cluster.frontend.constraints import check_constraint_of
 from pagerail.cluster.frontend.grpc_convert import (
@@ -31,7 +31,7 @@ from pagerail.cluster.frontend.grpc_convert import (
     usage,
 )
 from pagerail.cluster.frontend.grpc_guards import ApiKeyInterceptor, EngineHealth
-from pagerail.cluster.frontend.output_processor import ChoiceState, choice_params, choice_request_id
+from pagerail.cluster.frontend.output_processor import ChoiceState, fan_out
 from pagerail.common.sampling_params import SamplingParams
 from pagerail.common.tls import ServerTls
 from pagerail.proto import api_pb2, api_pb2_grpc
@@ -50,12 +50,19 @@ class _Choice:
     """One of a stream's n choices: its engine request and how far it got."""
 
     index: int
-    engine_id: str  # the engine's id, always made here: callers can never name another caller's request
-    params: SamplingParams  # the request's, with this choice's seed
+    request: EngineRequest  # its id is always made here: callers can never name another caller's request
     state: ChoiceState | None = None  # created with the first delta: a session's prompt is complete only then
     last: RequestDelta | None = None
     finished: bool = False  # the client got this choice's last message
     engine_done: bool = False  # the engine finished it or was told to abort it: nothing left to free
+
+    @property
+    def engine_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params  # the request's, with this choice's seed
 
 
 @dataclass
@@ -67,17 +74,10 @@ class _Stream:
     prompt_ids: list[int]  # grows with each chunk of a streaming-input session
     params: SamplingParams
     send_text: bool
-    choices: list[_Choice] = field(init=False)  # one per `n`, made from the fields above
+    choices: list[_Choice] = field(default_factory=list)  # one per `n`, made when the stream starts
     # (choice, RequestDelta), or the exception that ended the call.
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     span: trace.Span = trace.INVALID_SPAN  # the call's request span (Generate only)
-
-    def __post_init__(self) -> None:
-        n = self.params.n
-        self.choices = [
-            _Choice(index, choice_request_id(self.engine_id, index, n), choice_params(self.params, index))
-            for index in range(n)
-        ]
 
     @property
     def finished(self) -> bool:
@@ -204,8 +204,12 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             raise RpcError(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already streaming on this connection"
             )
+        carrier = tracing.engine_carrier(stream.span)
+        final = feed is None
+        children = fan_out(stream.engine_id, stream.prompt_ids, stream.params, final=final, trace_context=carrier)
+        stream.choices = [_Choice(index, child) for index, child in enumerate(children)]
         self._streams[key] = stream
-        tasks = [asyncio.create_task(self._pump(stream, choice, final=feed is None)) for choice in stream.choices]
+        tasks = [asyncio.create_task(self._pump(stream, choice)) for choice in stream.choices]
         try:
             await context.send_initial_metadata((("request-id", request_id),))
             if feed is not None:
@@ -228,19 +232,10 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _pump(self, stream: _Stream, choice: _Choice, *, final: bool) -> None:
+    async def _pump(self, stream: _Stream, choice: _Choice) -> None:
         """Move one choice's engine deltas into the call's queue, so that a cancelled client can abort it first."""
         try:
-            n = stream.params.n
-            request = EngineRequest(
-                choice.engine_id,
-                stream.prompt_ids,
-                choice.params,
-                final=final,
-                trace_context=tracing.engine_carrier(stream.span),
-                group=SiblingGroup(stream.engine_id, choice.index, n) if n > 1 else None,
-            )
-            generator = self.engine.generate(request)
+            generator = self.engine.generate(choice.request)
             tracing.record_queued(stream.span, choice.engine_id)
             finished = False
             async for delta in generator:

@@ -7,10 +7,12 @@ server library, so the offline API runs where only torch and transformers are in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagerail.cluster.core.engine_client import RequestDelta
+from pagerail.cluster.core.engine_request import EngineRequest, SiblingGroup
 from pagerail.cluster.core.outputs import RequestOutput
 from pagerail.cluster.frontend.detokenizer import IncrementalDetokenizer
 from pagerail.common.sampling_params import SamplingParams
@@ -37,17 +39,28 @@ class ChoiceDelta:
     error_code: str | None = None
 
 
-def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The sampling parameters of choice `index` of a request with `params.n` choices: a seeded request's choices
-    draw from seeds `seed`, `seed + 1`, ... so they are not copies of each other, and each choice is one sequence."""
-    if params.seed is not None and index:
-        params = replace(params, seed=params.seed + index)
-    return params
+def fan_out(
+    request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, **envelope: Any
+) -> list[EngineRequest]:
+    """The engine requests of one prompt's `params.n` choices (vLLM's ParentRequest), the only place they are made.
 
-
-def choice_request_id(request_id: str, index: int, n: int) -> str:
-    """The engine request id of one of `n` choices (a label: the engine never parses it)."""
-    return f"{request_id}-{index}" if n > 1 else request_id
+    Choice i is named `{request_id}-{i}` (the request id itself when n is 1; a label the engine never parses); a
+    seeded request's choices draw from `seed`, `seed + 1`, ... so they are not copies of each other; siblings share
+    a group the router keeps on one replica. `envelope`: EngineRequest's other fields (final, trace_context, stream).
+    """
+    n = params.n
+    if n == 1:
+        return [EngineRequest(request_id, prompt_token_ids, params, **envelope)]
+    return [
+        EngineRequest(
+            f"{request_id}-{index}",
+            prompt_token_ids,
+            replace(params, seed=params.seed + index) if params.seed is not None and index else params,
+            group=SiblingGroup(request_id, index, n),
+            **envelope,
+        )
+        for index in range(n)
+    ]
 
 
 class ChoiceState:
