@@ -9,7 +9,7 @@ import pytest
 
 from pagerail.cluster.core.async_engine import AsyncEngine
 from pagerail.cluster.core.engine import EngineCore
-from pagerail.cluster.core.engine_client import RequestDelta, merge_deltas, read_deltas
+from pagerail.cluster.core.engine_client import RequestDelta, merge_deltas, next_delta
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from pagerail.common.sampling_params import SamplingParams
@@ -23,6 +23,15 @@ def delta(tokens: list[int], done: int, finished: bool = False, **extra) -> Requ
         "r", tokens, num_prompt_tokens=3, num_output_tokens=done, finished=finished,
         finish_reason="length" if finished else None, **extra,
     )  # fmt: skip
+
+
+async def read_deltas(queue: asyncio.Queue):
+    """A request's deltas as an engine client's stream reads them: until the finished one."""
+    while True:
+        item = await next_delta(queue)
+        yield item
+        if item.finished:
+            return
 
 
 async def read_all(queue: asyncio.Queue) -> list[RequestDelta]:

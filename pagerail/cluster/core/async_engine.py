@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass
 
 from pagerail.cluster.core.engine import EngineCore
-from pagerail.cluster.core.engine_client import RequestDelta, merge_deltas, read_deltas
+from pagerail.cluster.core.engine_client import RequestDelta, merge_deltas, next_delta
 from pagerail.cluster.core.engine_commands import Abort, Add, Append, Call, Command, DropSink, Pause
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.core.kv_handoff import KvHandoff, export_prefix, import_handoff
@@ -191,7 +191,8 @@ class AsyncEngine:
         self.submit(request, sink, deltas)
         finished = False
         try:
-            async for delta in read_deltas(deltas):
+            while not finished:
+                delta = await next_delta(deltas)
                 finished = delta.finished
                 yield delta
         finally:

@@ -61,30 +61,30 @@ def merge_deltas(consecutive: list[RequestDelta]) -> RequestDelta:
     )
 
 
-async def read_deltas(deltas: asyncio.Queue) -> AsyncIterator[RequestDelta]:
-    """One request's deltas from its queue, ending after the finished one; an exception in the queue is raised.
+async def next_delta(deltas: asyncio.Queue) -> RequestDelta:
+    """A request's next delta from its queue; an exception in the queue is raised, after the tokens before it.
 
     Deltas that queued up while the consumer was busy come out merged into one: a consumer that falls behind the
     engine (hundreds of streams on a busy frontend) then catches up with one pass per wake instead of one per
-    step, and its cost per token falls as its load rises. A consumer that keeps up sees every step's delta.
+    step, and its cost per token falls as its load rises. A consumer that keeps up sees every step's delta. The
+    engine clients' streams call it in their own loop: no iterator of its own between the queue and the caller.
     """
-    failure: BaseException | None = None
-    while failure is None:
-        item = await deltas.get()
-        if isinstance(item, BaseException):
-            raise item
-        queued = [item]
-        while not queued[-1].finished and not deltas.empty():
-            following = deltas.get_nowait()
-            if isinstance(following, BaseException):
-                failure = following  # raised once the tokens before it are delivered
-                break
-            queued.append(following)
-        merged = merge_deltas(queued)
-        yield merged
-        if merged.finished:
-            return
-    raise failure
+    item = await deltas.get()
+    if isinstance(item, BaseException):
+        raise item
+    if item.finished or deltas.empty():
+        return item
+    queued = [item]
+    while not queued[-1].finished and not deltas.empty():
+        following = deltas.get_nowait()
+        if isinstance(following, BaseException):
+            # Raised by the next call, once the tokens before it are delivered; nothing after a failure counts.
+            while not deltas.empty():
+                deltas.get_nowait()
+            deltas.put_nowait(following)
+            break
+        queued.append(following)
+    return merge_deltas(queued)
 
 
 class EngineClient(Protocol):

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import ray
 
-from pagerail.cluster.core.engine_client import RequestDelta, read_deltas
+from pagerail.cluster.core.engine_client import RequestDelta, next_delta
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.core.errors import QueueFullError
 from pagerail.cluster.routing.failover import ReplicaFailed
@@ -86,7 +86,8 @@ class HeadEngineClient:
                     refused = True
                     raise cause from None
                 raise
-            async for item in read_deltas(deltas):
+            while not finished:
+                item = await next_delta(deltas)
                 finished = item.finished
                 yield item
         finally:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
@@ -122,11 +122,26 @@ def create_app(state: ServerState) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     async def generation(request: Request, model, route, **options):
-        """Parse the body as `model` and run `route` over it, counted as in flight until its response ends."""
+        """Parse the body as `model` and run `route` over it, counted as in flight until its response ends: a
+        streamed one when its event stream ends (the route calls `left` there), a whole one when it is made."""
         body = await _parse(request, state, model)
         ids = (request.state.request_id, request.state.client_request_id)
-        route_call = route(body, state.engine, state.tokenizer, state.served_model_name, *ids, **options)
-        return await _admitted(state, request, route_call)
+
+        def left() -> None:
+            state.in_flight -= 1
+
+        state.in_flight += 1
+        try:
+            route_call = route(
+                body, state.engine, state.tokenizer, state.served_model_name, *ids, on_stream_end=left, **options
+            )
+            response = await _unless_disconnected(request, route_call)
+        except BaseException:
+            left()
+            raise
+        if not isinstance(response, StreamingResponse):
+            left()
+        return response
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -291,30 +306,6 @@ async def _parse(request: Request, state: ServerState, model):
         return model.model_validate(payload)
     except ValidationError as error:
         raise from_validation_error(error) from None
-
-
-async def _admitted(state: ServerState, request: Request, handler):
-    """Count in-flight requests so a drain knows when the last one has left."""
-    state.in_flight += 1
-    try:
-        response = await _unless_disconnected(request, handler)
-    except BaseException:
-        state.in_flight -= 1
-        raise
-    if hasattr(response, "body_iterator"):
-        inner = response.body_iterator
-
-        async def counted():
-            try:
-                async for chunk in inner:
-                    yield chunk
-            finally:
-                state.in_flight -= 1
-
-        response.body_iterator = counted()
-    else:
-        state.in_flight -= 1
-    return response
 
 
 async def _unless_disconnected(request: Request, handler: Awaitable[Response]) -> Response:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
@@ -43,48 +44,48 @@ def _usage_json(usage: Usage) -> dict:
     }
 
 
-class _Prefetched:
-    """A stream whose first item was already pulled (so bad input and a full queue became real errors before the
-    response started): that item, then the rest of the stream, with no generator in between."""
+def _nothing() -> None:
+    """A streamed response's end, where nobody counts it."""
 
-    def __init__(self, first: ChoiceDelta | None, stream: AsyncIterator[ChoiceDelta]) -> None:
-        self._first = first
-        self._stream = stream
 
-    def __aiter__(self) -> _Prefetched:
-        return self
+@dataclass
+class _Choices:
+    """One prompt's choice stream whose first delta was already pulled (so bad input and a full queue became real
+    errors before the response started); readers take `first`, then the stream itself: no iterator in between."""
 
-    async def __anext__(self) -> ChoiceDelta:
-        first = self._first
+    offset: int  # the response index of the prompt's first choice
+    first: ChoiceDelta | None
+    stream: AsyncIterator[ChoiceDelta]
+
+    async def next(self) -> ChoiceDelta | None:
+        """The next delta, or None once the stream ended."""
+        first = self.first
         if first is not None:
-            self._first = None
+            self.first = None
             return first
-        return await anext(self._stream)
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()
+        return await anext(self.stream, None)
 
 
-async def _first_then_rest(stream: AsyncIterator[ChoiceDelta]) -> _Prefetched:
+async def _started(offset: int, stream: AsyncIterator[ChoiceDelta]) -> _Choices:
     """Pull the first delta before the response starts, so bad input (a 400) and a full queue become real errors."""
     try:
         first = await anext(stream, None)
     except ValueError as error:
         raise from_value_error(error) from None
-    return _Prefetched(first, stream)
+    return _Choices(offset, first, stream)
 
 
-async def _collect(streams: list[tuple[int, _Prefetched]]) -> dict[int, list[ChoiceDelta]]:
+async def _collect(streams: list[_Choices]) -> dict[int, list[ChoiceDelta]]:
     """Every choice's deltas by its index in the response (each stream's choices start at its offset)."""
     collected: dict[int, list[ChoiceDelta]] = {}
     try:
-        for offset, stream in streams:
-            async for delta in stream:
-                collected.setdefault(offset + delta.index, []).append(delta)
+        for choices in streams:
+            while (delta := await choices.next()) is not None:
+                collected.setdefault(choices.offset + delta.index, []).append(delta)
     finally:
         # Cancelled (the client hung up) while reading one stream: every engine request is aborted now.
-        for _, stream in streams:
-            await stream.aclose()
+        for choices in streams:
+            await choices.stream.aclose()
     return collected
 
 
@@ -121,9 +122,16 @@ def _completion_logprobs(tokenizer, deltas: list[ChoiceDelta]) -> dict:
 
 
 async def completions(
-    body: CompletionRequest, engine: EngineClient, tokenizer, served: str, request_id: str, label: str | None = None
+    body: CompletionRequest,
+    engine: EngineClient,
+    tokenizer,
+    served: str,
+    request_id: str,
+    label: str | None = None,
+    on_stream_end: Callable[[], None] = _nothing,
 ):
-    """`request_id` is the server's own id for the engine; `label` (the client's X-Request-Id) names the response."""
+    """`request_id` is the server's own id for the engine; `label` (the client's X-Request-Id) names the response;
+    `on_stream_end` runs once a streamed response's last event was sent (or its client left)."""
     _check_model(body.model, served)
     prompts = body.prompt_list()
     encoded = [encode_prompt(tokenizer, prompt, engine.vocab_size) for prompt in prompts]
@@ -137,8 +145,8 @@ async def completions(
     usage = Usage()
     streams = []
     for number, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
-        stream = await _first_then_rest(stream_choices(engine, tokenizer, f"{engine_id}-{number}", ids, sp, usage))
-        streams.append((number * sp.n, stream))
+        stream = stream_choices(engine, tokenizer, f"{engine_id}-{number}", ids, sp, usage)
+        streams.append(await _started(number * sp.n, stream))
 
     if body.stream:
         chunks = ChunkEvents(completion_id, "text_completion", created, served)
@@ -146,18 +154,20 @@ async def completions(
 
         async def events() -> AsyncIterator[str]:
             try:
-                for offset, stream in streams:
-                    async for delta in stream:
+                for choices in streams:
+                    while (delta := await choices.next()) is not None:
                         logprobs = _completion_logprobs(tokenizer, [delta]) if wants_logprobs else None
-                        yield chunks.text_choice(offset + delta.index, delta.text, logprobs, delta.finish_reason)
+                        index = choices.offset + delta.index
+                        yield chunks.text_choice(index, delta.text, logprobs, delta.finish_reason)
+                if body.include_usage():
+                    yield chunks.event([], usage=_usage_json(usage))
+                yield "data: [DONE]\n\n"
             finally:
                 # A client that hung up mid-stream: every prompt's engine requests are aborted now, not when the
                 # streams are collected.
-                for _, stream in streams:
-                    await stream.aclose()
-            if body.include_usage():
-                yield chunks.event([], usage=_usage_json(usage))
-            yield "data: [DONE]\n\n"
+                for choices in streams:
+                    await choices.stream.aclose()
+                on_stream_end()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -203,9 +213,11 @@ async def chat_completions(
     request_id: str,
     label: str | None = None,
     tool_call_parser: str | None = None,
+    on_stream_end: Callable[[], None] = _nothing,
 ):
     """`request_id` is the server's own id for the engine; `label` (the client's X-Request-Id) names the response;
-    `tool_call_parser` names the model's tool-call format (None: the one its chat template teaches)."""
+    `tool_call_parser` names the model's tool-call format (None: the one its chat template teaches);
+    `on_stream_end` runs once a streamed response's last event was sent (or its client left)."""
     _check_model(body.model, served)
     prompt_ids = render_chat(tokenizer, body.messages, body.tool_dicts())
     params = _sampling(body, engine, len(prompt_ids))
@@ -225,9 +237,7 @@ async def chat_completions(
     chat_id = f"chatcmpl-{label or request_id}"
     annotate_request(trace.get_current_span(), chat_id, body.model or served, params)
     usage = Usage()
-    stream = await _first_then_rest(
-        stream_choices(engine, tokenizer, f"chatcmpl-{request_id}", prompt_ids, params, usage)
-    )
+    stream = await _started(0, stream_choices(engine, tokenizer, f"chatcmpl-{request_id}", prompt_ids, params, usage))
 
     if body.stream:
         chunks = ChunkEvents(chat_id, "chat.completion.chunk", created, served)
@@ -235,7 +245,7 @@ async def chat_completions(
         async def events() -> AsyncIterator[str]:
             try:
                 started: set[int] = set()
-                async for delta in stream:
+                while (delta := await stream.next()) is not None:
                     if delta.index not in started:
                         started.add(delta.index)
                         yield chunks.delta_choice(delta.index, output(delta.index).opening(), None, None)
@@ -252,15 +262,16 @@ async def chat_completions(
                             logprobs if number == 0 else None,
                             out.finish_reason(delta.finish_reason) if last else None,
                         )
+                if body.include_usage():
+                    yield chunks.event([], usage=_usage_json(usage))
+                yield "data: [DONE]\n\n"
             finally:
-                await stream.aclose()  # a client that hung up: its engine requests are aborted now
-            if body.include_usage():
-                yield chunks.event([], usage=_usage_json(usage))
-            yield "data: [DONE]\n\n"
+                await stream.stream.aclose()  # a client that hung up: its engine requests are aborted now
+                on_stream_end()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    collected = await _collect([(0, stream)])
+    collected = await _collect([stream])
     choices = []
     for index in sorted(collected):
         deltas = collected[index]

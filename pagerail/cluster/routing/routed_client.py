@@ -121,6 +121,7 @@ class RoutedEngineClient:
     # -- requests -------------------------------------------------------------------------------
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
+        """Run the request on a replica; when that replica fails, resume it on another after the outputs it has."""
         # One id names one request across every replica: abort and append_input must find a single holder.
         request_id = request.request_id
         if request_id in self._open:
@@ -129,104 +130,99 @@ class RoutedEngineClient:
         session = None if final else SessionLog(self.max_model_len)
         entry = self._open[request_id] = OpenRequest(request_id, session=session)
         pin = pin_key(request)
-        serve = self._serve(entry, request, pin)
         try:
-            async for delta in serve:
-                yield delta
+            params = request.params
+            num_prompt = len(request.prompt_token_ids)
+            # Every output of the request so far, all of them with its caller: what a resumed run continues after.
+            outputs = list(request.resumed_output_token_ids)
+            failed: set[str] = set()
+            yielded = False
+            cached = 0
+            entry.movable = self.moves.movable(entry, request)
+            attempt = self.moves.first_attempt(entry, request)
+            while True:
+                try:
+                    replica, stream, outcome = await self._admit(entry, attempt, failed, pin)
+                    entry.move_requested, entry.move_to = False, None
+                except Aborted:
+                    yield ended(request_id, num_prompt, len(outputs), cached, "abort")
+                    return
+                except (QueueFullError, ValueError) as error:
+                    # Every replica left is full, none is left, or one refused.
+                    if not yielded:
+                        raise
+                    why = f"no replica could resume it: {error}"
+                    yield ended(request_id, num_prompt, len(outputs), cached, "abort", why)
+                    return
+                failure = outcome if isinstance(outcome, BaseException) else None
+                completed = False
+                try:
+                    delta = outcome
+                    while failure is None:
+                        if delta.finished and delta.error_code == "worker_failure" and final and not entry.aborted:
+                            # The replica's workers gave up: resume elsewhere, after passing on any last tokens.
+                            failure = ReplicaFailed(delta.error or "the replica's workers failed")
+                            delta = replace(delta, finished=False, finish_reason=None, error=None, error_code=None)
+                        elif delta.finished and self.moves.continues(entry, delta):  # a phase ends, not the request
+                            failure = Moved(f"moving off {replica}")
+                            delta = replace(delta, finished=False, finish_reason=None)
+                        if not yielded:
+                            cached = min(delta.num_cached_tokens, num_prompt)
+                        elif failed and delta.num_cached_tokens != cached:
+                            # A resumed run may find the first run's outputs cached: report the one prompt hit.
+                            delta = replace(delta, num_cached_tokens=cached)
+                        if failure is None or delta.token_ids:
+                            outputs.extend(delta.token_ids)
+                            yielded = True
+                            yield delta
+                        if failure is not None or delta.finished:
+                            completed = failure is None
+                            if delta.error_code == "worker_failure":  # a session's replica gave up
+                                self._replica_failed(replica, delta.error)
+                            break
+                        failure, delta = await next_delta(stream)
+                finally:
+                    await close_stream(stream)
+                    # A finished request's whole sequence now sits in that replica's prefix cache.
+                    self.router.end(replica, [*request.prompt_token_ids, *outputs] if completed and final else None)
+                if completed:
+                    return
+                if isinstance(failure, Moved):
+                    await self.moves.hand_off(entry, replica, [*request.prompt_token_ids, *outputs], failed)
+                    attempt = request.resumed(outputs)
+                    continue
+                self._replica_failed(replica, failure)
+                if entry.session is not None:
+                    raise ReplicaFailed(
+                        f"replica {replica!r} failed during streaming-input session {request_id!r} ({failure}); "
+                        "a session cannot move to another replica: open a new one"
+                    ) from failure
+                if entry.aborted:
+                    yield ended(request_id, num_prompt, len(outputs), cached, "abort")
+                    return
+                if outputs and params.structured_outputs is not None:
+                    # The constraint's state died with the replica; another would restart the grammar mid-output.
+                    why = f"replica {replica!r} failed under a constrained output: {failure}"
+                    yield ended(request_id, num_prompt, len(outputs), cached, "abort", why)
+                    return
+                failed.add(replica)
+                entry.phase = None  # the resumption is the whole request: where it prefills, it decodes too
+                self.num_failovers += 1
+                self.metrics_registry.failovers.labels(self.model_name, replica).inc()
+                if (params.max_tokens is not None and len(outputs) >= params.max_tokens) or (
+                    num_prompt + len(outputs) >= self.max_model_len
+                ):
+                    yield ended(request_id, num_prompt, len(outputs), cached, "length")  # only the end went missing
+                    return
+                # The same request after the outputs it has: the same parameters, seeds and penalty counts go on.
+                attempt = request.resumed(outputs)
         finally:
-            await serve.aclose()  # a caller that leaves early aborts the request at its replica now
+            # A caller that leaves early closed the replica's stream above, which aborts the request there.
             del self._open[request_id]
             if entry.pinned:
                 self._pins[pin][1] -= 1
                 if self._pins[pin][1] <= 0:
                     del self._pins[pin]
-
-    async def _serve(self, entry: OpenRequest, request: EngineRequest, pin: str | None) -> AsyncIterator[RequestDelta]:
-        """Run the request on a replica; when that replica fails, resume it on another after the outputs it has."""
-        request_id, params, final = entry.request_id, request.params, request.final
-        num_prompt = len(request.prompt_token_ids)
-        # Every output of the request so far, all of them with its caller: what a resumed run continues after.
-        outputs = list(request.resumed_output_token_ids)
-        failed: set[str] = set()
-        yielded = False
-        cached = 0
-        entry.movable = self.moves.movable(entry, request)
-        attempt = self.moves.first_attempt(entry, request)
-        while True:
-            try:
-                replica, stream, outcome = await self._admit(entry, attempt, failed, pin)
-                entry.move_requested, entry.move_to = False, None
-            except Aborted:
-                yield ended(request_id, num_prompt, len(outputs), cached, "abort")
-                return
-            except (QueueFullError, ValueError) as error:  # every replica left is full, none is left, or one refused
-                if not yielded:
-                    raise
-                why = f"no replica could resume it: {error}"
-                yield ended(request_id, num_prompt, len(outputs), cached, "abort", why)
-                return
-            failure = outcome if isinstance(outcome, BaseException) else None
-            completed = False
-            try:
-                delta = outcome
-                while failure is None:
-                    if delta.finished and delta.error_code == "worker_failure" and final and not entry.aborted:
-                        # The replica's workers gave up: resume elsewhere, after passing on any last tokens.
-                        failure = ReplicaFailed(delta.error or "the replica's workers failed")
-                        delta = replace(delta, finished=False, finish_reason=None, error=None, error_code=None)
-                    elif delta.finished and self.moves.continues(entry, delta):  # a phase ends, not the request
-                        failure = Moved(f"moving off {replica}")
-                        delta = replace(delta, finished=False, finish_reason=None)
-                    if not yielded:
-                        cached = min(delta.num_cached_tokens, num_prompt)
-                    elif failed and delta.num_cached_tokens != cached:
-                        # A resumed run may find the first run's outputs cached: report the request's one prompt hit.
-                        delta = replace(delta, num_cached_tokens=cached)
-                    if failure is None or delta.token_ids:
-                        outputs.extend(delta.token_ids)
-                        yielded = True
-                        yield delta
-                    if failure is not None or delta.finished:
-                        completed = failure is None
-                        if delta.error_code == "worker_failure":  # a session's replica gave up
-                            self._replica_failed(replica, delta.error)
-                        break
-                    failure, delta = await next_delta(stream)
-            finally:
-                await close_stream(stream)
-                # A finished request's whole sequence now sits in that replica's prefix cache.
-                self.router.end(replica, [*request.prompt_token_ids, *outputs] if completed and final else None)
-            if completed:
-                return
-            if isinstance(failure, Moved):
-                await self.moves.hand_off(entry, replica, [*request.prompt_token_ids, *outputs], failed)
-                attempt = request.resumed(outputs)
-                continue
-            self._replica_failed(replica, failure)
-            if entry.session is not None:
-                raise ReplicaFailed(
-                    f"replica {replica!r} failed during streaming-input session {request_id!r} ({failure}); a session "
-                    "cannot move to another replica: open a new one"
-                ) from failure
-            if entry.aborted:
-                yield ended(request_id, num_prompt, len(outputs), cached, "abort")
-                return
-            if outputs and params.structured_outputs is not None:
-                # The constraint's state died with the replica; another would restart the grammar mid-output.
-                why = f"replica {replica!r} failed under a constrained output: {failure}"
-                yield ended(request_id, num_prompt, len(outputs), cached, "abort", why)
-                return
-            failed.add(replica)
-            entry.phase = None  # the resumption is the whole request: where it prefills, it decodes too
-            self.num_failovers += 1
-            self.metrics_registry.failovers.labels(self.model_name, replica).inc()
-            if (params.max_tokens is not None and len(outputs) >= params.max_tokens) or (
-                num_prompt + len(outputs) >= self.max_model_len
-            ):
-                yield ended(request_id, num_prompt, len(outputs), cached, "length")  # only the end went missing
-                return
-            # The same request after the outputs it has: the same parameters, seeds and penalty counts go on.
-            attempt = request.resumed(outputs)
 
     async def _admit(
         self, entry: OpenRequest, request: EngineRequest, failed: set[str], pin: str | None
