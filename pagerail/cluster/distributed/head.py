@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import ray
 
-from pagerail.cluster.core.async_engine import AsyncEngine
+from pagerail.cluster.core.async_engine import AsyncEngine, OutputBatch
 from pagerail.cluster.core.engine import EngineCore
 from pagerail.cluster.core.engine_client import RequestDelta
 from pagerail.cluster.core.engine_request import EngineRequest
@@ -15,7 +15,7 @@ from pagerail.cluster.core.kv_handoff import describe_prefix, held_blocks, relea
 from pagerail.cluster.core.model_info import read_model_info
 from pagerail.cluster.distributed.cluster_options import ClusterOptions
 from pagerail.cluster.distributed.local_executor import locate_model, worker_config
-from pagerail.cluster.distributed.output_channel import OutputChannel, OutputMessage
+from pagerail.cluster.distributed.output_channel import OutputChannel
 from pagerail.cluster.distributed.worker_group import WorkerGroup
 from pagerail.common import telemetry
 from pagerail.common.engine_config import EngineConfig
@@ -76,7 +76,7 @@ class HeadActor:
         """
         await self._channel(channel_id).submit(request)
 
-    async def outputs(self, channel_id: str) -> AsyncIterator[OutputMessage]:
+    async def outputs(self, channel_id: str) -> AsyncIterator[OutputBatch]:
         """The channel's stream: one message per engine step, every delta of the channel's requests in it.
 
         Ending the call (the consumer closed it or died) aborts the channel's requests.

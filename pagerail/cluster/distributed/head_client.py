@@ -45,11 +45,17 @@ class _OutputReader:
 
     async def _read(self, head) -> None:
         try:
+            streams = self._streams
             async for ref in head.outputs.remote(self.channel_id):
-                for request_id, item in await ref:
-                    deltas = self._streams.get(request_id)
+                batch = await ref  # an OutputBatch keyed by request id: one per engine step
+                for request_id, delta in batch.deltas:
+                    deltas = streams.get(request_id)
                     if deltas is not None:  # else its caller already left (and aborted it)
-                        deltas.put_nowait(item)
+                        deltas.put_nowait(delta)
+                for request_id, error in batch.errors:  # after the tokens that came before the failure
+                    deltas = streams.get(request_id)
+                    if deltas is not None:
+                        deltas.put_nowait(error)
             raise ReplicaFailed("the head actor closed its output stream")
         except Exception as error:  # a dead or restarting head: every open stream fails with Ray's own error
             self.failure = error

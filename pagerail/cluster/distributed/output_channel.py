@@ -1,8 +1,9 @@
 """The head's end of one consumer's output channel: the engine loop's batches, forwarded as one message per step.
 
 A consumer (a frontend process, an offline LLM) opens a channel, submits requests into it, and reads one long-lived
-stream of messages, each a list of (request id, RequestDelta or exception) for every request of the channel that
-changed since the previous message. The head's event loop only resolves admissions and forwards the batch.
+stream of OutputBatch messages (the engine's one per-step output type, keyed by request id): the deltas and failures
+of every request of the channel that changed since the previous message. The head's event loop only resolves
+admissions and forwards the batch.
 """
 
 from __future__ import annotations
@@ -10,10 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from pagerail.cluster.core.async_engine import AsyncEngine, LoopSink, OutputBatch
-from pagerail.cluster.core.engine_client import RequestDelta
 from pagerail.cluster.core.engine_request import EngineRequest
-
-OutputMessage = list[tuple[str, RequestDelta | BaseException]]
 
 
 class OutputChannel:
@@ -24,7 +22,7 @@ class OutputChannel:
         self._loop = loop
         self.sink = LoopSink(loop, self._receive)
         self._admissions: dict[str, asyncio.Future] = {}
-        self._outgoing: OutputMessage = []
+        self._outgoing = OutputBatch()
         self._ready = asyncio.Event()
         self.closed = False
 
@@ -47,14 +45,14 @@ class OutputChannel:
         """Abort one of this channel's requests (a request another channel holds under that id is left alone)."""
         self._engine.abort(request_id, self.sink, request_id, stopped)
 
-    async def next_message(self) -> OutputMessage | None:
+    async def next_message(self) -> OutputBatch | None:
         """Everything that arrived since the previous message (waiting for something); None once closed."""
-        while not self._outgoing:
+        while not (self._outgoing.deltas or self._outgoing.errors):
             if self.closed:
                 return None
             self._ready.clear()
             await self._ready.wait()
-        message, self._outgoing = self._outgoing, []
+        message, self._outgoing = self._outgoing, OutputBatch()
         return message
 
     def close(self) -> None:
@@ -70,15 +68,16 @@ class OutputChannel:
             future = self._admissions.get(key)
             if future is not None and not future.done():
                 future.set_result(None)
+        outgoing = self._outgoing
         for key, error in batch.errors:
             future = self._admissions.get(key)
             if future is not None and not future.done():
                 future.set_exception(error)  # refused: the submit call raises it, no stream ever started
             else:
-                self._outgoing.append((key, error))
+                outgoing.errors.append((key, error))
         if self.closed:
-            self._outgoing.clear()  # nobody reads them any more
+            self._outgoing = OutputBatch()  # nobody reads them any more
             return
-        self._outgoing.extend(batch.deltas)
-        if self._outgoing:
+        outgoing.deltas.extend(batch.deltas)
+        if outgoing.deltas or outgoing.errors:
             self._ready.set()
