@@ -39,6 +39,7 @@ def span_cost_per_step_s(num_requests: int, tracer, repeats: int = 300) -> float
     """Seconds one step spends on its spans: step (linked to every request), schedule, dispatch and a rank's three."""
     from opentelemetry import trace
 
+    from pagerail.cluster.core.engine_request import EngineRequest
     from pagerail.cluster.core.request import Request
     from pagerail.cluster.core.scheduler import ScheduledRequest, SchedulerOutput
     from pagerail.cluster.core.step_tracing import dispatch_span, end_step_span, start_step_span
@@ -49,7 +50,8 @@ def span_cost_per_step_s(num_requests: int, tracer, repeats: int = 300) -> float
     out = SchedulerOutput(num_batched_tokens=num_requests)
     for i in range(num_requests):
         carrier = telemetry.inject_carrier(trace.set_span_in_context(tracer.start_span("request")))
-        request = Request(f"cost-{i}", i, [1], SamplingParams(), 1, frozenset(), trace_context=carrier)
+        envelope = EngineRequest(f"cost-{i}", [1], SamplingParams(max_tokens=1), trace_context=carrier)
+        request = Request(envelope, i, frozenset())
         out.scheduled.append(ScheduledRequest(request, 1, []))
     batch = step_pb2.StepBatch(step_id=1)
     started = time.perf_counter()

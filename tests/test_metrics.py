@@ -106,12 +106,15 @@ def test_inter_token_latency_counts_one_gap_per_request_and_step():
     from prometheus_client import generate_latest
 
     from pagerail.cluster.core.engine_metrics import EngineMetrics
+    from pagerail.cluster.core.engine_request import EngineRequest
     from pagerail.cluster.core.request import Request, RequestStatus
 
     metrics = EngineMetrics("m")
 
     def request(name: str, outputs: int, last: float | None, first: float | None) -> Request:
-        r = Request(name, len(name), [1, 2], SamplingParams(), None, frozenset(), arrival_time=0.0)
+        r = Request(
+            EngineRequest(name, [1, 2], SamplingParams(max_tokens=None)), len(name), frozenset(), arrival_time=0.0
+        )
         r.output_token_ids = [5] * outputs
         r.num_reported_tokens = outputs - (2 if name == "two" else 1)
         r.status = RequestStatus.RUNNING

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagerail.cluster.core.block_table import BlockTable
+from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.core.request import Request, RequestStatus
 from pagerail.cluster.core.scheduler import Scheduler
 from pagerail.cluster.core.scheduler_output import PauseMode
@@ -23,11 +24,8 @@ def fake_token(request: Request) -> int:
 def make_request(rid: str, prompt_len: int, max_tokens: int, handle: int = 0, **kwargs) -> Request:
     prompt = [(7 * i + len(rid)) % 500 for i in range(prompt_len)]
     return Request(
-        request_id=rid,
+        EngineRequest(rid, prompt, SamplingParams(max_tokens=max_tokens)),
         handle=handle or abs(hash(rid)) % 10**6,
-        prompt_token_ids=prompt,
-        sampling_params=SamplingParams(max_tokens=max_tokens),
-        max_tokens=max_tokens,
         stop_token_ids=frozenset({EOS}),
         **kwargs,
     )

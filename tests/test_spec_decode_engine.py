@@ -80,6 +80,7 @@ def test_a_stop_token_inside_a_kept_run_drops_the_tokens_after_it() -> None:
     """The head appends a run token by token: a stop token or max_tokens inside it ends the request there, the
     rest of the run is dropped, and the request's blocks go back to the pool."""
     from pagerail.cluster.core.block_table import BlockTable
+    from pagerail.cluster.core.engine_request import EngineRequest
     from pagerail.cluster.core.request import Request
     from pagerail.cluster.core.scheduler import Scheduler
     from pagerail.cluster.core.speculation import SpecRun
@@ -90,7 +91,7 @@ def test_a_stop_token_inside_a_kept_run_drops_the_tokens_after_it() -> None:
     for stop, max_tokens, run, kept, status in cases:
         table = BlockTable(16, 4)
         scheduler = Scheduler(SchedulerConfig(), table, 64)
-        request = Request("r", 1, [1, 2, 3], SamplingParams(), max_tokens, stop)
+        request = Request(EngineRequest("r", [1, 2, 3], SamplingParams(max_tokens=max_tokens)), 1, stop)
         request.speculative = True
         scheduler.add_request(request)
         out = scheduler.schedule()  # the prefill

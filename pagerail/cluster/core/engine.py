@@ -157,15 +157,11 @@ class EngineCore:
         if not params.ignore_eos:
             stop |= self.eos_token_ids
         queued = Request(
-            request_id=request.request_id,
+            request,
             handle=next(self._handles),
-            prompt_token_ids=list(prompt),
-            sampling_params=params,
-            max_tokens=params.max_tokens,
             stop_token_ids=frozenset(stop),
             input_open=not request.final,
             output_token_ids=list(resumed),
-            trace_context=request.trace_context,
             num_reported_tokens=len(resumed),  # produced elsewhere: not this engine's generated tokens
             speculative=self.speculation.eligible(params, request.final),
         )

@@ -1,4 +1,5 @@
-"""A request as the head sees it: tokens so far, how many are in the KV cache, and why it stopped."""
+"""A request as the head sees it: the envelope it came in, tokens so far, how many are in the KV cache, and why
+it stopped."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.common.sampling_params import SamplingParams
 
 
@@ -35,20 +37,22 @@ _FINISHED_VALUES = frozenset(
 class Request:
     """One sequence. `num_computed_tokens` catches up with `len(all_token_ids)` step by step:
     that one mechanism covers prefill, chunked prefill, decode, prefix hits and recomputation.
+
+    It holds the envelope the front door made (id, prompt, sampling settings, trace context) by reference; what
+    the head adds is its own: the handle, the stop ids with the model's EOS, the tokens and progress.
     """
 
-    request_id: str
+    envelope: EngineRequest
     handle: int
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    # None: up to the context limit, re-evaluated as a streaming-input session's prompt grows.
-    max_tokens: int | None
+    # The request's stop token ids and, unless it ignores EOS, the model's.
     stop_token_ids: frozenset[int]
     arrival_time: float = field(default_factory=time.monotonic)
     # Open streaming-input session: more prompt chunks may follow.
     input_open: bool = False
     output_token_ids: list[int] = field(default_factory=list)
-    all_token_ids: list[int] = field(default_factory=list)
+    # The prompt (with a session's later chunks), then the outputs: the sequence the KV cache holds.
+    all_token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -74,8 +78,6 @@ class Request:
     # The lookahead of its speculating step in flight (0: none): the most drafts that step may still add, which the
     # blocks of any step scheduled after it must cover.
     spec_in_flight: int = 0
-    # W3C carrier (traceparent, tracestate) of the frontend's request span; the step spans link to it.
-    trace_context: dict[str, str] | None = None
     # The scheduler's plain-decode item for this request and epoch, handed out again every step it decodes
     # (a pagerail.cluster.core.scheduler_output.ScheduledRequest; typed loosely, that module imports this one).
     decode_item: object | None = None
@@ -86,9 +88,28 @@ class Request:
     num_reported_tokens: int = 0
     metrics_done: bool = False
 
+    # Read from the envelope on every step, so kept at hand: the same objects, not copies.
+    request_id: str = field(init=False)
+    sampling_params: SamplingParams = field(init=False)
+    max_tokens: int | None = field(init=False)  # None: up to the context limit
+
     def __post_init__(self) -> None:
-        if not self.all_token_ids:
-            self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        envelope = self.envelope
+        self.request_id = envelope.request_id
+        self.sampling_params = envelope.params
+        self.max_tokens = envelope.params.max_tokens
+        self.all_token_ids = [*envelope.prompt_token_ids, *self.output_token_ids]
+        self.num_prompt_tokens = len(envelope.prompt_token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt so far (a streaming-input session's grows chunk by chunk)."""
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def trace_context(self) -> dict[str, str] | None:
+        """W3C carrier (traceparent, tracestate) of the frontend's request span; the step spans link to it."""
+        return self.envelope.trace_context
 
     @property
     def num_tokens(self) -> int:
@@ -105,10 +126,6 @@ class Request:
         return len(self.all_token_ids) + self.num_pending_samples
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
@@ -121,8 +138,9 @@ class Request:
         return self.status is RequestStatus.AWAITING_INPUT
 
     def append_input(self, token_ids: list[int]) -> None:
-        self.prompt_token_ids.extend(token_ids)
+        """A streaming-input session's next chunk: more prompt (a session has no outputs while its input is open)."""
         self.all_token_ids.extend(token_ids)
+        self.num_prompt_tokens += len(token_ids)
 
     def append_output(
         self,
