@@ -1,6 +1,9 @@
 """pagerail next to vLLM: each server is started on the same model and workload, driven by `pagerail bench serve`
 (streaming /v1/completions, token-id prompts, ignore_eos so both generate the same token counts), then stopped.
-One table shows output tokens/s, TTFT p50 and ITL p50 of both, with the pagerail / vLLM ratio.
+One table shows output tokens/s, TTFT p50 and ITL p50 of both, with the pagerail / vLLM ratio. With --rounds N
+the servers alternate N times (the first one changing every round); the table gives each round and the median of
+the rounds' ratios. Each run also reports the CPU seconds per generated token of every process of the server
+(the HTTP frontend, the engine or head, the ranks), read from /proc over the client's run.
 
 Workloads:
   standard  the embedded SmolLM2-135M-Instruct (the same safetensors directory for both), 64 requests,
@@ -13,6 +16,7 @@ vLLM runs from its own interpreter (--vllm-python or $VLLM_PYTHON); it is never 
 
 Usage:
   VLLM_PYTHON=/path/to/vllm-venv/bin/python .venv/bin/python bench/compare_vllm.py
+  VLLM_PYTHON=... .venv/bin/python bench/compare_vllm.py --workloads overhead --rounds 3
   .venv/bin/python bench/compare_vllm.py --servers pagerail --workloads overhead --num-requests 8
 """
 
@@ -21,11 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pagerail.cluster.bench.process_cpu import cpu_spent, session_cpu
 from pagerail.cluster.bench.server_process import ServerProcess, free_port, pagerail_serve_command
 from pagerail.cluster.bench.stats import format_table
 
@@ -86,12 +92,13 @@ def server_env(server: str, args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def run_one(server: str, workload: Workload, model: Path, args: argparse.Namespace) -> dict:
-    """Start the server, run `pagerail bench serve` against it, stop it; the client's JSON results."""
+def run_one(server: str, workload: Workload, model: Path, args: argparse.Namespace, tag: str = "1") -> dict:
+    """Start the server, run `pagerail bench serve` against it, stop it; the client's JSON results, with the CPU
+    milliseconds per generated token of each of the server's processes."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     name = f"{workload.name}-model"
-    logs = args.out / f"{workload.name}-{server}.log"
+    logs = args.out / f"{workload.name}-{server}-{tag}.log"
     command = server_command(server, model, name, port, args)
     client = [args.pagerail_python, "-m", "pagerail.cluster.cli", "bench", "serve"]
     client += ["--base-url", base_url, "--model", name]
@@ -99,12 +106,20 @@ def run_one(server: str, workload: Workload, model: Path, args: argparse.Namespa
     client += ["--prompt-len", *map(str, workload.prompt_len), "--output-len", *map(str, workload.output_len)]
     client += ["--concurrency", str(workload.concurrency), "--json"]
     print(f"== {workload.name}: {server} (server log {logs})", flush=True)
-    with ServerProcess(command, base_url, logs, ready_timeout_s=args.start_timeout, env=server_env(server, args)):
+    env = server_env(server, args)
+    with ServerProcess(command, base_url, logs, ready_timeout_s=args.start_timeout, env=env) as running:
+        # The server leads a session of its own, which its helper processes (Ray's actors, vLLM's engine) join.
+        before = session_cpu(running.process.pid)
         done = subprocess.run(client, capture_output=True, text=True, check=False)
+        spent = cpu_spent(before, session_cpu(running.process.pid))
     if done.returncode != 0:
         raise RuntimeError(f"pagerail bench serve against {server} failed:\n{done.stderr[-3000:]}")
     results = json.loads(done.stdout)
-    (args.out / f"{workload.name}-{server}.json").write_text(done.stdout)
+    generated = results.get("total_output_tokens") or 0
+    results["cpu_ms_per_token"] = {
+        label: round(1000 * seconds / generated, 4) for label, seconds in spent.items() if generated
+    }
+    (args.out / f"{workload.name}-{server}-{tag}.json").write_text(json.dumps(results, indent=2))
     return results
 
 
@@ -121,29 +136,37 @@ def versions(args: argparse.Namespace, servers: list[str]) -> dict[str, str]:
     return found
 
 
-def format_comparison(runs: dict[str, dict[str, dict]], found: dict[str, str]) -> str:
-    header = ["workload", "server", "version", "completed", "output tok/s", "TTFT p50 ms", "ITL p50 ms"]
+def ratios(ours: dict, theirs: dict) -> tuple[float, float, float]:
+    """pagerail / vLLM: output tokens/s, TTFT p50, ITL p50."""
+    return (
+        ours["output_throughput"] / theirs["output_throughput"],
+        ours["ttft_ms"]["p50"] / theirs["ttft_ms"]["p50"],
+        ours["itl_ms"]["p50"] / theirs["itl_ms"]["p50"],
+    )
+
+
+def format_comparison(runs: dict[str, list[dict[str, dict]]], found: dict[str, str]) -> str:
+    """`runs`: per workload, one {server: results} per round."""
+    header = ["workload", "round", "server", "version", "completed", "output tok/s", "TTFT p50 ms", "ITL p50 ms"]
     rows = []
-    for workload, by_server in runs.items():
-        for server, r in by_server.items():
-            done = f"{r['completed']}/{r['completed'] + r['failed']}"
-            row = [r["output_throughput"], r["ttft_ms"]["p50"], r["itl_ms"]["p50"]]
-            rows.append([workload, server, found.get(server, ""), done, *row])
-        if len(by_server) == len(SERVERS):
-            ours, theirs = by_server["pagerail"], by_server["vllm"]
-            rows.append(
-                [
-                    workload,
-                    "pagerail / vLLM",
-                    "",
-                    "",
-                    f"{ours['output_throughput'] / theirs['output_throughput']:.2f}x",
-                    f"{ours['ttft_ms']['p50'] / theirs['ttft_ms']['p50']:.2f}x",
-                    f"{ours['itl_ms']['p50'] / theirs['itl_ms']['p50']:.2f}x",
-                ]
-            )
+    cpu_lines = []
+    for workload, rounds in runs.items():
+        per_round = []
+        for number, by_server in enumerate(rounds, start=1):
+            for server, r in by_server.items():
+                done = f"{r['completed']}/{r['completed'] + r['failed']}"
+                row = [r["output_throughput"], r["ttft_ms"]["p50"], r["itl_ms"]["p50"]]
+                rows.append([workload, number, server, found.get(server, ""), done, *row])
+                cpu = ", ".join(f"{label} {ms:.3f}" for label, ms in r.get("cpu_ms_per_token", {}).items())
+                cpu_lines.append(f"{workload} round {number} {server}: CPU ms per generated token: {cpu}")
+            if len(by_server) == len(SERVERS):
+                per_round.append(ratios(by_server["pagerail"], by_server["vllm"]))
+                rows.append([workload, number, "pagerail / vLLM", "", "", *(f"{x:.2f}x" for x in per_round[-1])])
+        if len(per_round) > 1:
+            medians = [statistics.median(column) for column in zip(*per_round, strict=True)]
+            rows.append([workload, "median", "pagerail / vLLM", "", "", *(f"{x:.2f}x" for x in medians)])
     note = "ratios: output tok/s higher is better for pagerail; TTFT and ITL lower is better"
-    return format_table(header, rows) + "\n" + note
+    return "\n".join([format_table(header, rows), note, *cpu_lines])
 
 
 def main() -> int:
@@ -162,6 +185,9 @@ def main() -> int:
     parser.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache of each server (default 4 GiB)")
     parser.add_argument("--start-timeout", type=float, default=1200.0, help="seconds a server may take to start")
     parser.add_argument("--out", type=Path, default=Path("bench-results/compare-vllm"), help="logs and JSON")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="run the servers this many times, alternating which goes first"
+    )
     args = parser.parse_args()
     if "vllm" in args.servers and not args.vllm_python:
         parser.error("vLLM needs its interpreter: --vllm-python PATH or VLLM_PYTHON=PATH")
@@ -176,11 +202,16 @@ def main() -> int:
         )
         if value is not None
     }
-    runs: dict[str, dict[str, dict]] = {}
+    runs: dict[str, list[dict[str, dict]]] = {}
     for name in args.workloads:
         workload = replace(WORKLOADS[name], **overrides)
         model = model_dir(name, args.out)
-        runs[name] = {server: run_one(server, workload, model, args) for server in args.servers}
+        runs[name] = []
+        for number in range(1, args.rounds + 1):
+            # Alternating order: neither server always runs on a machine the other just warmed or loaded.
+            order = args.servers if number % 2 else list(reversed(args.servers))
+            by_server = {server: run_one(server, workload, model, args, str(number)) for server in order}
+            runs[name].append({server: by_server[server] for server in args.servers})
     found = versions(args, args.servers)
     table = format_comparison(runs, found)
     (args.out / "comparison.txt").write_text(table + "\n")

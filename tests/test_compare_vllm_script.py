@@ -41,3 +41,21 @@ def test_pagerail_flags_are_appended_to_pagerail_serve_only():
     assert pagerail[-2:] == ["--cpus-per-worker=1", "--no-async-scheduling"]
     vllm = module.server_command("vllm", Path("/model"), "m", 1234, args)
     assert "--cpus-per-worker=1" not in vllm and vllm[0] == "vllm-python"
+
+
+def test_rounds_are_reported_one_by_one_with_the_median_ratio():
+    module = _load()
+
+    def result(tok_s: float, ttft: float, itl: float) -> dict:
+        timing = {"completed": 4, "failed": 0, "output_throughput": tok_s}
+        return {**timing, "ttft_ms": {"p50": ttft}, "itl_ms": {"p50": itl}, "cpu_ms_per_token": {"ray::HeadActor": 0.5}}
+
+    rounds = [
+        {"pagerail": result(300, 10, 5), "vllm": result(100, 20, 10)},  # 3.00x
+        {"pagerail": result(200, 10, 5), "vllm": result(100, 20, 10)},  # 2.00x
+        {"pagerail": result(100, 10, 5), "vllm": result(100, 20, 10)},  # 1.00x
+    ]
+    table = module.format_comparison({"overhead": rounds}, {"pagerail": "x", "vllm": "y"})
+    median_row = next(line for line in table.splitlines() if "median" in line)
+    assert "2.00x" in median_row and "0.50x" in median_row
+    assert "overhead round 2 pagerail: CPU ms per generated token: ray::HeadActor 0.500" in table
