@@ -13,6 +13,7 @@ import uvicorn
 from transformers import AutoTokenizer
 
 from pagerail.cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.frontend.settings import FrontendSettings
 from tests.fake_engine import FakeEngineClient
 
 # Each generated token counts as one step: 2 ms forward, 0.5 ms other rank work, 0.1 ms scheduling.
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     args, _ = parser.parse_known_args(argv)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     engine = SteppingEngine(model_name="stand-in", max_model_len=4096, vocab_size=len(tokenizer), step_delay_s=0.001)
-    state = ServerState(engine, tokenizer, "stand-in")
+    state = ServerState(engine, tokenizer, FrontendSettings("stand-in"))
     uvicorn.run(create_app(state), host="127.0.0.1", port=args.port, log_level="warning")
 
 

@@ -16,6 +16,7 @@ from pagerail.cluster.bench.online import add_serve_arguments, benchmark_serving
 from pagerail.cluster.bench.sweep import add_sweep_arguments, run_sweep
 from pagerail.cluster.bench.workload import random_workload, shared_prefix_workload
 from pagerail.cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.frontend.settings import FrontendSettings
 from tests.fake_engine import FakeEngineClient
 from tests.http_server import BackgroundServer
 
@@ -69,7 +70,7 @@ def tokenizer(smollm2_dir):
 def server(tokenizer):
     # A small per-token delay keeps requests in flight long enough to overlap.
     engine = CountingEngine(model_name="fake", max_model_len=512, vocab_size=len(tokenizer), step_delay_s=0.002)
-    state = ServerState(engine, tokenizer, "fake", api_key=KEY)
+    state = ServerState(engine, tokenizer, FrontendSettings("fake", api_key=KEY))
     with BackgroundServer(create_app(state)) as base_url:
         yield base_url, engine
 

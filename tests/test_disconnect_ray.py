@@ -16,6 +16,7 @@ from pagerail.cluster.distributed.cluster_options import ClusterOptions  # noqa:
 from pagerail.cluster.distributed.head_client import HeadEngineClient  # noqa: E402
 from pagerail.cluster.distributed.launcher import start_heads  # noqa: E402
 from pagerail.cluster.frontend.http_app import ServerState, create_app  # noqa: E402
+from pagerail.cluster.frontend.settings import FrontendSettings  # noqa: E402
 from pagerail.common.engine_config import CacheConfig, EngineConfig  # noqa: E402
 from tests.http_server import BackgroundServer  # noqa: E402
 from tests.ray_start import start_ray  # noqa: E402
@@ -35,7 +36,7 @@ def test_dropped_streams_are_aborted_through_the_head_actor(tmp_path, smollm2_di
         engine = HeadEngineClient(head, "tiny", info)
         # The tiny model has no tokenizer: prompts go in as token ids, and any tokenizer can show ids below 250.
         tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
-        with BackgroundServer(create_app(ServerState(engine, tokenizer, "tiny"))) as base_url:
+        with BackgroundServer(create_app(ServerState(engine, tokenizer, FrontendSettings("tiny")))) as base_url:
             kept = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 8, "ignore_eos": True, "stream": True}
             dropped = {**kept, "max_tokens": 240, "temperature": 0.7}
             before = asyncio.run(engine.stats())

@@ -20,7 +20,8 @@ import pytest
 
 from pagerail.cluster.frontend.grpc_api import build_grpc_server
 from pagerail.cluster.frontend.http_app import ServerState, create_app
-from pagerail.cluster.frontend.server import FrontendServer, FrontendSettings
+from pagerail.cluster.frontend.server import FrontendServer
+from pagerail.cluster.frontend.settings import FrontendSettings
 from pagerail.common import telemetry
 from pagerail.common.tls import ServerTls
 from pagerail.proto import api_pb2, api_pb2_grpc
@@ -62,7 +63,7 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict:
 @pytest.mark.parametrize("api_key", [None, KEY], ids=["no-keys", "inference-key-only"])
 def test_admin_routes_are_off_without_an_admin_key(api_key):
     engine = FakeEngineClient()
-    app = create_app(ServerState(engine, None, "fake", api_key=api_key))
+    app = create_app(ServerState(engine, None, FrontendSettings("fake", api_key=api_key)))
     for headers in ({}, bearer(KEY)):
         for path in ("/pause?mode=all", "/resume"):
             assert_openai_error(asyncio.run(call(app, "POST", path, headers=headers)), 404)
@@ -71,7 +72,7 @@ def test_admin_routes_are_off_without_an_admin_key(api_key):
 
 def test_admin_routes_take_the_admin_key_and_never_the_inference_key():
     engine = FakeEngineClient()
-    app = create_app(ServerState(engine, None, "fake", api_key=KEY, admin_api_key=ADMIN_KEY))
+    app = create_app(ServerState(engine, None, FrontendSettings("fake", api_key=KEY, admin_api_key=ADMIN_KEY)))
     for headers in ({}, bearer(KEY), bearer(ADMIN_KEY + "x"), {"Authorization": ADMIN_KEY}):
         error = assert_openai_error(asyncio.run(call(app, "POST", "/pause?mode=all", headers=headers)), 401)
         assert ADMIN_KEY not in error["message"]
@@ -99,7 +100,7 @@ def test_chunked_body_over_the_limit_is_refused_before_it_is_read_whole():
             pulled += 1
             yield b" " * chunk
 
-    app = create_app(ServerState(FakeEngineClient(), None, "fake", max_body_bytes=limit))
+    app = create_app(ServerState(FakeEngineClient(), None, FrontendSettings("fake", max_body_bytes=limit)))
     response = asyncio.run(call(app, "POST", "/v1/completions", content=body()))
     assert assert_openai_error(response, 413)["code"] == "request_too_large"
     assert pulled <= limit // chunk + 1, f"{pulled} of {chunks} chunks were read"
@@ -107,7 +108,7 @@ def test_chunked_body_over_the_limit_is_refused_before_it_is_read_whole():
 
 def test_chunked_body_over_the_limit_gets_413_from_a_real_server_while_the_client_still_sends():
     limit = 16 << 10
-    app = create_app(ServerState(FakeEngineClient(), None, "fake", max_body_bytes=limit))
+    app = create_app(ServerState(FakeEngineClient(), None, FrontendSettings("fake", max_body_bytes=limit)))
     with BackgroundServer(app) as base_url:
         port = int(base_url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
@@ -161,7 +162,7 @@ def test_non_streaming_request_is_aborted_when_its_client_disconnects(tokenizer,
     max_tokens = 200
     engine = AbandonCountingEngine(vocab_size=len(tokenizer), step_delay_s=0.01)
     body = {"model": "fake", "max_tokens": max_tokens, "ignore_eos": True, **body}
-    with BackgroundServer(create_app(ServerState(engine, tokenizer, "fake"))) as base_url:
+    with BackgroundServer(create_app(ServerState(engine, tokenizer, FrontendSettings("fake")))) as base_url:
         with pytest.raises(httpx.TimeoutException):
             httpx.post(base_url + path, json=body, timeout=0.3)  # gives up, closing its connection
         deadline = time.monotonic() + 30
@@ -176,7 +177,7 @@ def test_non_streaming_request_is_aborted_when_its_client_disconnects(tokenizer,
 def test_non_streaming_request_still_completes_for_a_patient_client(tokenizer):
     engine = AbandonCountingEngine(vocab_size=len(tokenizer), step_delay_s=0.001)
     body = {"model": "fake", "prompt": [5, 6, 7], "max_tokens": 20, "ignore_eos": True, "n": 2}
-    with BackgroundServer(create_app(ServerState(engine, tokenizer, "fake"))) as base_url:
+    with BackgroundServer(create_app(ServerState(engine, tokenizer, FrontendSettings("fake")))) as base_url:
         reply = httpx.post(base_url + "/v1/completions", json=body, timeout=30)
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 40
@@ -195,7 +196,8 @@ _TRACE_SCRIPT = textwrap.dedent(
 
     from pagerail.cluster.frontend import tracing
     from pagerail.cluster.frontend.http_app import ServerState, create_app
-    from pagerail.cluster.frontend.server import FrontendSettings, configure_frontend_tracing
+    from pagerail.cluster.frontend.server import configure_frontend_tracing
+    from pagerail.cluster.frontend.settings import FrontendSettings
     from tests.fake_engine import FakeEngineClient
     from pagerail.common import telemetry
 
@@ -212,7 +214,7 @@ _TRACE_SCRIPT = textwrap.dedent(
 
     async def main():
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        app = create_app(ServerState(Recording(vocab_size=len(tokenizer)), tokenizer, "fake"))
+        app = create_app(ServerState(Recording(vocab_size=len(tokenizer)), tokenizer, settings))
         body = {"model": "fake", "prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://pagerail") as client:
@@ -357,7 +359,9 @@ def test_frontend_settings_repr_hides_the_keys(certificates):
     text = repr(settings)
     assert "sk-secret" not in text and "sk-admin-secret" not in text and "PRIVATE KEY" not in text
     assert "fake" in text
-    state = ServerState(FakeEngineClient(), None, "fake", api_key="sk-secret", admin_api_key="sk-admin-secret")
+    state = ServerState(
+        FakeEngineClient(), None, FrontendSettings("fake", api_key="sk-secret", admin_api_key="sk-admin-secret")
+    )
     assert "sk-secret" not in repr(state) and "sk-admin-secret" not in repr(state)
 
 

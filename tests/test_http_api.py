@@ -7,6 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pagerail.cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.frontend.settings import FrontendSettings
 from tests.fake_engine import FakeEngineClient
 from tests.http_server import BackgroundServer
 
@@ -24,7 +25,9 @@ def tokenizer(smollm2_dir):
 @pytest.fixture(scope="module")
 def server(tokenizer):
     engine = FakeEngineClient(model_name="fake", max_model_len=256, vocab_size=len(tokenizer))
-    state = ServerState(engine, tokenizer, "fake", api_key=KEY, admin_api_key=ADMIN_KEY, max_body_bytes=64 << 10)
+    state = ServerState(
+        engine, tokenizer, FrontendSettings("fake", api_key=KEY, admin_api_key=ADMIN_KEY, max_body_bytes=64 << 10)
+    )
     with BackgroundServer(create_app(state)) as base_url:
         yield base_url, engine, state
 
@@ -115,7 +118,7 @@ def test_open_routes_tokenize_and_admin(server, tokenizer):
 
 def test_full_queue_is_answered_with_retry_after(tokenizer):
     engine = FakeEngineClient(max_waiting=0, vocab_size=len(tokenizer))
-    with BackgroundServer(create_app(ServerState(engine, tokenizer, "fake"))) as base_url:
+    with BackgroundServer(create_app(ServerState(engine, tokenizer, FrontendSettings("fake")))) as base_url:
         response = httpx.post(base_url + "/v1/completions", json=completion())
     assert response.status_code == 429 and int(response.headers["retry-after"]) >= 1
     assert response.json()["error"]["type"] == "rate_limit_error"

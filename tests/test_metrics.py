@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagerail import LLM, SamplingParams
 from pagerail.cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.frontend.settings import FrontendSettings
 from tests.http_server import BackgroundServer
 from tests.requirements import require_executable
 from tests.tiny_models import make_tiny_model
@@ -36,7 +37,7 @@ def value(text: str, name: str, **labels) -> float:
 def served(smollm2_dir):
     llm = LLM(str(smollm2_dir), served_model_name="smollm2")
     engine = llm.engine_client
-    with BackgroundServer(create_app(ServerState(engine, llm.tokenizer, "smollm2"))) as base_url:
+    with BackgroundServer(create_app(ServerState(engine, llm.tokenizer, FrontendSettings("smollm2")))) as base_url:
         yield base_url
 
 

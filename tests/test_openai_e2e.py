@@ -14,6 +14,7 @@ import pytest
 from pagerail import LLM, SamplingParams
 from pagerail.cluster.bench.workload import random_workload
 from pagerail.cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.frontend.settings import FrontendSettings
 from tests.http_server import BackgroundServer
 
 pytestmark = pytest.mark.slow
@@ -22,7 +23,7 @@ MODEL = "smollm2"
 
 def serve_llm(llm: LLM, **state):
     engine = llm.engine_client
-    return engine, BackgroundServer(create_app(ServerState(engine, llm.tokenizer, MODEL, **state)))
+    return engine, BackgroundServer(create_app(ServerState(engine, llm.tokenizer, FrontendSettings(MODEL, **state))))
 
 
 @pytest.fixture(scope="module")

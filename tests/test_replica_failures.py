@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.frontend.settings import FrontendSettings
 from pagerail.cluster.routing.failover import ReplicaFailed, is_replica_failure
 from pagerail.cluster.routing.routed_client import RoutedEngineClient
 from pagerail.common.sampling_params import SamplingParams
@@ -120,7 +121,7 @@ def test_a_bug_behind_the_router_is_a_logged_500_at_the_front_door_not_a_failove
     bug = BrokenReplica(TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'"), after, vocab_size=vocab)
     healthy = BrokenReplica(vocab_size=vocab)
     routed = RoutedEngineClient({"r0": bug, "r1": healthy}, policy="round-robin", model_name="fake")
-    app = create_app(ServerState(routed, tokenizer, "fake"))
+    app = create_app(ServerState(routed, tokenizer, FrontendSettings("fake")))
     body = {"model": "fake", "prompt": "hello", "max_tokens": 6}
 
     async def post() -> httpx.Response:

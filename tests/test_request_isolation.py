@@ -15,6 +15,7 @@ from pagerail.cluster.core.engine import EngineCore
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.core.local_client import LocalEngineClient
 from pagerail.cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.frontend.settings import FrontendSettings
 from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from pagerail.common.sampling_params import SamplingParams
 from tests.fake_workers import FakeKVWorkers
@@ -36,7 +37,7 @@ def make_async_engine(vocab_size: int, step_delay_s: float = 0.005) -> tuple[Asy
 @pytest.fixture
 def served(tokenizer):
     engine, workers = make_async_engine(len(tokenizer))
-    state = ServerState(LocalEngineClient(engine, "fake"), tokenizer, "fake")
+    state = ServerState(LocalEngineClient(engine, "fake"), tokenizer, FrontendSettings("fake"))
     with BackgroundServer(create_app(state)) as base_url:
         yield base_url, engine
     engine.shutdown()
@@ -116,7 +117,7 @@ def test_models_route_shows_the_context_capped_to_the_cache(tokenizer):
     core = EngineCore(config, workers, max_model_len=1024, vocab_size=len(tokenizer), eos_token_ids=[0])
     engine = AsyncEngine(core)
     try:
-        state = ServerState(LocalEngineClient(engine, "fake"), tokenizer, "fake")
+        state = ServerState(LocalEngineClient(engine, "fake"), tokenizer, FrontendSettings("fake"))
         with BackgroundServer(create_app(state)) as base_url:
             assert httpx.get(base_url + "/v1/models").json()["data"][0]["max_model_len"] == 128
             # No max_tokens: up to the capped context, never "needs more blocks than the cache holds".

@@ -20,6 +20,7 @@ from pagerail import LLM
 from pagerail.cluster.bench.tiny_llama import TinyLlamaShape, write_tiny_llama
 from pagerail.cluster.core import async_engine
 from pagerail.cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.frontend.settings import FrontendSettings
 from pagerail.cluster.routing.routed_client import RoutedEngineClient
 
 pytestmark = pytest.mark.slow  # the tiny model's tokenizer is trimmed from the embedded model's
@@ -104,7 +105,7 @@ def chat_body() -> dict:
 
 
 async def stream_chat(engine) -> list[dict]:
-    app = create_app(ServerState(engine, engine_tokenizer(engine), MODEL))
+    app = create_app(ServerState(engine, engine_tokenizer(engine), FrontendSettings(MODEL)))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
         response = await client.post("/v1/chat/completions", json=chat_body())
         assert response.status_code == 200, response.text

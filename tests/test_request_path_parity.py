@@ -29,6 +29,7 @@ from pagerail.cluster.core.model_info import read_model_info
 from pagerail.cluster.distributed.local_executor import InProcessExecutor, worker_config
 from pagerail.cluster.frontend.grpc_api import build_grpc_server
 from pagerail.cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.frontend.settings import FrontendSettings
 from pagerail.proto import api_pb2, api_pb2_grpc
 from tests.http_server import BackgroundServer
 from tests.ray_start import start_ray
@@ -202,7 +203,7 @@ def test_llm_http_and_grpc_give_the_same_tokens_and_text(model_dir):
     core = EngineCore.for_model(config, InProcessExecutor(worker_config(config, model_dir)), info)
     engine = LocalEngineClient(AsyncEngine(core), MODEL)
     try:
-        with BackgroundServer(create_app(ServerState(engine, tokenizer, MODEL))) as base_url:
+        with BackgroundServer(create_app(ServerState(engine, tokenizer, FrontendSettings(MODEL)))) as base_url:
             http = [
                 httpx.post(f"{base_url}/v1/completions", json=http_body(prompt, sp), timeout=60).json()
                 for prompt, sp in requests

@@ -13,6 +13,7 @@ import pytest
 
 from pagerail import LLM
 from pagerail.cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.frontend.settings import FrontendSettings
 from tests.http_server import BackgroundServer
 
 pytestmark = pytest.mark.slow
@@ -95,7 +96,7 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris for the
 def base_url(smollm2_dir):
     llm = LLM(str(smollm2_dir), served_model_name=MODEL)
     engine = llm.engine_client
-    with BackgroundServer(create_app(ServerState(engine, llm.tokenizer, MODEL))) as url:
+    with BackgroundServer(create_app(ServerState(engine, llm.tokenizer, FrontendSettings(MODEL)))) as url:
         yield url + "/v1"
 
 

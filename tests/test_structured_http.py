@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from pagerail.cluster.core.engine_client import RequestDelta
 from pagerail.cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.frontend.settings import FrontendSettings
 from tests.fake_engine import FakeEngineClient
 from tests.http_server import BackgroundServer
 
@@ -69,7 +70,7 @@ def tokenizer(smollm2_dir):
 @pytest.fixture(scope="module")
 def server(tokenizer):
     engine = ScriptedEngine(tokenizer)
-    with BackgroundServer(create_app(ServerState(engine, tokenizer, "fake"))) as base_url:
+    with BackgroundServer(create_app(ServerState(engine, tokenizer, FrontendSettings("fake")))) as base_url:
         yield base_url, engine
 
 
@@ -312,13 +313,13 @@ def test_plain_chat_stream_is_unchanged(server, engine) -> None:
 
 def test_server_refuses_an_unknown_tool_call_parser(tokenizer) -> None:
     with pytest.raises(ValueError, match="tool_call_parser"):
-        ServerState(ScriptedEngine(tokenizer), tokenizer, "fake", tool_call_parser="mistral")
+        ServerState(ScriptedEngine(tokenizer), tokenizer, FrontendSettings("fake", tool_call_parser="mistral"))
 
 
 def test_configured_parser_reads_llama3_calls(tokenizer) -> None:
     engine = ScriptedEngine(tokenizer)
     engine.script = '{"name": "get_time", "parameters": {}}'
-    state = ServerState(engine, tokenizer, "fake", tool_call_parser="llama3_json")
+    state = ServerState(engine, tokenizer, FrontendSettings("fake", tool_call_parser="llama3_json"))
     with BackgroundServer(create_app(state)) as base_url:
         client = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
         assert ask(client, False, tools=TOOLS)["calls"] == [("get_time", "{}")]

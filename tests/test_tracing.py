@@ -168,13 +168,14 @@ def test_streamed_http_request_span_covers_every_choice(receiver, smollm2_dir):
     from transformers import AutoTokenizer
 
     from pagerail.cluster.frontend.http_app import ServerState, create_app
+    from pagerail.cluster.frontend.settings import FrontendSettings
     from tests.http_server import BackgroundServer
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
     engine, trace_id = CarrierRecordingEngine(), uuid.uuid4().hex
     engine.vocab_size = len(tokenizer)
     body = {"model": "fake", "prompt": [5, 6, 7], "max_tokens": 3, "n": 2, "stream": True, "ignore_eos": True}
-    with BackgroundServer(create_app(ServerState(engine, tokenizer, "fake"))) as base_url:
+    with BackgroundServer(create_app(ServerState(engine, tokenizer, FrontendSettings("fake")))) as base_url:
         with httpx.stream(
             "POST", f"{base_url}/v1/completions", json=body, headers={"traceparent": traceparent(trace_id)}
         ) as reply:
@@ -198,6 +199,7 @@ def test_one_trace_from_http_through_head_to_both_ranks(receiver, tmp_path):
     from pagerail.cluster.distributed.head_client import HeadEngineClient
     from pagerail.cluster.distributed.launcher import start_heads
     from pagerail.cluster.frontend.http_app import ServerState, create_app
+    from pagerail.cluster.frontend.settings import FrontendSettings
     from pagerail.common.engine_config import CacheConfig, EngineConfig
     from pagerail.worker.model_loader import resolve_model_dir
     from tests.http_server import BackgroundServer
@@ -219,7 +221,7 @@ def test_one_trace_from_http_through_head_to_both_ranks(receiver, tmp_path):
         head = start_heads(config, ClusterOptions(), [f"trace-head-{uuid.uuid4().hex[:8]}"])[0]
         info = ray.get(head.model_info.remote())
         engine = HeadEngineClient(head, "tiny", info)
-        with BackgroundServer(create_app(ServerState(engine, tokenizer, "tiny"))) as base_url:
+        with BackgroundServer(create_app(ServerState(engine, tokenizer, FrontendSettings("tiny")))) as base_url:
             reply = httpx.post(
                 f"{base_url}/v1/chat/completions",
                 json={"model": "tiny", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4},

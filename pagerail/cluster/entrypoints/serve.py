@@ -228,7 +228,7 @@ def serve(args: argparse.Namespace) -> int:
     from pagerail.cluster.distributed.launcher import HeadLauncher, connect, start_heads, stop_head, uses_gpu
     from pagerail.cluster.distributed.local_executor import locate_model
     from pagerail.cluster.frontend.actor import FrontendActor
-    from pagerail.cluster.frontend.server import FrontendSettings
+    from pagerail.cluster.frontend.settings import FrontendSettings
     from pagerail.cluster.routing.replica_pool import ReplicaSettings
     from pagerail.common.sampling_params import SamplingParams
 

@@ -10,7 +10,8 @@ from transformers import AutoTokenizer
 
 from pagerail.cluster.distributed.head_client import HeadEngineClient
 from pagerail.cluster.distributed.launcher import NAMESPACE
-from pagerail.cluster.frontend.server import FrontendServer, FrontendSettings, configure_frontend_tracing
+from pagerail.cluster.frontend.server import FrontendServer, configure_frontend_tracing
+from pagerail.cluster.frontend.settings import FrontendSettings
 from pagerail.cluster.routing.replica_pool import ReplicaPool, ReplicaSettings
 from pagerail.common import telemetry
 from pagerail.common.heap import freeze_startup_heap

@@ -7,7 +7,7 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,7 +32,7 @@ from pagerail.cluster.frontend.errors import (
     unavailable,
 )
 from pagerail.cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
-from pagerail.cluster.frontend.tool_calls import TOOL_CALL_PARSERS
+from pagerail.cluster.frontend.settings import FrontendSettings
 from pagerail.cluster.frontend.tracing import traced_http
 from pagerail.common.auth import bearer_matches
 
@@ -53,20 +53,9 @@ class ServerState:
 
     engine: EngineClient
     tokenizer: object
-    served_model_name: str
-    api_key: str | None = field(default=None, repr=False)
-    admin_api_key: str | None = field(default=None, repr=False)
-    max_body_bytes: int = 4 << 20
+    settings: FrontendSettings  # the served model's name, the API keys, the body limit, the tool-call format
     draining: bool = False
     in_flight: int = 0
-    # The model's tool-call format for tool_choice "auto" (see TOOL_CALL_PARSERS); None: its chat template's.
-    tool_call_parser: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(
-                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
-            )
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -113,7 +102,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         card = {
-            "id": state.served_model_name,
+            "id": state.settings.served_model_name,
             "object": "model",
             "created": 0,
             "owned_by": "pagerail",
@@ -133,7 +122,13 @@ def create_app(state: ServerState) -> FastAPI:
         state.in_flight += 1
         try:
             route_call = route(
-                body, state.engine, state.tokenizer, state.served_model_name, *ids, on_stream_end=left, **options
+                body,
+                state.engine,
+                state.tokenizer,
+                state.settings.served_model_name,
+                *ids,
+                on_stream_end=left,
+                **options,
             )
             response = await _unless_disconnected(request, route_call)
         except BaseException:
@@ -150,7 +145,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await generation(
-            request, ChatCompletionRequest, openai_routes.chat_completions, tool_call_parser=state.tool_call_parser
+            request,
+            ChatCompletionRequest,
+            openai_routes.chat_completions,
+            tool_call_parser=state.settings.tool_call_parser,
         )
 
     @app.post("/tokenize")
@@ -228,7 +226,7 @@ class GuardMiddleware:
                 message["headers"] = list(message["headers"]) + [(b"x-request-id", request_id.encode("latin-1"))]
             await send(message)
 
-        limit, received = self.state.max_body_bytes, 0
+        limit, received = self.state.settings.max_body_bytes, 0
 
         async def receive_within_limit() -> dict:
             # Content-Length is only a claim, and a chunked body has none: count what actually arrives, and stop
@@ -276,13 +274,13 @@ def client_request_label(value: str | None) -> str | None:
 
 def _check_key(state: ServerState, path: str, header: str) -> None:
     if path in _ADMIN_PATHS:
-        if state.admin_api_key is None:
+        if state.settings.admin_api_key is None:
             raise APIError(404, f"No route {path} on this server", code="not_found")
-        expected = state.admin_api_key
-    elif state.api_key is None or path in _OPEN_PATHS:
+        expected = state.settings.admin_api_key
+    elif state.settings.api_key is None or path in _OPEN_PATHS:
         return
     else:
-        expected = state.api_key
+        expected = state.settings.api_key
     if not bearer_matches(header, expected.encode()):
         raise unauthorized()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
@@ -13,33 +12,8 @@ from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.frontend.grpc_api import build_grpc_server
 from pagerail.cluster.frontend.grpc_guards import EngineHealth
 from pagerail.cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.frontend.settings import FrontendSettings
 from pagerail.common import telemetry
-from pagerail.common.tls import ServerTls
-
-
-@dataclass(frozen=True)
-class FrontendSettings:
-    """Where the front doors listen and how they guard themselves."""
-
-    served_model_name: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    grpc_port: int = 50051
-    # Kept out of the repr, so no log line or traceback shows a key.
-    api_key: str | None = field(default=None, repr=False)
-    # Opens /pause, /resume and /replicas/drain (and only them); None: those routes are off.
-    admin_api_key: str | None = field(default=None, repr=False)
-    max_body_bytes: int = 4 << 20
-    # OTLP collector for the request spans; None: tracing off.
-    otlp_traces_endpoint: str | None = None
-    trace_sampling_ratio: float = 1.0
-    # False: the server's ratio decides for client requests too (a client's traceparent is continued, but its
-    # sampled flag does not force tracing on); True: a client's sampling decision is followed.
-    trace_respect_client_sampling: bool = False
-    # TLS on the public gRPC port; None: plaintext.
-    grpc_tls: ServerTls | None = None
-    # How tool calls are read from generated text ("hermes", "llama3_json"); None: chosen from the chat template.
-    tool_call_parser: str | None = None
 
 
 def configure_frontend_tracing(settings: FrontendSettings, exporter=None) -> bool:
@@ -59,15 +33,7 @@ class FrontendServer:
     def __init__(self, engine: EngineClient, tokenizer, settings: FrontendSettings) -> None:
         self.engine = engine
         self.settings = settings
-        self.state = ServerState(
-            engine,
-            tokenizer,
-            settings.served_model_name,
-            api_key=settings.api_key,
-            admin_api_key=settings.admin_api_key,
-            max_body_bytes=settings.max_body_bytes,
-            tool_call_parser=settings.tool_call_parser,
-        )
+        self.state = ServerState(engine, tokenizer, settings)
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task | None = None
         self._grpc = None
