@@ -11,7 +11,8 @@ from pagerail.cluster.core.errors import QueueFullError
 
 
 class FakeEngineClient:
-    """Emits one deterministic token per step: token i of a request is (sum(prompt) + 7 * i) % vocab_size."""
+    """Emits one deterministic token per step: token i of a request is (sum(prompt) + 7 * i) % vocab_size, plus
+    13 * seed with `vary_by_seed` (so a seeded request's choices differ)."""
 
     def __init__(
         self,
@@ -21,6 +22,7 @@ class FakeEngineClient:
         eos_token_id: int = 0,
         max_waiting: int | None = None,
         step_delay_s: float = 0.0,
+        vary_by_seed: bool = False,
     ) -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -28,6 +30,7 @@ class FakeEngineClient:
         self.eos_token_id = eos_token_id
         self.max_waiting = max_waiting
         self.step_delay_s = step_delay_s
+        self.vary_by_seed = vary_by_seed
         self.active: set[str] = set()
         self.aborted: list[str] = []
         self.stopped: list[str] = []  # ended by the caller on a stop string
@@ -70,7 +73,8 @@ class FakeEngineClient:
                 if request_id not in self.active:
                     yield RequestDelta(request_id, [], len(prompt), i, True, "abort")
                     return
-                token = (sum(prompt) + 7 * i) % self.vocab_size
+                offset = 13 * (params.seed or 0) if self.vary_by_seed else 0
+                token = (sum(prompt) + 7 * i + offset) % self.vocab_size
                 stopped = token in stop_ids and i + 1 >= params.min_tokens
                 finished = stopped or i + 1 == max_tokens
                 reason = ("stop" if stopped else "length") if finished else None

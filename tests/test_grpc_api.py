@@ -157,6 +157,32 @@ async def test_stop_string_finishes_with_stop_cuts_tokens_and_ends_the_engine_re
 
 
 @async_test
+async def test_a_choice_ended_by_a_stop_string_ends_at_the_engine_while_its_sibling_runs_on(tokenizer):
+    def tokens(seed: int) -> list[int]:
+        return [(300 + 7 * i + 13 * seed) % VOCAB for i in range(60)]
+
+    def usable(seed: int) -> bool:
+        stop = tokenizer.decode(tokens(seed)[2:3])
+        early, sibling = tokenizer.decode(tokens(seed)[:2]), tokenizer.decode(tokens(seed + 1))
+        return bool(stop.strip()) and stop not in early and stop not in sibling
+
+    seed = next(seed for seed in range(100) if usable(seed))  # choice 0 (seed) stops at its third token, choice 1 never
+    engine = FakeEngineClient(step_delay_s=0.005, vary_by_seed=True)
+    request = token_request([300], "r-n2", max_tokens=60, n=2, seed=seed, stop=[tokenizer.decode(tokens(seed)[2:3])])
+    finished = {}
+    async with serve(engine, tokenizer) as channel:
+        async for response in api_pb2_grpc.GenerationStub(channel).Generate(request):
+            if response.finish_reason:
+                finished[response.index] = (response.finish_reason, response.usage.completion_tokens)
+            if response.index == 0 and response.finish_reason:
+                # Choice 0's engine request ends now, as a stop; its sibling is still generating.
+                await wait_until(lambda: len(engine.stopped) == 1)
+                assert len(engine.active) == 1
+    assert finished == {0: ("stop", 3), 1: ("length", 60)}
+    assert engine.aborted == []
+
+
+@async_test
 async def test_abort_ends_a_running_stream():
     engine = FakeEngineClient(step_delay_s=0.02)
     async with serve(engine) as channel:

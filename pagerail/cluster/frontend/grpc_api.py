@@ -220,8 +220,14 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 if isinstance(event, BaseException):
                     raise event
                 choice, delta = event
-                if not choice.finished:  # an abort's own ending may race the engine's last delta
-                    yield self._response(stream, choice, delta)
+                if choice.finished:  # an abort's own ending may race the engine's last delta
+                    continue
+                yield self._response(stream, choice, delta)
+                if choice.state.stopped and not choice.engine_done:
+                    # A stop string ended this choice while its engine request runs on: end it there now (as a
+                    # finish), not when the call's other choices are done.
+                    choice.engine_done = True
+                    await self.engine.abort(choice.engine_id, stopped=True)
         finally:
             self._streams.pop(key, None)
             for choice in stream.choices:
