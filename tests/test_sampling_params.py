@@ -93,6 +93,9 @@ def test_edge_values_accepted(kwargs: dict) -> None:
         ({"seed": 1.0}, "seed"),
         ({"stop": [""]}, "stop"),
         ({"stop": [3]}, "stop"),
+        # The per-token cost bounds hold for every front door (HTTP, gRPC and LLM build this class).
+        ({"stop": ["s"] * 17}, "stop"),
+        ({"stop": ["s" * 257]}, "stop"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"skip_special_tokens": None}, "skip_special_tokens"),
     ],

@@ -11,6 +11,9 @@ from pagerail.common.structured_outputs import StructuredOutputs
 GREEDY_TEMPERATURE = 1e-5
 MAX_N = 128
 MAX_LOGPROBS = 20
+# Every stop string is searched for after each token, so their number and length bound the per-token cost.
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
 # torch.Generator.manual_seed accepts exactly this range; checking here keeps a bad seed off the workers.
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -115,16 +118,25 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must hold non-negative ints, got {token_id!r}")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
 
-        stop = self.stop
-        if isinstance(stop, str):  # the OpenAI API allows a single string
-            stop = (stop,)
-        if not isinstance(stop, (list, tuple)):
-            raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
-        for text in stop:
-            # An empty stop string would match before the first token.
-            if not isinstance(text, str) or not text:
-                raise ValueError(f"stop must hold non-empty strings, got {text!r}")
-        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop", check_stop(self.stop))
+
+
+def check_stop(stop: object) -> tuple[str, ...]:
+    """The stop strings as a tuple; raise ValueError naming `stop` unless they are a string or a list of at most
+    MAX_STOP_STRINGS non-empty strings of at most MAX_STOP_LENGTH characters (the front doors check with it too)."""
+    if isinstance(stop, str):  # the OpenAI API allows a single string
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    for text in stop:
+        # An empty stop string would match before the first token.
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"stop must hold non-empty strings, got {text!r}")
+        if len(text) > MAX_STOP_LENGTH:
+            raise ValueError(f"stop must hold strings of at most {MAX_STOP_LENGTH} characters, got {len(text)}")
+    return tuple(stop)
 
 
 def check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:

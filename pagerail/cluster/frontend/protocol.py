@@ -19,13 +19,8 @@ from pagerail.cluster.frontend.tool_choice import (
     parse_tool_choice,
     tool_constraint,
 )
-from pagerail.common.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagerail.common.sampling_params import MAX_LOGPROBS, SamplingParams, check_stop
 from pagerail.common.structured_outputs import StructuredOutputs
-
-# Every stop string is searched for after each token, so their number and length bound the per-token cost.
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 256
-
 
 # SamplingParams fields that _SamplingRequest.build reads in a way of their own; every other SamplingParams field
 # is a request field of the same name, passed through as sent (tests/test_http_protocol.py keeps that true).
@@ -74,18 +69,8 @@ class _SamplingRequest(ConstrainedOutputFields):
     @field_validator("stop", mode="before")
     @classmethod
     def _check_stop(cls, value: Any) -> Any:
-        if value is None:
-            return value
-        stops = [value] if isinstance(value, str) else value
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise ValueError("stop must be a string or a list of strings")
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
-        for text in stops:
-            if not text:
-                raise ValueError("stop must hold non-empty strings")
-            if len(text) > MAX_STOP_LENGTH:
-                raise ValueError(f"stop must hold strings of at most {MAX_STOP_LENGTH} characters, got {len(text)}")
+        if value is not None:
+            check_stop(value)  # SamplingParams' own rule, before anything else is read
         return value
 
     @field_validator("stream_options")
