@@ -27,9 +27,10 @@ from pagerail.cluster.core.step_tracing import dispatch_span, end_step_span, sta
 from pagerail.common.engine_config import EngineConfig
 from pagerail.proto import step_pb2
 
+logger = logging.getLogger(__name__)
+
 # Worker-group restarts in a row before the engine gives up and fails every request (retriable).
 DEFAULT_MAX_RESTARTS = 3
-logger = logging.getLogger(__name__)
 
 # The shortest context worth serving: a cache that cannot hold this many tokens for one sequence is refused.
 MIN_USEFUL_CONTEXT = 16

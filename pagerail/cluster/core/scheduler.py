@@ -453,7 +453,8 @@ class Scheduler:
                 self.block_table.commit_computed(request.request_id, request.all_token_ids, computed)
 
     def finish(self, request_id: str, status: RequestStatus) -> None:
-        """Finish a request for a reason found outside the scheduler (a stop string, a failure)."""
+        """Finish a request for a reason found outside the scheduler (a worker failure, a quarantine); a caller's
+        stop string ends its request through abort(stopped=True)."""
         request = self.requests.get(request_id)
         if request is not None:
             self.finish_request(request, status)

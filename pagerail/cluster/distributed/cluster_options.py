@@ -24,10 +24,13 @@ class ClusterOptions:
     tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.placement_strategy not in PLACEMENT_STRATEGIES:
-            raise ValueError(
-                f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}"
-            )
+        check_placement_strategy(self.placement_strategy)
+
+
+def check_placement_strategy(strategy: str) -> None:
+    """Raise ValueError naming the field unless `strategy` is one of Ray's placement-group strategies."""
+    if strategy not in PLACEMENT_STRATEGIES:
+        raise ValueError(f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {strategy!r}")
 
 
 # The defaults, for signatures that take these settings one by one.

@@ -11,7 +11,7 @@ from ray.util.placement_group import get_placement_group, placement_group, remov
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pagerail.cluster.core.executor import CompletedStep, PendingStep, WorkerGroupError
-from pagerail.cluster.distributed.cluster_options import DEFAULT_OPTIONS, PLACEMENT_STRATEGIES
+from pagerail.cluster.distributed.cluster_options import DEFAULT_OPTIONS, check_placement_strategy
 from pagerail.cluster.distributed.remote_executor import RemoteExecutor
 from pagerail.common.tls import TlsConfig
 from pagerail.proto import step_pb2
@@ -47,10 +47,7 @@ class WorkerGroup:
         ready_timeout_s: float = 600.0,
         name: str | None = None,
     ) -> None:
-        if placement_strategy not in PLACEMENT_STRATEGIES:
-            raise ValueError(
-                f"placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {placement_strategy!r}"
-            )
+        check_placement_strategy(placement_strategy)
         self.config = config
         self.size = size
         self._token = token
