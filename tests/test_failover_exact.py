@@ -8,12 +8,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from pagerail.cluster.bench.tiny_llama import write_tiny_llama
 from pagerail.cluster.core.async_engine import AsyncEngine
 from pagerail.cluster.core.engine_client import RequestDelta
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.core.local_client import LocalEngineClient
 from pagerail.cluster.routing.routed_client import RoutedEngineClient
-from pagerail.common.sampling_params import SamplingParams
+from pagerail.common.sampling_params import SamplingParams, StructuredOutputs
 from tests.tiny_engine import close, tiny_engine
 from tests.tiny_models import make_tiny_model
 
@@ -107,10 +108,27 @@ async def collect(stream: AsyncIterator[RequestDelta]) -> tuple[list[int], Reque
     return tokens, last
 
 
-@pytest.mark.parametrize(
-    "params", [SEEDED, GREEDY_PENALISED, GREEDY], ids=["seeded-penalised", "greedy-penalised", "greedy"]
+@pytest.fixture(scope="module")
+def tokenizer_model_dir(tmp_path_factory):
+    """A random Llama with a tokenizer: output constraints compile against its vocabulary."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+# Twelve two-letter words: many more tokens than a replica streams before it dies, on any tokenizer.
+CONSTRAINED = SamplingParams(
+    max_tokens=NUM_TOKENS, temperature=0.0, structured_outputs=StructuredOutputs(regex="([a-z]{2} ){12}")
 )
-def test_failover_ends_with_exactly_the_tokens_of_an_undisturbed_run(model_dir, params):
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SEEDED, GREEDY_PENALISED, GREEDY, CONSTRAINED],
+    ids=["seeded-penalised", "greedy-penalised", "greedy", "constrained"],
+)
+def test_failover_ends_with_exactly_the_tokens_of_an_undisturbed_run(request, params):
+    # A constrained request resumes with its grammar where it was: the survivor's rank replays the outputs so far
+    # through its matcher before it masks the next draw.
+    model_dir = request.getfixturevalue("tokenizer_model_dir" if params is CONSTRAINED else "model_dir")
     expected = undisturbed(model_dir, params)
     fate = {"die_after": DIE_AFTER, "victim": None}
     engines = [AsyncEngine(tiny_engine(model_dir)) for _ in range(2)]
@@ -123,7 +141,8 @@ def test_failover_ends_with_exactly_the_tokens_of_an_undisturbed_run(model_dir, 
             engine.shutdown()
             close(engine.engine)
     assert tokens == expected
-    assert (last.finished, last.finish_reason, last.error) == (True, "length", None)
+    reason = "stop" if params is CONSTRAINED else "length"  # the grammar ends the constrained one
+    assert (last.finished, last.finish_reason, last.error) == (True, reason, None)
     assert routed.num_failovers == 1
     victim = fate["victim"]
     (survivor,) = [replica for replica in replicas.values() if replica is not victim]

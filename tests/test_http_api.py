@@ -63,6 +63,7 @@ BAD_REQUESTS = [
     ("stop_token_ids of strings", "/v1/completions", completion(stop_token_ids=["a"]), AUTH, 400, "stop_token_ids[0]"),
     ("bad pause mode", "/pause?mode=sideways", None, ADMIN, 400, "mode"),
     ("drain without replicas", "/replicas/drain?replica=r1", None, ADMIN, 400, "replica"),
+    ("undrain without replicas", "/replicas/undrain?replica=r1", None, ADMIN, 400, "replica"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""`pagerail bench {throughput,serve,sweep,overhead}`: argument wiring; each command lives in its own module."""
+"""`pagerail bench {throughput,serve,sweep,overhead,soak}`: argument wiring; each command lives in its own module."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     from pagerail.cluster.bench.offline import add_throughput_arguments, run_throughput
     from pagerail.cluster.bench.online import add_serve_arguments, run_serve
     from pagerail.cluster.bench.overhead import add_overhead_arguments, run_overhead
+    from pagerail.cluster.bench.soak import add_soak_arguments, run_soak_command
     from pagerail.cluster.bench.sweep import add_sweep_arguments, run_sweep
 
     bench = commands.add_parser("bench", help="benchmark throughput and serving latency")
@@ -30,3 +31,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     )
     add_overhead_arguments(overhead)
     overhead.set_defaults(func=run_overhead)
+    soak = kinds.add_parser(
+        "soak", help="a served cluster under mixed clients and scheduled faults, checked for exactness and leaks"
+    )
+    add_soak_arguments(soak)
+    soak.set_defaults(func=run_soak_command)

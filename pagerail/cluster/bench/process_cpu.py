@@ -1,5 +1,6 @@
 """CPU seconds spent by each process of a server's session, read from /proc (Linux), so a served benchmark can
-say where the machine's cores went: the client, the HTTP frontend, the head, the ranks, Ray's own daemons."""
+say where the machine's cores went: the client, the HTTP frontend, the head, the ranks, Ray's own daemons; and the
+resident memory and open descriptors of each, so a soak can say which one grew."""
 
 from __future__ import annotations
 
@@ -92,3 +93,26 @@ def cpu_spent(before: dict[int, ProcessCpu], after: dict[int, ProcessCpu]) -> di
         base = earlier.seconds if earlier is not None and earlier.started == now.started else 0.0
         spent[now.label] += now.seconds - base
     return {label: round(seconds, 3) for label, seconds in spent.most_common() if seconds > 0}
+
+
+class ProcessMemory(NamedTuple):
+    """One process's resident memory and open file descriptors at one reading."""
+
+    label: str
+    rss_bytes: int
+    open_fds: int
+    started: int  # as in ProcessCpu: tells a reused pid apart
+
+
+def session_memory(session_id: int) -> dict[int, ProcessMemory]:
+    """Resident memory and open descriptors of every live process of the session, by pid."""
+    found: dict[int, ProcessMemory] = {}
+    for pid, cpu in session_cpu(session_id).items():
+        try:
+            status = (PROC / str(pid) / "status").read_text()
+            open_fds = len(os.listdir(PROC / str(pid) / "fd"))
+        except OSError:
+            continue  # gone in between
+        rss_kib = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+        found[pid] = ProcessMemory(cpu.label, rss_kib * 1024, open_fds, cpu.started)
+    return found

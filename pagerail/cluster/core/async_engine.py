@@ -153,6 +153,7 @@ class AsyncEngine:
             "num_unfinished": scheduler.num_unfinished,
             "num_running": len(scheduler.running),
             "num_waiting": len(scheduler.waiting),
+            "num_open_sessions": scheduler.num_open_sessions,
             "num_blocks": engine.block_table.num_blocks,
             "num_free_blocks": engine.block_table.num_free_blocks,
             "num_preemptions": scheduler.stats.num_preemptions,

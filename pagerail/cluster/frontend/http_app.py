@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 _OPEN_PATHS = ("/health", "/ready", "/version", "/metrics")
 # Opened by the admin key alone, never the inference one; without an admin key they do not exist.
-_ADMIN_PATHS = ("/pause", "/resume", "/replicas/drain")
+_ADMIN_PATHS = ("/pause", "/resume", "/replicas/drain", "/replicas/undrain")
 # What a request that its client abandoned is logged with (nobody reads it): nginx's "client closed request".
 CLIENT_CLOSED_REQUEST = 499
 MAX_CLIENT_REQUEST_ID_LEN = 128
@@ -192,7 +192,19 @@ def create_app(state: ServerState) -> FastAPI:
             raise bad_request("this server serves a single replica: there is no other to move requests to", "replica")
         if replica not in state.engine.replicas:
             raise bad_request(f"replica must be one of {sorted(state.engine.replicas)}, got {replica!r}", "replica")
+        if not [name for name in state.engine.router.in_rotation() if name != replica]:
+            # Its requests would have nowhere to go, and every new request would be refused.
+            raise bad_request(f"draining {replica!r} would leave no replica in rotation", "replica")
         return {"status": "draining", "replica": replica, "moved_requests": await moves.drain(replica)}
+
+    @app.post("/replicas/undrain")
+    async def undrain_replica(replica: str = ""):
+        """Put a drained replica back into rotation."""
+        replicas = getattr(state.engine, "replicas", None)
+        if replicas is None or replica not in replicas:
+            raise bad_request(f"replica must be one of {sorted(replicas or ())}, got {replica!r}", "replica")
+        state.engine.set_in_rotation(replica, True)
+        return {"status": "in rotation", "replica": replica}
 
     return app
 

@@ -18,7 +18,7 @@ class FrontendSettings:
     grpc_port: int = 50051
     # Kept out of the repr, so no log line or traceback shows a key.
     api_key: str | None = field(default=None, repr=False)
-    # Opens /pause, /resume and /replicas/drain (and only them); None: those routes are off.
+    # Opens /pause, /resume, /replicas/drain and /replicas/undrain (and only them); None: those routes are off.
     admin_api_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = 4 << 20
     # OTLP collector for the request spans; None: tracing off.

@@ -200,11 +200,6 @@ class RoutedEngineClient:
                 if entry.aborted:
                     yield ended(request_id, num_prompt, len(outputs), cached, "abort")
                     return
-                if outputs and params.structured_outputs is not None:
-                    # The constraint's state died with the replica; another would restart the grammar mid-output.
-                    why = f"replica {replica!r} failed under a constrained output: {failure}"
-                    yield ended(request_id, num_prompt, len(outputs), cached, "abort", why)
-                    return
                 failed.add(replica)
                 entry.phase = None  # the resumption is the whole request: where it prefills, it decodes too
                 self.num_failovers += 1
