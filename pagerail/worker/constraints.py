@@ -146,7 +146,11 @@ class ConstraintMatchers:
             if entry is not None and not entry.done:
                 active.append((row, entry))
                 if state.drafts:
-                    deeper.append([row, entry, state.drafts, 0])
+                    # Only the drafts the grammar accepts are consumed: a refused token would put the matcher in
+                    # llguidance's error state for good (rollback does not leave it), and the request would end
+                    # at its next token. Where this rank is the only one, cut_drafts() already cut them.
+                    valid = entry.matcher.validate_tokens(state.drafts)
+                    deeper.append([row, entry, state.drafts[:valid], 0])
         if active:
             self._apply(logits, active)
         depth = 0
@@ -262,7 +266,8 @@ class ConstraintMatchers:
             entry.done = False
         elif entry.done:
             return  # tokens sampled after the end (a step already in flight) are dropped by the head
-        missing = state.token_ids[state.num_prompt_tokens + entry.num_consumed :]
+        # Up to the outputs only: drafts fed here would stay in the matcher (or break it) whatever the step keeps.
+        missing = state.token_ids[state.num_prompt_tokens + entry.num_consumed : state.num_prompt_tokens + num_outputs]
         entry.num_consumed = num_outputs
         for token_id in missing:
             if token_id in entry.stop_token_ids and matcher.is_accepting():
