@@ -28,8 +28,9 @@ PROMPTS = [[5, 6, 7, 8, 9], [3, 17, 29, 41] * 10, list(range(20, 90)), [100 + (i
 
 @pytest.fixture(scope="module")
 def local_ray():
-    # Logical CPUs: three single-CPU ranks plus the driver's work fit on this two-core machine.
-    start_ray(num_cpus=4, namespace="pagerail", include_dashboard=False, log_to_driver=False)
+    # Logical CPUs: three single-CPU ranks plus the driver's work fit on this two-core machine, and the shared idle
+    # two-rank replica (tp2_llm, up until the module ends) beside the KV tests' three ranks.
+    start_ray(num_cpus=5, namespace="pagerail", include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -60,67 +61,75 @@ def test_tp3_smollm2_matches_transformers(local_ray, smollm2_dir):
     assert report.identical == len(prompts), report.divergences
 
 
-def test_killed_worker_is_replaced_without_changing_tokens(local_ray, tmp_path):
-    model_dir = make_tiny_model("llama", tmp_path / "llama")
+@pytest.fixture(scope="module")
+def tp2_llm(local_ray, tmp_path_factory):
+    """One two-rank replica of a tiny model for the tests that kill a rank or the head and the one that reads the
+    dispatch metrics (a replica takes seconds to start on this machine): each leaves it serving again, which the
+    killing tests assert, and counts only what happened during itself."""
+    llm = LLM(
+        str(make_tiny_model("llama", tmp_path_factory.mktemp("tp2") / "llama")),
+        block_size=4,
+        num_gpu_blocks=512,
+        tensor_parallel_size=2,
+    )
+    yield llm
+    llm.shutdown()
+
+
+def test_killed_worker_is_replaced_without_changing_tokens(tp2_llm):
     prompts = [[(p * 13 + i * 7) % 240 + 3 for i in range(6 + p)] for p in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
-    llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=512, tensor_parallel_size=2)
+    llm = tp2_llm
     head = llm._cluster.heads[0]
-    try:
-        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        streams = [head.stream.remote(EngineRequest(f"kill-{i}", p, params)) for i, p in enumerate(prompts)]
-        # Wait until every request has produced tokens, then freeze the loop so the kill lands mid-generation.
-        firsts = [next(stream) for stream in streams]
-        ray.get(head.pause.remote("all"))
-        stats = ray.get(head.stats.remote())
-        assert stats["num_running"] == 8
-        rank1_pid = worker_pids(head)[1]
-        os.kill(rank1_pid, signal.SIGKILL)
-        ray.get(head.resume.remote())
-        outputs = []
-        for first, stream in zip(firsts, streams, strict=True):
-            tokens = list(ray.get(first).token_ids)
-            for ref in stream:
-                delta = ray.get(ref)
-                tokens.extend(delta.token_ids)
-                if delta.finished:
-                    assert delta.finish_reason == "length" and delta.error is None
-            outputs.append(tokens)
-        stats = ray.get(head.stats.remote())
-        assert stats["num_restarts"] == 1
-        assert rank1_pid not in worker_pids(head)
-        assert outputs == expected
-        assert stats["num_free_blocks"] == stats["num_blocks"]
-    finally:
-        llm.shutdown()
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    restarts_before = ray.get(head.stats.remote())["num_restarts"]
+    streams = [head.stream.remote(EngineRequest(f"kill-{i}", p, params)) for i, p in enumerate(prompts)]
+    # Wait until every request has produced tokens, then freeze the loop so the kill lands mid-generation.
+    firsts = [next(stream) for stream in streams]
+    ray.get(head.pause.remote("all"))
+    stats = ray.get(head.stats.remote())
+    assert stats["num_running"] == 8
+    rank1_pid = worker_pids(head)[1]
+    os.kill(rank1_pid, signal.SIGKILL)
+    ray.get(head.resume.remote())
+    outputs = []
+    for first, stream in zip(firsts, streams, strict=True):
+        tokens = list(ray.get(first).token_ids)
+        for ref in stream:
+            delta = ray.get(ref)
+            tokens.extend(delta.token_ids)
+            if delta.finished:
+                assert delta.finish_reason == "length" and delta.error is None
+        outputs.append(tokens)
+    stats = ray.get(head.stats.remote())
+    assert stats["num_restarts"] - restarts_before == 1
+    assert rank1_pid not in worker_pids(head)
+    assert outputs == expected
+    assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
-def test_dead_head_gives_a_clear_error_then_restarts(local_ray, tmp_path):
+def test_dead_head_gives_a_clear_error_then_restarts(tp2_llm):
     from pagerail.cluster.entrypoints.cluster_client import HeadUnavailableError
 
-    model_dir = make_tiny_model("llama", tmp_path / "llama")
-    llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=512, tensor_parallel_size=2)
+    llm = tp2_llm
     head = llm._cluster.heads[0]
     params = SamplingParams(temperature=0.0, max_tokens=4)
-    try:
-        pid = actor_pid(head)
-        ray.get(head.pause.remote("all"))
-        errors: list[BaseException] = []
-        caller = threading.Thread(target=lambda: _capture(errors, llm.generate, [[5, 6, 7]], params))
-        caller.start()
-        deadline = time.monotonic() + 30
-        while ray.get(head.stats.remote())["num_unfinished"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.kill(pid, signal.SIGKILL)
-        caller.join(timeout=120)
-        assert not caller.is_alive(), "the caller hung after the head died"
-        assert len(errors) == 1 and isinstance(errors[0], HeadUnavailableError)
-        # Ray restarts the head with a fresh worker group; new requests are served again.
-        _wait_until_ready(head, timeout_s=120)
-        assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
-        assert actor_pid(head) != pid
-    finally:
-        llm.shutdown()
+    pid = actor_pid(head)
+    ray.get(head.pause.remote("all"))
+    errors: list[BaseException] = []
+    caller = threading.Thread(target=lambda: _capture(errors, llm.generate, [[5, 6, 7]], params))
+    caller.start()
+    deadline = time.monotonic() + 30
+    while ray.get(head.stats.remote())["num_unfinished"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    caller.join(timeout=120)
+    assert not caller.is_alive(), "the caller hung after the head died"
+    assert len(errors) == 1 and isinstance(errors[0], HeadUnavailableError)
+    # Ray restarts the head with a fresh worker group; new requests are served again.
+    _wait_until_ready(head, timeout_s=120)
+    assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
+    assert actor_pid(head) != pid
 
 
 def _wait_until_ready(head, timeout_s: float) -> None:
@@ -144,11 +153,10 @@ def _capture(errors: list, fn, *args) -> None:
         errors.append(error)
 
 
-def test_dispatch_metrics_grow_with_the_batch(local_ray, tmp_path):
+def test_dispatch_metrics_grow_with_the_batch(tp2_llm):
     from tests.test_metrics import value
 
-    model_dir = make_tiny_model("llama", tmp_path / "llama")
-    llm = LLM(str(model_dir), block_size=4, num_gpu_blocks=512, tensor_parallel_size=2)
+    llm = tp2_llm
     head = llm._cluster.heads[0]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -166,21 +174,36 @@ def test_dispatch_metrics_grow_with_the_batch(local_ray, tmp_path):
             "step_duration_seconds_count", phase="schedule"
         )
 
-    try:
-        single = per_step([[5, 6, 7]])
-        batch = per_step([[5 + i, 6, 7] for i in range(16)])
-    finally:
-        llm.shutdown()
+    single = per_step([[5, 6, 7]])
+    batch = per_step([[5 + i, 6, 7] for i in range(16)])
     assert batch > 4 * single
 
 
-def test_kv_moves_between_replicas_of_different_tensor_parallel_sizes(local_ray, tmp_path):
+KV_ENGINE = dict(block_size=4, num_gpu_blocks=128, kv_offload_bytes=1 << 20)
+
+
+@pytest.fixture(scope="module")
+def kv_replicas(local_ray, tmp_path_factory):
+    """A two-rank and a one-rank Ray replica of one tiny model with a host tier, shared by the KV-moving tests (a
+    replica takes seconds to start on this machine): each test uses prompts of its own, so no test finds another's
+    blocks cached where it moves them, and counts what its own requests did."""
+    model_dir = make_tiny_model("llama", tmp_path_factory.mktemp("kv") / "llama")
+    split = LLM(str(model_dir), tensor_parallel_size=2, **KV_ENGINE)
+    try:
+        whole = LLM(str(model_dir), ray_address="auto", **KV_ENGINE)
+    except BaseException:
+        split.shutdown()
+        raise
+    yield model_dir, split, whole
+    split.shutdown()
+    whole.shutdown()
+
+
+def test_kv_moves_between_replicas_of_different_tensor_parallel_sizes(kv_replicas):
     """A prompt's KV exported from a two-rank replica (each rank holds one KV head) lands whole in a one-rank
     replica's host tier, and back: each side continues from the moved blocks with the other side's tokens."""
-    model_dir = make_tiny_model("llama", tmp_path / "llama")
-    engine = dict(block_size=4, num_gpu_blocks=128, kv_offload_bytes=1 << 20)
-    split = LLM(str(model_dir), tensor_parallel_size=2, **engine)
-    whole = LLM(str(model_dir), **engine)
+    model_dir, split, _ = kv_replicas
+    whole = LLM(str(model_dir), **KV_ENGINE)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     head = split._cluster.heads[0]
     try:
@@ -195,85 +218,79 @@ def test_kv_moves_between_replicas_of_different_tensor_parallel_sizes(local_ray,
         expected = whole.generate([into_split], params)[0].outputs[0].token_ids
         handoff = asyncio.run(whole.engine_client.export_kv(into_split))
         assert ray.get(head.import_kv.remote(handoff)) == 10
+        hits_before = ray.get(head.stats.remote())["num_host_hit_tokens"]
         assert split.generate([into_split], params)[0].outputs[0].token_ids == expected
-        assert ray.get(head.stats.remote())["num_host_hit_tokens"] == 36
+        assert ray.get(head.stats.remote())["num_host_hit_tokens"] - hits_before == 36
     finally:
-        split.shutdown()
         whole.shutdown()
 
 
 @pytest.mark.parametrize("prefill", ["split", "whole"])
-def test_disaggregated_kv_moves_over_the_ranks_own_channel(local_ray, prefill, tmp_path):
+def test_disaggregated_kv_moves_over_the_ranks_own_channel(kv_replicas, prefill):
     """Disaggregation between Ray replicas of different tensor-parallel sizes: each prompt's KV goes from the
     prefill replica's ranks straight to the decode replica's over a gloo channel of their own, re-sharded by KV
     head, and the decode replica streams the rest with the tokens of a replica that did it all."""
     from pagerail.cluster.core.engine_request import EngineRequest
     from pagerail.cluster.routing.routed_client import RoutedEngineClient
 
-    model_dir = make_tiny_model("llama", tmp_path / "llama")
-    engine = dict(block_size=4, num_gpu_blocks=128, kv_offload_bytes=1 << 20)
-    replicas = {"split": LLM(str(model_dir), tensor_parallel_size=2, **engine)}
-    replicas["whole"] = LLM(str(model_dir), ray_address="auto", **engine)
+    model_dir, split, whole = kv_replicas
+    replicas = {"split": split, "whole": whole}
+    decode = "whole" if prefill == "split" else "split"
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    prompts = [list(range(10 + i, 50 + i)) for i in range(3)]
+    # Prompts and request ids of this case's own: the other case's prompts may be cached on both replicas by now.
+    first = 110 if prefill == "split" else 160
+    prompts = [list(range(first + i, first + 40 + i)) for i in range(3)]
+    reference = LLM(str(model_dir), **KV_ENGINE)
     try:
-        reference = LLM(str(model_dir), **engine)
         expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
-        reference.shutdown()
-        clients = {name: llm._cluster.client for name, llm in replicas.items()}
-        routed = RoutedEngineClient(clients, prefill_replicas={prefill})
-
-        async def run(prompt, request_id):
-            return [
-                t async for delta in routed.generate(EngineRequest(request_id, prompt, params)) for t in delta.token_ids
-            ]
-
-        async def all_of_them():
-            return [await run(prompt, f"r{i}") for i, prompt in enumerate(prompts)]
-
-        assert asyncio.run(all_of_them()) == expected
-        decode = "whole" if prefill == "split" else "split"
-        stats = ray.get(replicas[decode]._cluster.heads[0].stats.remote())
-        assert routed.moves.num_moves == 3 and routed.moves.num_blocks_moved == 30 and len(routed.moves._channels) == 1
-        assert routed.moves.bytes_moved == 30 * 4 * 2 * 2 * 2 * 16 * 4  # blocks x tokens x layers x K/V x heads x dims
-        assert stats["num_host_hit_tokens"] == 3 * 40
     finally:
-        for llm in replicas.values():
-            llm.shutdown()
+        reference.shutdown()
+    hits_before = ray.get(replicas[decode]._cluster.heads[0].stats.remote())["num_host_hit_tokens"]
+    clients = {name: llm._cluster.client for name, llm in replicas.items()}
+    routed = RoutedEngineClient(clients, prefill_replicas={prefill})
+
+    async def run(prompt, request_id):
+        return [
+            t async for delta in routed.generate(EngineRequest(request_id, prompt, params)) for t in delta.token_ids
+        ]
+
+    async def all_of_them():
+        return [await run(prompt, f"{prefill}-r{i}") for i, prompt in enumerate(prompts)]
+
+    assert asyncio.run(all_of_them()) == expected
+    stats = ray.get(replicas[decode]._cluster.heads[0].stats.remote())
+    assert routed.moves.num_moves == 3 and routed.moves.num_blocks_moved == 30 and len(routed.moves._channels) == 1
+    assert routed.moves.bytes_moved == 30 * 4 * 2 * 2 * 2 * 16 * 4  # blocks x tokens x layers x K/V x heads x dims
+    assert stats["num_host_hit_tokens"] - hits_before == 3 * 40
 
 
-def test_a_move_whose_target_never_receives_holds_up_no_stream_of_the_source(local_ray, tmp_path):
+def test_a_move_whose_target_never_receives_holds_up_no_stream_of_the_source(kv_replicas):
     """The source's ranks send a move while its engine loop goes on stepping: a request served meanwhile finishes at
-    once, and the send itself fails at its deadline (10 s for a few KiB) since the target's ranks never receive."""
-    model_dir = make_tiny_model("llama", tmp_path / "llama")
-    engine = dict(block_size=4, num_gpu_blocks=128, kv_offload_bytes=1 << 20)
-    source = LLM(str(model_dir), tensor_parallel_size=2, **engine)
-    target = LLM(str(model_dir), ray_address="auto", **engine)
+    once, and the send itself fails at its deadline since the target's ranks never receive. The source's end of the
+    channel gets a 5 s deadline (plus a few KiB at the slowest bandwidth) instead of the default 10 s: still well
+    past the time the served request may take, so a stream held up by the send would fail the test."""
+    _, source, target = kv_replicas
     src, dst = source._cluster.heads[0], target._cluster.heads[0]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompt = list(range(10, 50))
-    try:
-        expected = source.generate([[7, 8, 9]], params)[0].outputs[0].token_ids
-        source.generate([prompt], params)
-        handoff = ray.get(src.kv_describe.remote(prompt, "held-for-a-move"))
-        host, port, senders = ray.get(src.kv_endpoint.remote())
-        receivers = ray.get(dst.kv_endpoint.remote())[2]
-        ray.get(
-            [
-                src.kv_open_channel.remote("never-received", host, port, 0, senders, receivers),
-                dst.kv_open_channel.remote("never-received", host, port, senders, senders, receivers),
-            ]
-        )
-        started = time.monotonic()
-        sending = src.kv_send.remote("held-for-a-move", list(range(handoff.num_blocks)), "never-received")
-        time.sleep(0.5)  # the send is under way on the source's ranks
-        assert source.generate([[7, 8, 9]], params)[0].outputs[0].token_ids == expected
-        served = time.monotonic() - started
-        with pytest.raises(ray.exceptions.RayError):
-            ray.get(sending, timeout=60)
-        failed = time.monotonic() - started
-        assert served < 5 and 9 < failed < 30, (served, failed)
-        assert ray.get(src.stats.remote())["num_free_blocks"] == 128  # the held blocks were let go
-    finally:
-        source.shutdown()
-        target.shutdown()
+    expected = source.generate([[7, 8, 9]], params)[0].outputs[0].token_ids
+    source.generate([prompt], params)
+    handoff = ray.get(src.kv_describe.remote(prompt, "held-for-a-move"))
+    host, port, senders = ray.get(src.kv_endpoint.remote())
+    receivers = ray.get(dst.kv_endpoint.remote())[2]
+    ray.get(
+        [
+            src.kv_open_channel.remote("never-received", host, port, 0, senders, receivers, transfer_base_s=5.0),
+            dst.kv_open_channel.remote("never-received", host, port, senders, senders, receivers),
+        ]
+    )
+    started = time.monotonic()
+    sending = src.kv_send.remote("held-for-a-move", list(range(handoff.num_blocks)), "never-received")
+    time.sleep(0.5)  # the send is under way on the source's ranks
+    assert source.generate([[7, 8, 9]], params)[0].outputs[0].token_ids == expected
+    served = time.monotonic() - started
+    with pytest.raises(ray.exceptions.RayError):
+        ray.get(sending, timeout=60)
+    failed = time.monotonic() - started
+    assert served < 4 and 4.5 < failed < 25, (served, failed)
+    assert ray.get(src.stats.remote())["num_free_blocks"] == 128  # the held blocks were let go

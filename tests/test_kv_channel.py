@@ -59,13 +59,18 @@ def test_the_plan_sends_each_head_once_to_every_rank_that_needs_it() -> None:
 
 
 def _one_side_waits(group_rank: int, port: int, waiting_rank: int, results) -> None:
-    """Rank `waiting_rank` transfers; its peer joins the channel and then takes no part for longer than the
-    waiting side's deadline (but stays alive, so no broken connection ends the wait)."""
+    """Rank `waiting_rank` transfers; its peer joins the channel and then takes no part until the waiting side has
+    its outcome, or for 6 s at most, longer than the test allows (it stays alive, so no broken connection ends the
+    wait)."""
     import time
 
     channel = KvChannel("127.0.0.1", port, group_rank, 1, 1, torch.device("cpu"), timeout_s=60, transfer_base_s=1.0)
     if group_rank != waiting_rank:
-        time.sleep(6)
+        # Polling for the outcome rather than sleeping the whole 6 s: a side that only ends once its peer leaves
+        # still fails the test, with an outcome after 6 s instead of at its deadline.
+        idle_until = time.monotonic() + 6
+        while waiting_rank not in results and time.monotonic() < idle_until:
+            time.sleep(0.05)
         return
     started = time.monotonic()
     try:
@@ -86,5 +91,5 @@ def test_a_peer_that_takes_no_part_fails_the_transfer_at_its_deadline_not_the_gr
     mp.start_processes(_one_side_waits, args=(_free_port(), rank, results), nprocs=2, join=True, start_method="spawn")
     outcome, seconds, closed = results[rank]
     # The deadline is 1 s plus 1 MiB at the slowest bandwidth: about 1.01 s; the group's own timeout is 60 s and the
-    # idle peer leaves after 6 s.
+    # idle peer stays until the outcome is in, or 6 s at most.
     assert outcome == "failed" and 0.9 < seconds < 4.5 and closed

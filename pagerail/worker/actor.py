@@ -21,7 +21,7 @@ from pagerail.common.heap import freeze_startup_heap
 from pagerail.common.tls import TlsConfig
 from pagerail.worker.config import WorkerConfig
 from pagerail.worker.grpc_server import start_worker_server
-from pagerail.worker.kv_channel import KvChannel
+from pagerail.worker.kv_channel import TRANSFER_BASE_S, KvChannel
 from pagerail.worker.parallel_state import TensorParallelGroup
 from pagerail.worker.worker import Worker, resolve_device
 
@@ -163,10 +163,14 @@ class WorkerActor:
         self.worker.import_host(slots, data)
 
     def kv_channel_open(
-        self, channel_id: str, host: str, port: int, group_rank: int, senders: int, receivers: int
-    ) -> None:
-        """Join a KV channel with another replica's ranks; every member calls this at the same time."""
-        self._kv_channels[channel_id] = KvChannel(host, port, group_rank, senders, receivers, self.worker.device)
+        self, channel_id: str, host: str, port: int, group_rank: int, senders: int, receivers: int,
+        transfer_base_s: float = TRANSFER_BASE_S,
+    ) -> None:  # fmt: skip
+        """Join a KV channel with another replica's ranks; every member calls this at the same time.
+        `transfer_base_s`: the fixed part of each transfer's deadline (worker/kv_channel.py)."""
+        self._kv_channels[channel_id] = KvChannel(
+            host, port, group_rank, senders, receivers, self.worker.device, transfer_base_s=transfer_base_s
+        )
 
     def kv_send(self, channel_id: str, block_ids: list[int]) -> int:
         """This rank's heads of `block_ids` over the channel to the receiving ranks; the bytes sent."""

@@ -21,6 +21,7 @@ from pagerail.common import telemetry
 from pagerail.common.engine_config import EngineConfig
 from pagerail.common.heap import freeze_startup_heap
 from pagerail.common.logs import configure_logging
+from pagerail.worker.kv_channel import TRANSFER_BASE_S
 
 
 class HeadActor:
@@ -160,8 +161,13 @@ class HeadActor:
     async def kv_endpoint(self) -> tuple[str, int, int]:
         return await asyncio.to_thread(self.group.kv_endpoint)
 
-    async def kv_open_channel(self, channel_id: str, host: str, port: int, first: int, senders: int, receivers: int):
-        await asyncio.to_thread(self.group.open_kv_channel, channel_id, host, port, first, senders, receivers)
+    async def kv_open_channel(
+        self, channel_id: str, host: str, port: int, first: int, senders: int, receivers: int,
+        transfer_base_s: float = TRANSFER_BASE_S,
+    ):  # fmt: skip
+        # `transfer_base_s`: the fixed part of each transfer's deadline on this channel (tests make it short).
+        channel = (channel_id, host, port, first, senders, receivers)
+        await asyncio.to_thread(self.group.open_kv_channel, *channel, transfer_base_s=transfer_base_s)
 
     async def kv_describe(self, token_ids: list[int], holder: str):
         return await self.async_engine.run_on_loop(lambda engine: describe_prefix(engine, token_ids, holder))

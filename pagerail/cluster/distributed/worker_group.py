@@ -17,6 +17,7 @@ from pagerail.common.tls import TlsConfig
 from pagerail.proto import step_pb2
 from pagerail.worker.actor import WorkerActor
 from pagerail.worker.config import WorkerConfig
+from pagerail.worker.kv_channel import TRANSFER_BASE_S
 
 logger = logging.getLogger(__name__)
 
@@ -170,11 +171,11 @@ class WorkerGroup:
 
     def open_kv_channel(
         self, channel_id: str, host: str, port: int, first_rank: int, senders: int, receivers: int,
-        timeout_s: float = 30.0,
+        timeout_s: float = 30.0, transfer_base_s: float = TRANSFER_BASE_S,
     ) -> None:  # fmt: skip
         """Join every rank to a KV channel as group ranks first_rank.. (the other replica joins at the same time)."""
         refs = [
-            actor.kv_channel_open.remote(channel_id, host, port, first_rank + rank, senders, receivers)
+            actor.kv_channel_open.remote(channel_id, host, port, first_rank + rank, senders, receivers, transfer_base_s)
             for rank, actor in enumerate(self._actors)
         ]
         ray.get(refs, timeout=timeout_s)
