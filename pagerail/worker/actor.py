@@ -164,12 +164,13 @@ class WorkerActor:
 
     def kv_channel_open(
         self, channel_id: str, host: str, port: int, group_rank: int, senders: int, receivers: int,
-        transfer_base_s: float = TRANSFER_BASE_S,
+        transfer_base_s: float | None = None,
     ) -> None:  # fmt: skip
         """Join a KV channel with another replica's ranks; every member calls this at the same time.
-        `transfer_base_s`: the fixed part of each transfer's deadline (worker/kv_channel.py)."""
+        `transfer_base_s`: the fixed part of each transfer's deadline (None: worker/kv_channel.py's default)."""
+        base_s = TRANSFER_BASE_S if transfer_base_s is None else transfer_base_s
         self._kv_channels[channel_id] = KvChannel(
-            host, port, group_rank, senders, receivers, self.worker.device, transfer_base_s=transfer_base_s
+            host, port, group_rank, senders, receivers, self.worker.device, transfer_base_s=base_s
         )
 
     def kv_send(self, channel_id: str, block_ids: list[int]) -> int:

@@ -21,7 +21,6 @@ from pagerail.common import telemetry
 from pagerail.common.engine_config import EngineConfig
 from pagerail.common.heap import freeze_startup_heap
 from pagerail.common.logs import configure_logging
-from pagerail.worker.kv_channel import TRANSFER_BASE_S
 
 
 class HeadActor:
@@ -163,9 +162,9 @@ class HeadActor:
 
     async def kv_open_channel(
         self, channel_id: str, host: str, port: int, first: int, senders: int, receivers: int,
-        transfer_base_s: float = TRANSFER_BASE_S,
+        transfer_base_s: float | None = None,
     ):  # fmt: skip
-        # `transfer_base_s`: the fixed part of each transfer's deadline on this channel (tests make it short).
+        # `transfer_base_s`: the fixed part of each transfer's deadline on this channel (None: the ranks' default).
         channel = (channel_id, host, port, first, senders, receivers)
         await asyncio.to_thread(self.group.open_kv_channel, *channel, transfer_base_s=transfer_base_s)
 

@@ -17,7 +17,6 @@ from pagerail.common.tls import TlsConfig
 from pagerail.proto import step_pb2
 from pagerail.worker.actor import WorkerActor
 from pagerail.worker.config import WorkerConfig
-from pagerail.worker.kv_channel import TRANSFER_BASE_S
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +170,7 @@ class WorkerGroup:
 
     def open_kv_channel(
         self, channel_id: str, host: str, port: int, first_rank: int, senders: int, receivers: int,
-        timeout_s: float = 30.0, transfer_base_s: float = TRANSFER_BASE_S,
+        timeout_s: float = 30.0, transfer_base_s: float | None = None,
     ) -> None:  # fmt: skip
         """Join every rank to a KV channel as group ranks first_rank.. (the other replica joins at the same time)."""
         refs = [
