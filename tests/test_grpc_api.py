@@ -372,3 +372,23 @@ async def test_request_ids_are_labels_per_connection_and_never_reach_another_cal
         await server.stop(None)
     assert rest[-1].finish_reason == "length" and 1 + len(rest) == 30
     assert engine.aborted == []
+
+
+class ReplicaDiesEngine(FakeEngineClient):
+    """A routed engine whose replica dies under the request: its stream fails as a lost session's does."""
+
+    async def generate(self, request):
+        from pagerail.cluster.routing.failover import ReplicaFailed
+
+        yield await anext(aiter(super().generate(request)))
+        raise ReplicaFailed("replica r0 failed during streaming-input session: open a new one")
+
+
+@async_test
+async def test_a_request_whose_replica_died_is_unavailable_not_internal():
+    async with serve(ReplicaDiesEngine()) as channel:
+        stub = api_pb2_grpc.GenerationStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            [r async for r in stub.Generate(token_request([1, 2], max_tokens=8))]
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value
+        assert "replica r0 failed" in error.value.details()

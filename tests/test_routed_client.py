@@ -173,6 +173,33 @@ def test_a_replica_dying_mid_stream_loses_and_repeats_no_token(replicas):
     assert routed.router.in_rotation() == ["r1", "r2"]
 
 
+def test_a_request_whose_replica_dies_while_no_other_is_in_rotation_waits_for_one(replicas):
+    """r0 dies mid-stream while r1 and r2 are drained: the half-finished request waits until one is back and ends
+    exactly; with nothing back within resume_wait_s it ends with a retriable error instead of hanging."""
+    prompt = [5 + j for j in range(20)]
+
+    async def scenario(wait_s: float, back: str | None):
+        clients = replicas(die_after={"r0": 4})
+        routed = RoutedEngineClient(clients, policy="round-robin")
+        routed.resume_wait_s = wait_s
+        routed.set_in_rotation("r1", False)
+        routed.set_in_rotation("r2", False)
+        result = asyncio.create_task(collect(routed.generate(EngineRequest("q", prompt, greedy(24))), len(prompt)))
+        while not clients["r0"].ids() or routed.router.routable("r0"):  # until r0 has died under it
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        assert not result.done()
+        if back is not None:
+            routed.set_in_rotation(back, True)
+        return await result, clients
+
+    (tokens, last), clients = run(scenario(30.0, "r2"))
+    assert tokens == clean_run(prompt, 24) and (last.finish_reason, last.error) == ("length", None)
+    assert "q" in clients["r2"].ids()
+    (tokens, last), _ = run(scenario(0.5, None))
+    assert last.finish_reason == "abort" and "no replica" in last.error and len(tokens) < 24
+
+
 def test_an_engine_whose_workers_give_up_hands_its_request_to_another_replica(replicas):
     clients = replicas()
     engine = clients["r0"].inner._engine

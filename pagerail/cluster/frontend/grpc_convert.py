@@ -13,6 +13,7 @@ import grpc
 from pagerail.cluster.core.engine_client import RequestDelta
 from pagerail.cluster.core.errors import QueueFullError
 from pagerail.cluster.frontend.output_processor import ChoiceDelta
+from pagerail.cluster.routing.failover import is_replica_failure
 from pagerail.common.sampling_params import SamplingParams
 from pagerail.common.structured_outputs import StructuredOutputs
 from pagerail.proto import api_pb2
@@ -127,6 +128,8 @@ async def status_on_error(context: grpc.aio.ServicerContext) -> AsyncIterator[No
         )
     except RpcError as exc:
         await context.abort(exc.code, exc.details)
-    except Exception:
+    except Exception as exc:
+        if is_replica_failure(exc):  # e.g. a streaming-input session whose replica died: retriable elsewhere
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         logger.exception("gRPC request failed")
         await context.abort(grpc.StatusCode.INTERNAL, "internal server error")

@@ -46,8 +46,11 @@ class RoutedEngineClient:
     with the same parameters: the client sees one continuous request. Any other error is the caller's to see.
     Streaming-input sessions stay on the replica that opened them and fail with an error instead. `refresh_loads()`
     (called by the owner) feeds the replicas' reported load to the router and puts failed replicas back once they
-    answer again.
+    answer again. A request that must resume while no replica is in rotation (every one failed or is draining) waits
+    up to `resume_wait_s` for one to come back before it ends with an error.
     """
+
+    resume_wait_s = 60.0
 
     def __init__(
         self,
@@ -140,6 +143,7 @@ class RoutedEngineClient:
             cached = 0
             entry.movable = self.moves.movable(entry, request)
             attempt = self.moves.first_attempt(entry, request)
+            resume_by = None  # while resuming: until when it may wait for a replica to take it
             while True:
                 try:
                     replica, stream, outcome = await self._admit(entry, attempt, failed, pin)
@@ -151,6 +155,12 @@ class RoutedEngineClient:
                     # Every replica left is full, none is left, or one refused.
                     if not yielded:
                         raise
+                    if isinstance(error, QueueFullError) and resume_by is not None and time.monotonic() < resume_by:
+                        # The caller holds a half-finished answer: wait for a replica (a restarted head, the end
+                        # of a drain) rather than lose it. Failed replicas are tried again once they answer.
+                        await asyncio.sleep(min(max(error.retry_after_s, 0.1), 1.0))
+                        failed.clear()
+                        continue
                     why = f"no replica could resume it: {error}"
                     yield ended(request_id, num_prompt, len(outputs), cached, "abort", why)
                     return
@@ -201,6 +211,7 @@ class RoutedEngineClient:
                     yield ended(request_id, num_prompt, len(outputs), cached, "abort")
                     return
                 failed.add(replica)
+                resume_by = time.monotonic() + self.resume_wait_s
                 entry.phase = None  # the resumption is the whole request: where it prefills, it decodes too
                 self.num_failovers += 1
                 self.metrics_registry.failovers.labels(self.model_name, replica).inc()
