@@ -16,6 +16,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -59,7 +60,9 @@ def _processes_in_sessions(sessions: set[int]) -> list[int]:
 
 def _stop_sessions(sessions: set[int]) -> None:
     """End every process of the sessions this test started (Ray daemons and workers stay in them), by pid."""
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+    # Ray's raylet and agents take well over 10 s to act on SIGTERM (`ray stop` itself waits 16 s before killing):
+    # a short grace, then SIGKILL; what is checked is only that nothing is left running afterwards.
+    for sig, grace in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 5.0)):
         pids = _processes_in_sessions(sessions)
         for pid in pids:
             try:
@@ -133,7 +136,10 @@ def _ranks_nodes(address: str, env: dict[str, str]) -> tuple[int, list[str]]:
 
 
 def test_serve_on_a_two_node_ray_cluster_started_like_ray_up(tmp_path):
-    model_dir = _tiny_llama_with_tokenizer(tmp_path / "tiny-llama")
+    # Written while the two nodes start (seconds of torch and transformers imports otherwise spent in turn).
+    writer = ThreadPoolExecutor(max_workers=1)
+    model_future = writer.submit(_tiny_llama_with_tokenizer, tmp_path / "tiny-llama")
+    writer.shutdown(wait=False)  # the submitted write still runs; its thread ends after it
     # Unix socket paths are limited to 107 bytes: Ray's session directories need a short root.
     temp_root = Path(tempfile.mkdtemp(prefix="pr-", dir="/tmp"))
     (gcs, dashboard, client, *agent_ports) = _free_ports(11)
@@ -179,7 +185,7 @@ def test_serve_on_a_two_node_ray_cluster_started_like_ray_up(tmp_path):
             "--ray-address",
             address,
             "--model",
-            str(model_dir),
+            str(model_future.result(timeout=120)),
             "--served-model-name",
             "tiny-llama",
             "--tensor-parallel-size",
@@ -188,6 +194,10 @@ def test_serve_on_a_two_node_ray_cluster_started_like_ray_up(tmp_path):
             "STRICT_SPREAD",
             "--device",
             "cpu",
+            # 16 MiB of KV cache per rank (65,536 tokens of the tiny model), not the 2 GiB CPU default: first-touching
+            # that costs each rank seconds to tens of seconds on a loaded host.
+            "--kv-cache-memory-bytes",
+            str(16 << 20),
             "--port",
             "0",
             "--grpc-port",

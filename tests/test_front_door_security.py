@@ -235,31 +235,50 @@ _TRACE_SCRIPT = textwrap.dedent(
 HTTP_SPAN, GRPC_SPAN = "POST /v1/completions", "pagerail.api.Generation/Generate"
 
 
-def frontend_traces(smollm2_dir, ratio: float, respect: bool, traceparent: str) -> dict:
-    """Run one frontend process tracing into memory; what it exported and what it handed the engine."""
+# id: (server ratio, --trace-respect-client-sampling, the client's sampled flag, whether the trace is kept)
+TRACE_CASES = {
+    "server-decides-drop": (0.0, False, "01", False),  # default: a sampled client does not force tracing on
+    "client-decides": (0.0, True, "01", True),  # --trace-respect-client-sampling: it does
+    "server-decides-keep": (1.0, False, "00", True),  # and an unsampled client does not turn it off
+}
+
+
+def start_frontend_traces(smollm2_dir, ratio: float, respect: bool, traceparent: str) -> subprocess.Popen:
+    """Start one frontend process tracing into memory; it prints what it exported and what it handed the engine."""
     argv = [str(ratio), "1" if respect else "0", str(smollm2_dir), traceparent]
-    done = subprocess.run(
-        [sys.executable, "-c", _TRACE_SCRIPT, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120
+    return subprocess.Popen(
+        [sys.executable, "-c", _TRACE_SCRIPT, *argv],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def trace_children(smollm2_dir):
+    """Every case's child interpreter (tracing is configured once per process), started at once: each spends its
+    seconds importing, and they overlap instead of running one after the other. Case id: (trace id, process)."""
+    children = {}
+    for case, (ratio, respect, client_flag, _) in TRACE_CASES.items():
+        trace_id = uuid.uuid4().hex
+        traceparent = f"00-{trace_id}-00f067aa0ba902b7-{client_flag}"
+        children[case] = (trace_id, start_frontend_traces(smollm2_dir, ratio, respect, traceparent))
+    yield children
+    for _, process in children.values():
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
 
 
 @pytest.mark.slow  # a child interpreter per case
-@pytest.mark.parametrize(
-    ("ratio", "respect", "client_flag", "kept"),
-    [
-        (0.0, False, "01", False),  # default: a sampled client does not force tracing on
-        (0.0, True, "01", True),  # --trace-respect-client-sampling: it does
-        (1.0, False, "00", True),  # and an unsampled client does not turn it off
-    ],
-    ids=["server-decides-drop", "client-decides", "server-decides-keep"],
-)
-def test_server_ratio_decides_for_client_traces_unless_told_to_respect_them(
-    smollm2_dir, ratio, respect, client_flag, kept
-):
-    trace_id = uuid.uuid4().hex
-    result = frontend_traces(smollm2_dir, ratio, respect, f"00-{trace_id}-00f067aa0ba902b7-{client_flag}")
+@pytest.mark.parametrize("case", list(TRACE_CASES))
+def test_server_ratio_decides_for_client_traces_unless_told_to_respect_them(trace_children, case):
+    kept = TRACE_CASES[case][3]
+    trace_id, process = trace_children[case]
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr[-3000:]
+    result = json.loads(stdout.strip().splitlines()[-1])
     if kept:
         assert sorted(result["spans"]) == sorted([[HTTP_SPAN, trace_id], [GRPC_SPAN, trace_id]])
     else:

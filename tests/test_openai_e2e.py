@@ -19,6 +19,9 @@ from tests.http_server import BackgroundServer
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
+# A KV cache of 256 MiB rather than the CPU default of 2 GiB: first-touching 2 GiB costs seconds to tens of
+# seconds on a loaded host, and 256 MiB still holds a 4000-token request (the dropped streams' max_tokens).
+KV_BYTES = 256 << 20
 
 
 def serve_llm(llm: LLM, **state):
@@ -28,7 +31,7 @@ def serve_llm(llm: LLM, **state):
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir):
-    return LLM(str(smollm2_dir), served_model_name=MODEL)
+    return LLM(str(smollm2_dir), served_model_name=MODEL, kv_cache_memory_bytes=KV_BYTES)
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +179,13 @@ def test_dropped_streams_are_aborted_and_free_their_blocks(client):
 
 
 def test_overload_gets_429_with_retry_after_while_admitted_requests_finish(smollm2_dir):
-    llm = LLM(str(smollm2_dir), served_model_name=MODEL, max_num_seqs=2, max_waiting_requests=2)
+    llm = LLM(
+        str(smollm2_dir),
+        served_model_name=MODEL,
+        max_num_seqs=2,
+        max_waiting_requests=2,
+        kv_cache_memory_bytes=KV_BYTES,
+    )
     _, server = serve_llm(llm)
     body = {"model": MODEL, "prompt": "Count to twenty:", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     results: list[httpx.Response] = []

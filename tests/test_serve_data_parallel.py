@@ -14,10 +14,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.serve_process import start_serve, wait_ready
 
 pytestmark = pytest.mark.slow
+# Each replica's KV cache (and the host tier the prompts' KV moves into): 64 MiB, about 1,400 tokens of the embedded
+# model, rather than the CPU default of 2 GiB, whose first touch costs each worker seconds to tens of seconds on a
+# loaded host; these prompts need a few dozen tokens.
+KV_BYTES = 64 << 20
 
 
 def test_two_replicas_behind_one_endpoint():
-    process = start_serve("--data-parallel-size", "2", "--routing-policy", "round-robin", "--max-num-seqs", "8")
+    process = start_serve(
+        "--data-parallel-size", "2", "--routing-policy", "round-robin", "--max-num-seqs", "8",
+        "--kv-cache-memory-bytes", str(KV_BYTES),
+    )  # fmt: skip
     lines: list[str] = []
     try:
         base_url, _ = wait_ready(process, lines)
@@ -53,8 +60,9 @@ def test_prefill_and_decode_replicas_behind_one_endpoint():
     """`--prefill-replicas 1 --decode-replicas 1`: each completion's prompt runs on the prefill replica, its KV
     moves to the decode replica over the ranks' channel, and the text is that of a colocated server's."""
     process = start_serve(
-        "--prefill-replicas", "1", "--decode-replicas", "1", "--kv-offload-bytes", str(256 << 20), "--max-num-seqs", "8"
-    )
+        "--prefill-replicas", "1", "--decode-replicas", "1", "--kv-offload-bytes", str(KV_BYTES),
+        "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(KV_BYTES),
+    )  # fmt: skip
     lines: list[str] = []
     try:
         base_url, _ = wait_ready(process, lines)
@@ -79,6 +87,6 @@ def test_prefill_and_decode_replicas_behind_one_endpoint():
     # The same prompts on one colocated replica give the same text.
     from pagerail import LLM, SamplingParams
 
-    with LLM() as llm:
+    with LLM(kv_cache_memory_bytes=KV_BYTES) as llm:
         params = SamplingParams(max_tokens=12, temperature=0)
         assert [o.outputs[0].text for o in llm.generate(prompts, params)] == texts
