@@ -114,9 +114,12 @@ def _report() -> None:
     import torch
     import triton
 
-    from tests.triton_launches import LaunchRecorder, build_for_hopper, engine_kernels
+    from tests.triton_launches import HopperBuild, LaunchRecorder, build_for_hopper, engine_kernels
 
     builds, failures = [], []
+    # Shapes share variants (the same hidden size, head_dim or block size give the same sm_90 key): each key is
+    # compiled once and its build (or failure) reported under every shape and dtype that launches it.
+    done: dict[tuple[str, str], HopperBuild | str] = {}
     started = time.perf_counter()
     for name, heads, kv_heads, head_dim, hidden, intermediate, block_size, qk_norm, dtypes in SHAPES:
         for dtype_name in dtypes:
@@ -133,10 +136,15 @@ def _report() -> None:
                     getattr(torch, dtype_name),
                 )
             for launch in recorder.distinct():
-                try:
-                    build = build_for_hopper(launch)
-                except Exception as error:  # reported with the variant, so one failure names its kernel and shape
-                    failures.append(dict(shape=name, dtype=dtype_name, kernel=launch.kernel, error=repr(error)[:2000]))
+                key = (launch.kernel, launch.key)
+                if key not in done:
+                    try:
+                        done[key] = build_for_hopper(launch)
+                    except Exception as error:  # reported with the variant, so one failure names its kernel and shape
+                        done[key] = repr(error)[:2000]
+                build = done[key]
+                if isinstance(build, str):
+                    failures.append(dict(shape=name, dtype=dtype_name, kernel=launch.kernel, error=build))
                     continue
                 builds.append(dict(shape=name, dtype=dtype_name, **asdict(build)))
     print(

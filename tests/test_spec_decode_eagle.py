@@ -60,22 +60,33 @@ def test_a_head_that_reproduces_the_target_has_every_draft_kept(method: str, tmp
     assert stats.num_preemptions > 0 and stats.num_mixed_steps > 0
 
 
+RANDOM_HEAD_PROMPTS = _prompts(32)
+RANDOM_HEAD_PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=1 + (i * 7) % 30, ignore_eos=True)
+    if i % 2
+    else SamplingParams(temperature=0.8, seed=i, max_tokens=12, logprobs=2, ignore_eos=True)
+    for i in range(32)
+]
+RANDOM_HEAD_ENGINE = dict(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(target_dir: Path) -> list:
+    """The run without speculation that both methods compare with: the same model and inputs, so decoded once."""
+    plain, base = _generate(target_dir, None, RANDOM_HEAD_PROMPTS, RANDOM_HEAD_PARAMS, **RANDOM_HEAD_ENGINE)
+    base.shutdown()
+    return plain
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
-def test_random_heads_keep_greedy_and_seeded_outputs_exact(method: str, target_dir: Path, tmp_path: Path) -> None:
+def test_random_heads_keep_greedy_and_seeded_outputs_exact(
+    method: str, target_dir: Path, plain_outputs: list, tmp_path: Path
+) -> None:
     """32 prompts, greedy and seeded sampling with logprobs, a tight cache: identical to decoding without
     speculation. The EAGLE-3 head drafts over a smaller vocabulary, mapped to target ids."""
     head = make_eagle_head(target_dir, tmp_path / "head", method == "eagle3", seed=3, draft_vocab_size=200)
-    prompts = _prompts(32)
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=1 + (i * 7) % 30, ignore_eos=True)
-        if i % 2
-        else SamplingParams(temperature=0.8, seed=i, max_tokens=12, logprobs=2, ignore_eos=True)
-        for i in range(32)
-    ]
-    tight = dict(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=24)
-    plain, base = _generate(target_dir, None, prompts, params, **tight)
-    base.shutdown()
+    prompts, params, tight, plain = RANDOM_HEAD_PROMPTS, RANDOM_HEAD_PARAMS, RANDOM_HEAD_ENGINE, plain_outputs
     speculated, llm = _generate(target_dir, _spec(method, head), prompts, params, **tight)
     drafted, preempted = llm.engine.speculation.num_draft_tokens, llm.engine.scheduler.stats.num_preemptions
     llm.shutdown()
