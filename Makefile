@@ -37,13 +37,16 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# The fast tier runs on every core (pytest-xdist): its tests share nothing but the CPU. The slow tier runs one
+# test at a time, as its Ray clusters, servers and timing checks each want the machine to themselves.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow" -n auto
+	$(PY) -m pytest -q -m slow
 
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n auto --hypothesis-profile=fast
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. pagerail/proto/step.proto

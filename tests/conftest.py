@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
-# Property tests: a CI-sized run by default; `pytest --hypothesis-profile=long` explores for hours.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # The fast tier runs one pytest worker per core: each worker's torch threads share out its core instead of
+    # every worker spreading over all of them.
+    import torch
+
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
+# Property tests: a CI-sized run by default (the whole suite); `make test-fast` takes the smaller "fast" profile
+# for the inner loop; `pytest --hypothesis-profile=long` explores for hours.
 settings.register_profile("ci", max_examples=150, stateful_step_count=50, deadline=None)
+settings.register_profile("fast", max_examples=40, stateful_step_count=30, deadline=None)
 settings.register_profile("long", max_examples=200_000, stateful_step_count=200, deadline=None)
 settings.load_profile("ci")
 
