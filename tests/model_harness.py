@@ -53,13 +53,19 @@ def run_ranks(model_dir: str | Path, size: int, input_ids: torch.Tensor, **load_
     """Every rank's logits for one prefill (None on all but rank 0), with the ranks running concurrently as threads."""
     shared = {"slots": [None] * size, "barrier": threading.Barrier(size, timeout=60)}
     models = [load_model(model_dir, ThreadedRank(r, size, shared), **load_args) for r in range(size)]
+    return on_every_rank(size, lambda rank: prefill_logits(models[rank], input_ids), shared["barrier"])
+
+
+def on_every_rank(size: int, work, barrier: threading.Barrier) -> list:
+    """`work(rank)` for every rank at once, one thread each; the results in rank order, or the first error raised.
+    A rank that fails aborts `barrier`, so its peers waiting in a collective fail too instead of hanging."""
     results: list = [None] * size
 
     def run(rank: int) -> None:
         try:
-            results[rank] = prefill_logits(models[rank], input_ids)
-        except BaseException as exc:  # surfaced below; a dead rank would otherwise hang its peers
-            shared["barrier"].abort()
+            results[rank] = work(rank)
+        except BaseException as exc:  # surfaced below
+            barrier.abort()
             results[rank] = exc
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]

@@ -133,27 +133,10 @@ class _ThreadedRanks:
         self.overlap_by_default = False
 
     def submit(self, batch):
-        import threading
-
         from pagerail.cluster.core.executor import CompletedStep
+        from tests.model_harness import on_every_rank
 
-        results: list = [None] * len(self.workers)
-
-        def run(rank: int) -> None:
-            try:
-                results[rank] = self.workers[rank].execute_step(batch)
-            except BaseException as error:  # raised below; a dead rank would otherwise hang the others
-                self.barrier.abort()
-                results[rank] = error
-
-        threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(self.workers))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        results = on_every_rank(len(self.workers), lambda rank: self.workers[rank].execute_step(batch), self.barrier)
         return CompletedStep(results[0])
 
     def restart(self) -> int:
