@@ -40,3 +40,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture(scope="session")
 def soak_minutes(request: pytest.FixtureRequest) -> float:
     return request.config.getoption("--soak-minutes")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Slow tests first, each group in its collected order: spread over pytest-xdist workers (one file per work
+    # unit), the long files start at once and the many short ones fill the cores behind them.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -27,7 +27,8 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir):
-    return LLM(str(smollm2_dir), max_num_batched_tokens=512)
+    # 512 blocks hold every prompt here at once; the CPU default (2 GiB, zeroed at start) adds seconds, not cover.
+    return LLM(str(smollm2_dir), num_gpu_blocks=512, max_num_batched_tokens=512)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def test_prefix_cache_computes_only_uncached_tokens(llm):
     hit = (len(shared) // block) * block
     assert cached.num_cached_tokens == hit
     assert computed == len(second) - hit + 8 - 1  # uncached prompt tokens, then one per decode step
-    uncached = LLM(str(llm.model_dir), enable_prefix_caching=False).generate([second], params)[0]
+    uncached = LLM(str(llm.model_dir), enable_prefix_caching=False, num_gpu_blocks=64).generate([second], params)[0]
     assert cached.outputs[0].token_ids == uncached.outputs[0].token_ids
 
 

@@ -22,7 +22,7 @@ CHUNKS = [
 
 def test_session_chunks_reuse_cached_blocks_and_match_one_generate(smollm2_dir):
     # Without prefix caching only the session itself can avoid recomputing.
-    llm = LLM(str(smollm2_dir), served_model_name="smollm2", enable_prefix_caching=False)
+    llm = LLM(str(smollm2_dir), served_model_name="smollm2", enable_prefix_caching=False, num_gpu_blocks=256)
     tokenizer = llm.tokenizer
     engine = llm.engine_client
     chunk_ids = [tokenizer.encode(CHUNKS[0])] + [tokenizer.encode(c, add_special_tokens=False) for c in CHUNKS[1:]]

@@ -173,5 +173,8 @@ def test_a_chunk_passes_the_listed_number_of_iterator_layers(llm, monkeypatch, r
 
     monkeypatch.setattr(async_engine, "next_delta", counted)
     chunks = asyncio.run(stream_chat(engine))
-    assert len(chunks) >= 12 and len(depths) >= 12  # one read per step: the chunks after the first are counted
-    assert max(depths) == layers
+    # Each read of the stream goes through next_delta once, the first before the consumers' generators are all
+    # entered. A loaded machine merges steps into fewer reads (the reader lags the engine), so the number of reads
+    # is not fixed; every read after the first sees the listed depth.
+    assert chunks and len(depths) >= 2, depths
+    assert set(depths[1:]) == {layers}, depths

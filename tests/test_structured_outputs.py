@@ -44,7 +44,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(tiny_dir):
-    return LLM(str(tiny_dir), block_size=4, max_num_batched_tokens=64)
+    return LLM(str(tiny_dir), block_size=4, num_gpu_blocks=1024, max_num_batched_tokens=64)
 
 
 def constrained(kind: str, temperature: float = 0.0, seed: int | None = None, **extra) -> SamplingParams:

@@ -7,7 +7,7 @@ specialisations of plain ints, 16-byte alignment of pointers, constexprs, launch
 the launch then runs (under TRITON_INTERPRET=1 on the CPU), so the engine's results stay real.
 
 `build_for_hopper` compiles one recorded launch for `GPUTarget("cuda", 90, 32)` with whatever Triton is imported,
-and reads registers and spills from ptxas and shared memory from the compiled metadata.
+and reads registers and spills from Triton's own ptxas run and shared memory from the compiled metadata.
 """
 
 from __future__ import annotations
@@ -170,10 +170,33 @@ _PTXAS_USED = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
+# ptxas's report (-v) of each compiled kernel by Triton's hash: a kernel found in Triton's cache has no new report.
+_PTXAS_LOGS: dict[str, str] = {}
+
+
+def _ptxas_log(compiled) -> str:
+    """ptxas's -v report of a compiled kernel: the one Triton's own ptxas run printed (its flags, its cubin), or
+    for a kernel Triton had cached before this process, a second ptxas run on its PTX."""
+    if compiled.hash in _PTXAS_LOGS:
+        return _PTXAS_LOGS[compiled.hash]
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        command = [get_ptxas(HOPPER_CAPABILITY).path, "-lineinfo", "-v", f"--gpu-name=sm_{HOPPER_CAPABILITY}a"]
+        done = subprocess.run(
+            [*command, str(ptx), "-o", str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True, check=True
+        )
+    return done.stdout + done.stderr
+
+
 def build_for_hopper(launch: Launch) -> HopperBuild:
     """Compile a recorded launch for sm_90 (no GPU needed) and read its resource usage."""
+    import io
+    import os
+
     import triton
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource, make_backend
 
     backend = make_backend(_target())
@@ -181,27 +204,23 @@ def build_for_hopper(launch: Launch) -> HopperBuild:
     options, signature, constexprs, attrs = launch.jit._pack_args(
         backend, kwargs, launch.bound_args, launch.specialization, launch.launch_options
     )
-    compiled = triton.compile(
-        ASTSource(launch.jit, signature, constexprs, attrs), target=_target(), options=options.__dict__
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "kernel.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        done = subprocess.run(
-            [
-                get_ptxas(HOPPER_CAPABILITY).path,
-                "-lineinfo",
-                "-v",
-                f"--gpu-name=sm_{HOPPER_CAPABILITY}a",
-                str(ptx),
-                "-o",
-                str(Path(tmp) / "kernel.cubin"),
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    log = done.stdout + done.stderr
+    # Triton runs ptxas with -v itself and prints that report when asked to (TRITON_DUMP_PTXAS_LOG, read at each
+    # compile): registers and spills come from the very run that built the cubin, without a second ptxas.
+    printed, previous = io.StringIO(), os.environ.get("TRITON_DUMP_PTXAS_LOG")
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+    try:
+        with contextlib.redirect_stdout(printed):
+            compiled = triton.compile(
+                ASTSource(launch.jit, signature, constexprs, attrs), target=_target(), options=options.__dict__
+            )
+    finally:
+        if previous is None:
+            del os.environ["TRITON_DUMP_PTXAS_LOG"]
+        else:
+            os.environ["TRITON_DUMP_PTXAS_LOG"] = previous
+    if _PTXAS_USED.search(printed.getvalue()):
+        _PTXAS_LOGS[compiled.hash] = printed.getvalue()
+    log = _ptxas_log(compiled)
     spills = _PTXAS_SPILLS.search(log)
     named = {launch.jit.arg_names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
     return HopperBuild(
