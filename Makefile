@@ -37,12 +37,12 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# The fast tier runs on every core (pytest-xdist): its tests share nothing but the CPU. The slow tier runs one
-# test at a time, as its Ray clusters, servers and timing checks each want the machine to themselves.
+# The whole suite runs on every core (pytest-xdist), one test file per work unit so that a module's Ray cluster or
+# server starts once; the conftest puts slow files first, so the long ones start at once and the short ones fill
+# the cores behind them. A slow test's Ray cluster, servers and child processes wait on I/O much of the time.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -m "not slow" -n auto
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -75,6 +75,10 @@ class HeadEngineClient:
         self.max_model_len = model_info["max_model_len"]
         self.vocab_size = model_info["vocab_size"]
         self._reader: _OutputReader | None = None
+        # Requests whose submit call has not returned yet: a session's next chunk waits for its admission. The
+        # head runs its actor calls as coroutines, so a chunk sent at once could reach its engine before the
+        # request it belongs to, find no such session, and be lost (the session then times out idle).
+        self._admitting: dict[str, asyncio.Event] = {}
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
         reader = self._current_reader()
@@ -82,6 +86,7 @@ class HeadEngineClient:
         request_id = request.request_id
         deltas = reader.open(request_id)
         finished = refused = False
+        admitted = self._admitting[request_id] = asyncio.Event()
         try:
             try:
                 await self._head.submit.remote(reader.channel_id, request)
@@ -92,6 +97,10 @@ class HeadEngineClient:
                     refused = True
                     raise cause from None
                 raise
+            finally:
+                admitted.set()
+                if self._admitting.get(request_id) is admitted:
+                    del self._admitting[request_id]
             while not finished:
                 item = await next_delta(deltas)
                 finished = item.finished
@@ -120,6 +129,9 @@ class HeadEngineClient:
         self._reader = None
 
     async def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None:
+        admitting = self._admitting.get(request_id)
+        if admitting is not None:
+            await admitting.wait()
         await self._head.append_input.remote(request_id, token_ids, final)
 
     async def abort(self, request_id: str, stopped: bool = False) -> None:
