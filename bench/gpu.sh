@@ -31,7 +31,8 @@ failed=0
 
 # The architecture of Llama 3.1 8B (no weights: the engine fills them with --load-format dummy); a tiny one of
 # the same family for a dry run.
-"$PYTHON" - "$MODEL_DIR" "$DRY_RUN" <<'PY'
+# The config is written once: the check's four throughput stages share one MODEL_DIR (and transformers' import).
+[ -f "$MODEL_DIR/config.json" ] || "$PYTHON" - "$MODEL_DIR" "$DRY_RUN" <<'PY'
 import sys
 from transformers import LlamaConfig
 
