@@ -200,6 +200,32 @@ def test_a_request_whose_replica_dies_while_no_other_is_in_rotation_waits_for_on
     assert last.finish_reason == "abort" and "no replica" in last.error and len(tokens) < 24
 
 
+def test_a_request_moved_off_a_draining_replica_waits_while_the_others_are_full(replicas):
+    """r0 is drained while it streams a request and r1, r2 refuse everything as full: the moved request waits
+    (as a failed-over one does) and ends exactly once r2 takes it, instead of ending aborted."""
+    prompt = [7 + j for j in range(20)]
+
+    async def scenario():
+        clients = replicas()
+        routed = RoutedEngineClient(clients, policy="round-robin")
+        routed.resume_wait_s = 30.0
+        for name in ("r1", "r2"):
+            clients[name].refuse_after_s = 0.0
+        result = asyncio.create_task(collect(routed.generate(EngineRequest("m", prompt, greedy(60))), len(prompt)))
+        while "m" not in routed.open_on("r0"):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert await routed.moves.drain("r0") == 1
+        await asyncio.sleep(0.3)
+        assert not result.done()  # refused by both others, it waits instead of ending
+        clients["r2"].refuse_after_s = None
+        return await result, clients
+
+    (tokens, last), clients = run(scenario())
+    assert tokens == clean_run(prompt, 60) and (last.finish_reason, last.error) == ("length", None)
+    assert "m" in clients["r2"].ids()
+
+
 def test_an_engine_whose_workers_give_up_hands_its_request_to_another_replica(replicas):
     clients = replicas()
     engine = clients["r0"].inner._engine

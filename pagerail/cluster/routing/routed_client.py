@@ -200,6 +200,9 @@ class RoutedEngineClient:
                 if isinstance(failure, Moved):
                     await self.moves.hand_off(entry, replica, [*request.prompt_token_ids, *outputs], failed)
                     attempt = request.resumed(outputs)
+                    # Like a failover, a moved request holds a half-finished answer: while every other replica is
+                    # full or out of rotation (a drain beside a restarting head), it waits for one.
+                    resume_by = time.monotonic() + self.resume_wait_s
                     continue
                 self._replica_failed(replica, failure)
                 if entry.session is not None:
