@@ -154,7 +154,7 @@ def main() -> None:
     if args.model in ("small", "both"):
         models.append(("small-random-llama", small_llama(Path(tempfile.mkdtemp(prefix="pagerail-offload-")))))
     if args.model in ("embedded", "both"):
-        from pagerail.worker.model_loader import resolve_model_dir
+        from pagerail.common.model_source import resolve_model_dir
 
         models.append(("smollm2-135m-instruct", resolve_model_dir(None)))
     reports = [compare(name, model_dir, args) for name, model_dir in models]

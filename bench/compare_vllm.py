@@ -60,7 +60,7 @@ WORKLOADS = {
 def model_dir(workload: str, out: Path) -> Path:
     """The checkpoint directory both servers load for this workload."""
     if workload == "standard":
-        from pagerail.worker.model_loader import resolve_model_dir
+        from pagerail.common.model_source import resolve_model_dir
 
         return resolve_model_dir(None)
     from pagerail.cluster.bench.tiny_llama import write_tiny_llama

@@ -60,7 +60,7 @@ def write_qwen3_moe(path: Path, args: argparse.Namespace) -> Path:
 
     from pagerail.cluster.bench.random_checkpoints import save_random_weights
     from pagerail.cluster.bench.tiny_llama import trim_tokenizer
-    from pagerail.worker.model_loader import resolve_model_dir
+    from pagerail.common.model_source import resolve_model_dir
 
     if (path / "config.json").exists():
         return path

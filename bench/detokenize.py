@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from transformers import AutoTokenizer
 
 from pagerail.cluster.frontend.detokenizer import IncrementalDetokenizer
-from pagerail.worker.model_loader import resolve_model_dir
+from pagerail.common.model_source import resolve_model_dir
 
 
 def _as_given(tokenizer, through_tokenizer: bool):

@@ -27,7 +27,7 @@ settings.load_profile("ci")
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """Safetensors directory of the embedded SmolLM2-135M-Instruct (about 20 s to convert on first use)."""
-    from pagerail.worker.model_loader import resolve_model_dir
+    from pagerail.common.model_source import resolve_model_dir
 
     return resolve_model_dir(None)
 

@@ -154,7 +154,7 @@ def tiny_with_tokenizer(tmp_path_factory):
     """The tiny Llama sized to the embedded model's tokenizer, saved next to it: a schema needs a tokenizer."""
     from transformers import AutoTokenizer
 
-    from pagerail.worker.model_loader import resolve_model_dir
+    from pagerail.common.model_source import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
     path = make_tiny_model("llama", tmp_path_factory.mktemp("tiny-tok") / "llama", vocab_size=len(tokenizer))

@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from tests.requirements import require_module
 
@@ -19,11 +20,11 @@ from ray.util import placement_group_table  # noqa: E402
 from pagerail.cluster.core.engine_request import EngineRequest  # noqa: E402
 from pagerail.cluster.distributed.cluster_options import ClusterOptions  # noqa: E402
 from pagerail.cluster.distributed.launcher import start_heads  # noqa: E402
-from pagerail.cluster.distributed.local_executor import worker_config  # noqa: E402
 from pagerail.cluster.distributed.worker_group import WorkerGroup, process_running  # noqa: E402
 from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from pagerail.common.sampling_params import SamplingParams  # noqa: E402
 from pagerail.worker import actor as actor_module  # noqa: E402
+from pagerail.worker.config import worker_config  # noqa: E402
 from tests.actor_probes import actor_pid, inject_step_fault, step_faults_hit, worker_pids  # noqa: E402
 from tests.ray_start import start_ray  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
@@ -272,7 +273,7 @@ def test_a_new_rank_waits_while_the_free_gpu_memory_still_rises(monkeypatch):
         seen.append(next(readings))
         return seen[-1], 100 * gib
 
-    monkeypatch.setattr(actor_module.torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     monkeypatch.setattr(actor_module.time, "sleep", lambda _: None)
     actor_module.wait_for_device_memory_to_settle()
     assert seen == [40 * gib, 60 * gib, 80 * gib, 80 * gib]  # back to steady: the cache may be sized now

@@ -51,14 +51,24 @@ def test_tp2_matches_tp1_and_transformers(local_ray, kind, tmp_path):
 
 
 def test_tp3_smollm2_matches_transformers(local_ray, smollm2_dir):
+    def frameworks_loaded(_actor) -> list[str]:  # local, so Ray sends it by value, not by importing this module
+        import sys
+
+        return [name for name in ("torch", "transformers", "tokenizers") if name in sys.modules]
+
     llm = LLM(str(smollm2_dir), tensor_parallel_size=3, num_gpu_blocks=256)
     try:
         prompts = [llm.tokenizer.encode(t) for t in ("The capital of France is", "def add(a, b):", "1, 2, 3,")]
         ours = engine_greedy(llm, prompts, 12)
+        # The head schedules and never computes: a model with a tokenizer and stop strings leaves it without torch
+        # (and transformers, which imports torch), whose import would cost every head start seconds of CPU.
+        stopped = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8, stop=["Paris"]))
+        frameworks = ray.get(llm._cluster.heads[0].__ray_call__.remote(frameworks_loaded))
     finally:
         llm.shutdown()
     report = compare(ours, reference_greedy(smollm2_dir, prompts, 12))
     assert report.identical == len(prompts), report.divergences
+    assert stopped[0].outputs[0].finish_reason == "stop" and frameworks == []
 
 
 @pytest.fixture(scope="module")

@@ -156,10 +156,11 @@ def test_tensor_parallel_ranks_speculating_keep_constrained_outputs_whole(tiny_d
     from pagerail.cluster.core.engine import EngineCore
     from pagerail.cluster.core.engine_request import EngineRequest
     from pagerail.cluster.core.model_info import read_model_info
-    from pagerail.cluster.distributed.local_executor import InProcessExecutor, worker_config
+    from pagerail.cluster.distributed.local_executor import InProcessExecutor
     from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
     from pagerail.common.sampling_params import SamplingParams
     from pagerail.common.structured_outputs import StructuredOutputs
+    from pagerail.worker.config import worker_config
 
     ids, _ = _setup(tiny_dir)
     texts = ['{"answer": "", "score": -"x", "score": -"y"', 'score": -1}} "score": -"', '": -" "score": -"" -"']

@@ -85,7 +85,7 @@ def _tiny_llama_with_tokenizer(path: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pagerail.worker.model_loader import resolve_model_dir
+    from pagerail.common.model_source import resolve_model_dir
     from tests.tiny_models import tiny_config
 
     embedded = resolve_model_dir(None)

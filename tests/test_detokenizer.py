@@ -19,7 +19,7 @@ TEXTS = [
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from pagerail.worker.model_loader import resolve_model_dir
+    from pagerail.common.model_source import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
 

@@ -24,7 +24,7 @@ VOCAB = 1000  # the fake engine's default vocabulary
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from pagerail.worker.model_loader import resolve_model_dir
+    from pagerail.common.model_source import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
 

@@ -32,7 +32,7 @@ SCHEMA = {
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from pagerail.worker.model_loader import resolve_model_dir
+    from pagerail.common.model_source import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
 

@@ -10,10 +10,12 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-import pagerail.worker.default_model as default_model
+import pagerail.common.default_model as default_model
+import pagerail.common.model_source as model_source
 import pagerail.worker.model_loader as model_loader
+from pagerail.common.model_source import resolve_model_dir
 from pagerail.worker.layers.rotary import inverse_frequencies, rope_parameters
-from pagerail.worker.model_loader import iter_lazy_safetensors, load_model, resolve_model_dir
+from pagerail.worker.model_loader import iter_lazy_safetensors, load_model
 from pagerail.worker.models.llama import LlamaForCausalLM
 from pagerail.worker.models.registry import model_class
 from tests.tiny_models import make_tiny_model
@@ -55,7 +57,7 @@ def test_gguf_file_is_converted_into_a_cache_dir(tmp_path, monkeypatch):
     gguf.write_bytes(b"GGUF")
     monkeypatch.setenv("PAGERAIL_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
-    monkeypatch.setattr(model_loader, "convert_gguf", lambda src, out: calls.append((src, out)) or out)
+    monkeypatch.setattr(model_source, "convert_gguf", lambda src, out: calls.append((src, out)) or out)
     out = resolve_model_dir(str(gguf))
     assert calls == [(gguf, out)]
     assert out.parent == tmp_path / "cache" / "models" and out.name.startswith("custom-")

@@ -212,7 +212,7 @@ def test_overload_gets_429_with_retry_after_while_admitted_requests_finish(smoll
 def client_tokenizer(client):
     from transformers import AutoTokenizer
 
-    from pagerail.worker.model_loader import resolve_model_dir
+    from pagerail.common.model_source import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir(None)))
 

@@ -181,8 +181,9 @@ def test_ranks_in_processes_of_their_own_overlap_by_default_and_an_in_process_cp
     from tests.requirements import require_module
 
     require_module("ray", "needs Ray")
-    from pagerail.cluster.distributed.local_executor import InProcessExecutor, worker_config
+    from pagerail.cluster.distributed.local_executor import InProcessExecutor
     from pagerail.cluster.distributed.worker_group import WorkerGroup
+    from pagerail.worker.config import worker_config
 
     model_dir = make_tiny_model("llama", tmp_path / "llama")
     config = worker_config(EngineConfig(cache=CacheConfig(block_size=4, num_gpu_blocks=16)), str(model_dir))

@@ -26,11 +26,12 @@ from pagerail.cluster.core.async_engine import AsyncEngine
 from pagerail.cluster.core.engine import EngineCore
 from pagerail.cluster.core.local_client import LocalEngineClient
 from pagerail.cluster.core.model_info import read_model_info
-from pagerail.cluster.distributed.local_executor import InProcessExecutor, worker_config
+from pagerail.cluster.distributed.local_executor import InProcessExecutor
 from pagerail.cluster.frontend.grpc_api import build_grpc_server
 from pagerail.cluster.frontend.http_app import ServerState, create_app
 from pagerail.cluster.frontend.settings import FrontendSettings
 from pagerail.proto import api_pb2, api_pb2_grpc
+from pagerail.worker.config import worker_config
 from tests.http_server import BackgroundServer
 from tests.ray_start import start_ray
 from tests.requirements import require_module

@@ -201,7 +201,7 @@ def test_one_trace_from_http_through_head_to_both_ranks(receiver, tmp_path):
     from pagerail.cluster.frontend.http_app import ServerState, create_app
     from pagerail.cluster.frontend.settings import FrontendSettings
     from pagerail.common.engine_config import CacheConfig, EngineConfig
-    from pagerail.worker.model_loader import resolve_model_dir
+    from pagerail.common.model_source import resolve_model_dir
     from tests.http_server import BackgroundServer
     from tests.tiny_models import make_tiny_model
 

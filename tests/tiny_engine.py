@@ -6,8 +6,9 @@ from pathlib import Path
 
 from pagerail.cluster.core.engine import EngineCore
 from pagerail.cluster.core.model_info import read_model_info
-from pagerail.cluster.distributed.local_executor import InProcessExecutor, worker_config
+from pagerail.cluster.distributed.local_executor import InProcessExecutor
 from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.worker.config import worker_config
 
 
 def tiny_engine(model_dir: str | Path, num_blocks: int = 64, block_size: int = 4, **scheduler) -> EngineCore:

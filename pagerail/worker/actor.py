@@ -9,21 +9,22 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import torch
-import torch.distributed as dist
 
 from pagerail.common import telemetry
 from pagerail.common.auth import check_token
 from pagerail.common.heap import freeze_startup_heap
 from pagerail.common.tls import TlsConfig
 from pagerail.worker.config import WorkerConfig
-from pagerail.worker.grpc_server import start_worker_server
-from pagerail.worker.kv_channel import TRANSFER_BASE_S, KvChannel
-from pagerail.worker.parallel_state import TensorParallelGroup
-from pagerail.worker.worker import Worker, resolve_device
+
+# torch and everything built on it are imported inside the methods that run on the rank: the head imports this
+# module only to create the actors (ray.remote(WorkerActor)), and must not pay torch's import for that.
+if TYPE_CHECKING:
+    from pagerail.worker.kv_channel import KvChannel
+    from pagerail.worker.parallel_state import TensorParallelGroup
+    from pagerail.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,9 @@ class WorkerActor:
         """
         if self.worker is not None:
             raise RuntimeError(f"rank {self.rank} is already started")
+        from pagerail.worker.grpc_server import start_worker_server
+        from pagerail.worker.worker import Worker
+
         config = self._resolved_config()
         try:
             tp = self._join_group(rendezvous, config, timeout_s)
@@ -168,6 +172,8 @@ class WorkerActor:
     ) -> None:  # fmt: skip
         """Join a KV channel with another replica's ranks; every member calls this at the same time.
         `transfer_base_s`: the fixed part of each transfer's deadline (None: worker/kv_channel.py's default)."""
+        from pagerail.worker.kv_channel import TRANSFER_BASE_S, KvChannel
+
         base_s = TRANSFER_BASE_S if transfer_base_s is None else transfer_base_s
         self._kv_channels[channel_id] = KvChannel(
             host, port, group_rank, senders, receivers, self.worker.device, transfer_base_s=base_s
@@ -183,6 +189,8 @@ class WorkerActor:
         """Blocks from the channel into this rank's host slots (its own KV heads of them)."""
         if self.worker.host_kv is None:
             raise ValueError("this replica has no host KV tier to receive blocks into (kv_offload_bytes)")
+        import torch
+
         with self._dropped_on_failure(channel_id) as channel:
             data = channel.receive(tuple(shape), getattr(torch, dtype), self.worker.kv_layout["num_kv_heads"])
         self.worker.host_kv.write(slots, data)
@@ -203,13 +211,18 @@ class WorkerActor:
         if self._server is not None:
             self._server.stop(grace=_STOP_GRACE_S).wait()
             self._server = None
-        if self._joined_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if self._joined_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
         self._joined_group = False
         self.worker = None
 
     def _resolved_config(self) -> WorkerConfig:
         """Pin the device and the CPU thread count this actor may use."""
+        from pagerail.worker.worker import resolve_device
+
         config = self.config
         if config.device != "cpu" and resolve_device("auto").type == "cuda":
             # Ray narrows CUDA_VISIBLE_DEVICES to this actor's GPU, which is therefore always device 0.
@@ -230,6 +243,11 @@ class WorkerActor:
         return ray.get_runtime_context().get_assigned_resources().get("CPU")
 
     def _join_group(self, rendezvous: str, config: WorkerConfig, timeout_s: float) -> TensorParallelGroup:
+        import torch
+        import torch.distributed as dist
+
+        from pagerail.worker.parallel_state import TensorParallelGroup
+
         if self.world_size == 1:
             return TensorParallelGroup()
         _check_rendezvous(rendezvous)
@@ -257,6 +275,8 @@ def wait_for_device_memory_to_settle(timeout_s: float = _MEMORY_SETTLE_TIMEOUT_S
     A rank killed just before (this group's previous life, or a leftover of a restarted head) frees its memory only
     as its process exits, and the KV cache is sized from what is free: sizing it too early would shrink the cache.
     """
+    import torch
+
     free, total = torch.cuda.mem_get_info()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

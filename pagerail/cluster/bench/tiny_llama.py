@@ -120,7 +120,7 @@ def write_tiny_llama(path: str | Path, shape: TinyLlamaShape = TinyLlamaShape(),
     """
     from safetensors.torch import save_file
 
-    from pagerail.worker.model_loader import resolve_model_dir
+    from pagerail.common.model_source import resolve_model_dir
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

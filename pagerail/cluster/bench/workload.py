@@ -195,7 +195,7 @@ def _load_tokenizer(name: str | None) -> Any:
     from transformers import AutoTokenizer
 
     if name is None:
-        from pagerail.worker.model_loader import resolve_model_dir
+        from pagerail.common.model_source import resolve_model_dir
 
         name = str(resolve_model_dir(None))
     return AutoTokenizer.from_pretrained(name)

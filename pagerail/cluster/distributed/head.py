@@ -14,13 +14,14 @@ from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.core.kv_handoff import describe_prefix, held_blocks, release_held, reserve_slots
 from pagerail.cluster.core.model_info import read_model_info
 from pagerail.cluster.distributed.cluster_options import ClusterOptions
-from pagerail.cluster.distributed.local_executor import locate_model, worker_config
 from pagerail.cluster.distributed.output_channel import OutputChannel
 from pagerail.cluster.distributed.worker_group import WorkerGroup
 from pagerail.common import telemetry
 from pagerail.common.engine_config import EngineConfig
 from pagerail.common.heap import freeze_startup_heap
 from pagerail.common.logs import configure_logging
+from pagerail.common.model_source import resolve_model_dir
+from pagerail.worker.config import worker_config
 
 
 class HeadActor:
@@ -32,7 +33,7 @@ class HeadActor:
         telemetry.configure_tracing(
             "head", endpoint=observability.otlp_traces_endpoint, sampling_ratio=observability.trace_sampling_ratio
         )
-        model_dir = locate_model(config)
+        model_dir = resolve_model_dir(config.model)
         info = read_model_info(model_dir)
         info.check_engine(config)
         self.group = WorkerGroup(

@@ -1,28 +1,14 @@
-"""The in-process transport (tensor-parallel size 1 in the caller's process) and the worker settings every
-transport derives from the engine's configuration."""
+"""The in-process transport: tensor-parallel size 1 in the caller's process."""
 
 from __future__ import annotations
 
 import contextvars
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from pagerail.cluster.core.executor import CompletedStep, PendingStep, WorkerGroupError
-from pagerail.common.engine_config import EngineConfig
 from pagerail.proto import step_pb2
 from pagerail.worker.config import WorkerConfig
-from pagerail.worker.model_loader import resolve_model_dir
 from pagerail.worker.worker import Worker
-
-
-def locate_model(config: EngineConfig) -> Path:
-    """The local directory holding the model's config, weights and tokenizer."""
-    return resolve_model_dir(config.model)
-
-
-def worker_config(config: EngineConfig, model_dir: Path) -> WorkerConfig:
-    """What every rank of the replica receives: the engine configuration itself, and where the model lies."""
-    return WorkerConfig(str(model_dir), config)
 
 
 class InProcessExecutor:

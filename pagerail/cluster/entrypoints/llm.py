@@ -17,12 +17,14 @@ from pagerail.cluster.core.local_client import LocalEngineClient
 from pagerail.cluster.core.model_info import read_model_info
 from pagerail.cluster.core.outputs import CompletionOutput, RequestOutput
 from pagerail.cluster.distributed.cluster_options import DEFAULT_OPTIONS
-from pagerail.cluster.distributed.local_executor import InProcessExecutor, locate_model, worker_config
+from pagerail.cluster.distributed.local_executor import InProcessExecutor
 from pagerail.cluster.frontend.output_processor import ChoiceState, append_choice, fan_out
 from pagerail.common import telemetry
 from pagerail.common.engine_args import engine_config
 from pagerail.common.grammar import TOKENIZERS, GrammarError, check_constraint
+from pagerail.common.model_source import resolve_model_dir
 from pagerail.common.sampling_params import SamplingParams
+from pagerail.worker.config import worker_config
 
 Prompt = str | Sequence[int]
 
@@ -50,7 +52,7 @@ class LLM:
         `pagerail serve`'s flags: `block_size=4` here is `--block-size 4` there. Where the ranks run: in this
         process, or on Ray (`tensor_parallel_size` > 1, `data_parallel_size` > 1 or a `ray_address`)."""
         self.config = engine_config(engine_args, model=model)
-        self.model_dir = locate_model(self.config)
+        self.model_dir = resolve_model_dir(self.config.model)
         info = read_model_info(self.model_dir)
         info.check_engine(self.config)
         self._vocab_size = info.vocab_size

@@ -226,10 +226,10 @@ def serve(args: argparse.Namespace) -> int:
     from pagerail.cluster.core.engine_request import EngineRequest
     from pagerail.cluster.distributed.cluster_options import ClusterOptions
     from pagerail.cluster.distributed.launcher import HeadLauncher, connect, start_heads, stop_head, uses_gpu
-    from pagerail.cluster.distributed.local_executor import locate_model
     from pagerail.cluster.frontend.actor import FrontendActor
     from pagerail.cluster.frontend.settings import FrontendSettings
     from pagerail.cluster.routing.replica_pool import ReplicaSettings
+    from pagerail.common.model_source import resolve_model_dir
     from pagerail.common.sampling_params import SamplingParams
 
     check_replica_flags(args)
@@ -241,7 +241,7 @@ def serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     started = time.monotonic()
     _say("locating the model")
-    model_dir = locate_model(config)  # the embedded model is converted once, with a progress bar
+    model_dir = resolve_model_dir(config.model)  # the embedded model is converted once, with a progress bar
     served_name = config.model_name
     _say(f"starting Ray{' at ' + args.ray_address if args.ray_address else ''}")
     connect(args.ray_address)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagerail.worker.default_model import cache_root
+from pagerail.common.default_model import cache_root
 from pagerail.worker.layers.packed_linear import PackedLinearKernel, PackedWeight, packed_linear_kernel
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from pagerail.worker.default_model import cache_root
+from pagerail.common.default_model import cache_root
 
 Kernel = TypeVar("Kernel")
 

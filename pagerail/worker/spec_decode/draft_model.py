@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pagerail.common.model_source import resolve_model_dir
 from pagerail.common.speculative_config import SpeculativeConfig
-from pagerail.worker.model_loader import load_hf_config, load_model, resolve_model_dir
+from pagerail.worker.model_loader import load_hf_config, load_model
 from pagerail.worker.parallel_state import SINGLE_RANK, TensorParallelGroup
 from pagerail.worker.request_state import RequestState
 from pagerail.worker.sampler import row_argmax

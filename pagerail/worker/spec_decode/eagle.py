@@ -16,14 +16,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pagerail.common.model_source import resolve_model_dir
 from pagerail.common.speculative_config import SpeculativeConfig
 from pagerail.worker.layers.cpu_matmul import attach_cpu_weights
-from pagerail.worker.model_loader import (
-    checkpoint_tensor_names,
-    iter_lazy_safetensors,
-    load_hf_config,
-    resolve_model_dir,
-)
+from pagerail.worker.model_loader import checkpoint_tensor_names, iter_lazy_safetensors, load_hf_config
 from pagerail.worker.parallel_state import TensorParallelGroup
 from pagerail.worker.request_state import RequestState
 from pagerail.worker.spec_decode.eagle_head import EagleHead, check_head_config, eagle3_layers, head_checkpoint_name
