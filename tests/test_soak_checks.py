@@ -1,7 +1,10 @@
 """The soak's own checks (pagerail bench soak): its fault schedule, what it calls left over, how it compares
-process memory, and that a refusal to admit is retried while a mid-answer failure is a violation."""
+process memory, that a refusal to admit is retried while a mid-answer failure is a violation, and that its
+reused gRPC request id is refused on the twin, never on the first call."""
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 import httpx
@@ -68,3 +71,61 @@ def test_a_resource_exhausted_call_is_busy_and_another_status_is_a_violation():
     assert refused.value.retry_after_s == 3.0
     clients.rpc_failed(Error(grpc.StatusCode.INTERNAL), "gRPC Generate")
     assert record.unexpected and "INTERNAL" in record.unexpected[0]
+
+
+class _FakeGenerations:
+    """The server's side of a reused request id on one connection: the call that reaches it first holds the id,
+    and a call only reaches it once the client waits on it (its metadata or its responses)."""
+
+    def __init__(self) -> None:
+        self.holder: dict[str, object] = {}
+
+    def Generate(self, request):  # noqa: N802
+        return _FakeCall(self, request.request_id)
+
+
+class _FakeCall:
+    def __init__(self, server: _FakeGenerations, request_id: str) -> None:
+        self.server, self.request_id = server, request_id
+
+    def _arrive(self) -> None:
+        holder = self.server.holder.setdefault(self.request_id, self)
+        if holder is not self:
+            metadata = grpc.aio.Metadata()
+            raise grpc.aio.AioRpcError(grpc.StatusCode.ALREADY_EXISTS, metadata, metadata, details="already streaming")
+
+    async def initial_metadata(self):
+        self._arrive()
+        return grpc.aio.Metadata()
+
+    def __aiter__(self):
+        return self._responses()
+
+    async def _responses(self):
+        self._arrive()
+        yield type("Response", (), {"token_ids": [1, 2], "finish_reason": "length"})()
+        self.server.holder.pop(self.request_id)
+
+
+class _Rolls:
+    """Random draws that take the twin path of a gRPC generation: no disconnect, a twin, greedy."""
+
+    def __init__(self) -> None:
+        self.rolls = iter([0.1, 0.5, 0.05])  # greedy sampling; no disconnect; send a twin
+
+    def random(self) -> float:
+        return next(self.rolls)
+
+    def randint(self, low: int, high: int) -> int:
+        return low
+
+    def choice(self, options):
+        return options[0]
+
+
+def test_the_twin_of_a_grpc_request_is_refused_and_the_first_call_completes():
+    clients, record = _clients()
+    clients.rng = _Rolls()
+    asyncio.run(clients.grpc_generate(_FakeGenerations(), stranger=None))
+    assert not record.unexpected, record.unexpected
+    assert record.counts["provoked_already_exists"] == 1 and record.counts["completed"] == 1

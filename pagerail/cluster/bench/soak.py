@@ -267,7 +267,10 @@ class Clients:
                 self.record.counts["disconnected"] += 1
                 return
             if self.rng.random() < 0.1:
-                # The same id again on the same connection while the first still streams: refused.
+                # The same id again on the same connection while the first still streams: refused. The server holds
+                # the id before it sends the first call's metadata; sent earlier, the twin could reach it first
+                # and take the id, and then the first call would be the one refused.
+                await call.initial_metadata()
                 twin = stub.Generate(
                     api_pb2.GenerateRequest(request_id=request_id, text=prompt, sampling_params=params)
                 )
