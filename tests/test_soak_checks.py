@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from pagerail.cluster.bench.process_cpu import ProcessMemory
-from pagerail.cluster.bench.soak import Busy, Clients, FaultSchedule, Record, leftovers, memory_growth
+from pagerail.cluster.bench.soak import Busy, Clients, FaultSchedule, Record, leftovers, memory_growth, role_pids
 
 
 def test_the_fault_schedule_parses_each_kind_and_refuses_unknown_or_negative_ones():
@@ -42,6 +42,12 @@ def test_memory_growth_compares_only_the_same_engine_process_at_both_readings():
              3: ProcessMemory("raylet", 9 << 30, 99, 7)}  # fmt: skip
     # pid 2 is another process now (a restarted rank); raylet is not the engine's.
     assert memory_growth(before, after) == [["ray::HeadActor", 1, "100 → 150", "10 → 12", 50 << 20, 2]]
+
+
+def test_the_fault_injector_finds_an_actor_by_its_title_idle_or_in_a_call():
+    titles = {5: "ray::HeadActor", 6: "ray::HeadActor.drain", 7: "ray::HeadActorProxy", 8: "ray::WorkerActor"}
+    processes = {pid: ProcessMemory(title, 1, 1, 7) for pid, title in titles.items()}
+    assert role_pids(processes, "HeadActor") == [5, 6] and role_pids(processes, "FrontendActor") == []
 
 
 def _clients() -> tuple[Clients, Record]:
