@@ -1,5 +1,6 @@
 """`pagerail serve --data-parallel-size 2`: two replicas behind one endpoint, requests spread between them, metrics
-labelled per replica, and SIGTERM stops both."""
+labelled per replica, and SIGTERM stops both. A tiny random Llama with a real tokenizer: these are tests of routing,
+not of a model."""
 
 from __future__ import annotations
 
@@ -11,18 +12,23 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagerail.cluster.bench.tiny_llama import write_tiny_llama
 from tests.serve_process import start_serve, wait_ready
 
 pytestmark = pytest.mark.slow
-# Each replica's KV cache (and the host tier the prompts' KV moves into): 64 MiB, about 1,400 tokens of the embedded
-# model, rather than the CPU default of 2 GiB, whose first touch costs each worker seconds to tens of seconds on a
-# loaded host; these prompts need a few dozen tokens.
-KV_BYTES = 64 << 20
+# Each replica's KV cache (and the host tier the prompts' KV moves into): 8 MiB, thousands of the tiny model's
+# tokens, rather than the CPU default of 2 GiB, whose first touch costs each worker seconds on a loaded host.
+KV_BYTES = 8 << 20
 
 
-def test_two_replicas_behind_one_endpoint():
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(write_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def test_two_replicas_behind_one_endpoint(model_dir):
     process = start_serve(
-        "--data-parallel-size", "2", "--routing-policy", "round-robin", "--max-num-seqs", "8",
+        "--model", model_dir, "--data-parallel-size", "2", "--routing-policy", "round-robin", "--max-num-seqs", "8",
         "--kv-cache-memory-bytes", str(KV_BYTES),
     )  # fmt: skip
     lines: list[str] = []
@@ -32,10 +38,12 @@ def test_two_replicas_behind_one_endpoint():
         client = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         texts = [
-            client.completions.create(model=model, prompt=f"Count to {n}:", max_tokens=4, temperature=0).choices[0].text
+            client.completions.create(
+                model=model, prompt=f"Count to {n}:", max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+            ).choices[0]
             for n in range(4)
         ]
-        assert all(texts)
+        assert all(choice.text and choice.finish_reason == "length" for choice in texts), texts
         metrics = httpx.get(base_url + "/metrics").text
         routed: dict[str, float] = {}
         labelled: set[str] = set()
@@ -56,11 +64,11 @@ def test_two_replicas_behind_one_endpoint():
             os.killpg(process.pid, signal.SIGKILL)
 
 
-def test_prefill_and_decode_replicas_behind_one_endpoint():
+def test_prefill_and_decode_replicas_behind_one_endpoint(model_dir):
     """`--prefill-replicas 1 --decode-replicas 1`: each completion's prompt runs on the prefill replica, its KV
     moves to the decode replica over the ranks' channel, and the text is that of a colocated server's."""
     process = start_serve(
-        "--prefill-replicas", "1", "--decode-replicas", "1", "--kv-offload-bytes", str(KV_BYTES),
+        "--model", model_dir, "--prefill-replicas", "1", "--decode-replicas", "1", "--kv-offload-bytes", str(KV_BYTES),
         "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(KV_BYTES),
     )  # fmt: skip
     lines: list[str] = []
@@ -70,7 +78,11 @@ def test_prefill_and_decode_replicas_behind_one_endpoint():
         model = client.models.list().data[0].id
         prompts = [f"Write the numbers from one to {n}, separated by commas:" for n in (5, 9)]
         texts = [
-            client.completions.create(model=model, prompt=p, max_tokens=12, temperature=0).choices[0].text
+            client.completions.create(
+                model=model, prompt=p, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
             for p in prompts
         ]
         transfers = 0.0
@@ -87,6 +99,6 @@ def test_prefill_and_decode_replicas_behind_one_endpoint():
     # The same prompts on one colocated replica give the same text.
     from pagerail import LLM, SamplingParams
 
-    with LLM(kv_cache_memory_bytes=KV_BYTES) as llm:
-        params = SamplingParams(max_tokens=12, temperature=0)
+    with LLM(model_dir, kv_cache_memory_bytes=KV_BYTES) as llm:
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
         assert [o.outputs[0].text for o in llm.generate(prompts, params)] == texts
