@@ -239,6 +239,12 @@ def test_serve_on_a_two_node_ray_cluster_started_like_ray_up(tmp_path):
         )
         assert reply.usage.completion_tokens == 8
         assert reply.choices[0].text and reply.choices[0].finish_reason == "length"
+        # One rank per node gives the tokens of one process holding the whole model.
+        from pagerail import LLM, SamplingParams
+
+        with LLM(str(model_future.result()), kv_cache_memory_bytes=1 << 20) as whole:
+            params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+            assert reply.choices[0].text == whole.generate(["The capital of France is"], params)[0].outputs[0].text
 
         alive, rank_nodes = _ranks_nodes(address, env)
         assert alive == 2

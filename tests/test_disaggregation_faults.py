@@ -15,7 +15,7 @@ ray = require_module("ray", "needs Ray")
 from pagerail import LLM  # noqa: E402
 from pagerail.cluster.distributed.cluster_options import ClusterOptions  # noqa: E402
 from pagerail.cluster.distributed.head_client import HeadEngineClient  # noqa: E402
-from pagerail.cluster.distributed.launcher import start_heads, stop_head  # noqa: E402
+from pagerail.cluster.distributed.launcher import start_heads  # noqa: E402
 from pagerail.cluster.routing.routed_client import RoutedEngineClient  # noqa: E402
 from pagerail.common.engine_config import CacheConfig, EngineConfig  # noqa: E402
 from pagerail.common.sampling_params import SamplingParams  # noqa: E402
@@ -44,7 +44,8 @@ def setup(tmp_path_factory):
         reference.shutdown()
         yield heads, expected
         for head in heads.values():
-            stop_head(head)
+            # Not a graceful stop: a head the tests killed may still be restarting, and Ray ends everything next.
+            ray.kill(head, no_restart=True)
     finally:
         ray.shutdown()
 

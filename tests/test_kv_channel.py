@@ -22,15 +22,25 @@ def _full(num_kv_heads: int) -> torch.Tensor:
     return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
 
 
-def _rank(group_rank: int, port: int, senders: int, receivers: int, heads: int, results) -> None:
-    channel = KvChannel("127.0.0.1", port, group_rank, senders, receivers, torch.device("cpu"), timeout_s=60)
-    full = _full(heads)
-    if group_rank < senders:
-        channel.send(full[:, :, :, kv_heads_of_rank(heads, senders, group_rank)], heads)
-    else:
-        received = channel.receive((*SHAPE[:3], heads, *SHAPE[4:]), torch.float32, heads)
-        expected = full[:, :, :, kv_heads_of_rank(heads, receivers, group_rank - senders)]
-        results[group_rank] = bool(torch.equal(received, expected))
+# (sending ranks, receiving ranks, KV heads): two ranks to one, one to two, a head both hold, two heads to one rank.
+LAYOUTS = [(2, 1, 4), (1, 2, 4), (2, 2, 1), (2, 1, 2)]
+
+
+def _rank(process: int, ports: list[int], results) -> None:
+    """One process takes its part in every layout in turn (a layout of fewer ranks leaves the last ones out), each
+    over a channel of its own: the processes and their imports are paid once for all layouts."""
+    for layout, ((senders, receivers, heads), port) in enumerate(zip(LAYOUTS, ports, strict=True)):
+        if process >= senders + receivers:
+            continue
+        channel = KvChannel("127.0.0.1", port, process, senders, receivers, torch.device("cpu"), timeout_s=60)
+        full = _full(heads)
+        if process < senders:
+            channel.send(full[:, :, :, kv_heads_of_rank(heads, senders, process)], heads)
+        else:
+            received = channel.receive((*SHAPE[:3], heads, *SHAPE[4:]), torch.float32, heads)
+            expected = full[:, :, :, kv_heads_of_rank(heads, receivers, process - senders)]
+            results[(layout, process)] = bool(torch.equal(received, expected))
+        channel.close()
 
 
 def _free_port() -> int:
@@ -39,15 +49,23 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.mark.parametrize(("senders", "receivers", "heads"), [(2, 1, 4), (1, 2, 4), (2, 2, 1), (2, 1, 2)])
-def test_blocks_arrive_whole_with_each_receiving_rank_holding_its_heads(senders: int, receivers: int, heads: int):
+@pytest.fixture(scope="module")
+def layout_results() -> dict:
     manager = mp.Manager()
     results = manager.dict()
-    size = senders + receivers
-    mp.start_processes(
-        _rank, args=(_free_port(), senders, receivers, heads, results), nprocs=size, join=True, start_method="spawn"
-    )
-    assert dict(results) == {rank: True for rank in range(senders, size)}
+    ports = [_free_port() for _ in LAYOUTS]
+    processes = max(senders + receivers for senders, receivers, _ in LAYOUTS)
+    mp.start_processes(_rank, args=(ports, results), nprocs=processes, join=True, start_method="spawn")
+    found = dict(results)
+    manager.shutdown()
+    return found
+
+
+@pytest.mark.parametrize("layout", range(len(LAYOUTS)), ids=[f"{s}to{r}-heads{h}" for s, r, h in LAYOUTS])
+def test_blocks_arrive_whole_with_each_receiving_rank_holding_its_heads(layout_results: dict, layout: int):
+    senders, receivers, _ = LAYOUTS[layout]
+    received = {rank: ok for (index, rank), ok in layout_results.items() if index == layout}
+    assert received == {rank: True for rank in range(senders, senders + receivers)}
 
 
 def test_the_plan_sends_each_head_once_to_every_rank_that_needs_it() -> None:

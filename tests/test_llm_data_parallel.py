@@ -47,3 +47,11 @@ def test_replicas_share_a_batch_and_match_one_replica(tmp_path):
             llm.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_the_placement_strategy_reaches_the_cluster_options(tmp_path):
+    """`LLM(placement_strategy=...)` is what the worker groups reserve with (one rank per node under STRICT_SPREAD is
+    held end to end by test_deploy_cluster.py, through `serve`'s flag): an unknown one is refused before Ray starts."""
+    model_dir = str(make_tiny_model("llama", tmp_path / "llama"))
+    with pytest.raises(ValueError, match="placement_strategy must be one of .*got 'SCATTER'"):
+        LLM(model_dir, tensor_parallel_size=2, placement_strategy="SCATTER")

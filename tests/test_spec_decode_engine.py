@@ -219,8 +219,27 @@ def test_a_draft_with_another_vocabulary_or_tokenizer_is_refused(llama_dir: Path
     check_draft_config(target, load_hf_config(target), target)  # the same tokenizer passes
 
 
+@pytest.fixture(scope="module")
+def smollm2_engines(smollm2_dir: Path):
+    """The embedded model without speculation and with n-gram speculation, shared by the tests that compare them:
+    each reads the speculation counters as differences over its own run."""
+    engines = {
+        name: LLM(str(smollm2_dir), num_gpu_blocks=1024, speculative_config=speculative)
+        for name, speculative in (("off", None), ("ngram", NGRAM))
+    }
+    yield engines
+    for llm in engines.values():
+        llm.shutdown()
+
+
+def _speculation_counts(llm: LLM) -> tuple[int, int]:
+    return llm.engine.speculation.num_draft_tokens, llm.engine.speculation.num_accepted_tokens
+
+
 @pytest.mark.slow
-def test_the_embedded_model_gives_the_same_text_with_and_without_speculation(smollm2_dir: Path, tmp_path: Path) -> None:
+def test_the_embedded_model_gives_the_same_text_with_and_without_speculation(
+    smollm2_dir: Path, smollm2_engines: dict[str, LLM], tmp_path: Path
+) -> None:
     """12 chat prompts, half of them asking for a text back (n-gram lookups find it), some with stop strings that
     fall inside what is copied: identical tokens and text, and speculation kept drafts. Random EAGLE and EAGLE-3
     heads for the model draft too (EAGLE-3 over the residual stream of layers 2, 15 and 27), with the same text."""
@@ -249,21 +268,28 @@ def test_the_embedded_model_gives_the_same_text_with_and_without_speculation(smo
         }
         for method in ("eagle", "eagle3")
     }
-    for name, speculative in (("off", None), ("ngram", NGRAM), *heads.items()):
+
+    def run(name: str, llm: LLM) -> None:
+        prompts = [
+            llm.tokenizer.apply_chat_template(
+                [{"role": "user", "content": m}], add_generation_prompt=True, tokenize=False
+            )
+            for m in messages
+        ]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=64, stop=["reading room", "password"] if i % 4 == 0 else [])
+            for i in range(count)
+        ]
+        before = _speculation_counts(llm)
+        outputs = llm.generate(prompts, params)
+        runs[name] = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs]
+        drafted[name] = tuple(now - then for now, then in zip(_speculation_counts(llm), before, strict=True))
+
+    for name, llm in smollm2_engines.items():
+        run(name, llm)
+    for name, speculative in heads.items():
         with LLM(str(smollm2_dir), num_gpu_blocks=1024, speculative_config=speculative) as llm:
-            prompts = [
-                llm.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": m}], add_generation_prompt=True, tokenize=False
-                )
-                for m in messages
-            ]
-            params = [
-                SamplingParams(temperature=0.0, max_tokens=64, stop=["reading room", "password"] if i % 4 == 0 else [])
-                for i in range(count)
-            ]
-            outputs = llm.generate(prompts, params)
-            runs[name] = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs]
-            drafted[name] = (llm.engine.speculation.num_draft_tokens, llm.engine.speculation.num_accepted_tokens)
+            run(name, llm)
     assert runs["ngram"] == runs["off"] and runs["eagle"] == runs["off"] and runs["eagle3"] == runs["off"]
     assert drafted["ngram"][1] > 100 and drafted["eagle"][0] > 1000 and drafted["eagle3"][0] > 1000
     # The stop strings cut the copies they occur in, runs of kept drafts included: prompts 0 and 4 ask for the two
@@ -273,7 +299,7 @@ def test_the_embedded_model_gives_the_same_text_with_and_without_speculation(smo
 
 
 @pytest.mark.slow
-def test_constrained_requests_speculate_and_keep_their_outputs(smollm2_dir: Path) -> None:
+def test_constrained_requests_speculate_and_keep_their_outputs(smollm2_engines: dict[str, LLM]) -> None:
     """JSON-schema, regex and choice requests speculate: each draft row is masked as the grammar stands after the
     drafts before it, refused drafts are cut before the forward, and a run ends at the token that completes the
     constraint. Outputs equal decoding without speculation, greedy and seeded."""
@@ -291,18 +317,18 @@ def test_constrained_requests_speculate_and_keep_their_outputs(smollm2_dir: Path
     text = "Copy this record as JSON: name Alice, tags red, red, red, blue, blue, blue."
     constraints = [{"json": schema}, {"regex": r"(ab){2,12}c"}, {"choice": ["alpha beta gamma", "delta"]}]
     runs = {}
-    for name, speculative in (("off", None), ("ngram", NGRAM)):
-        with LLM(str(smollm2_dir), num_gpu_blocks=1024, speculative_config=speculative) as llm:
-            chat = [{"role": "user", "content": text}]
-            prompt = llm.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-            params = [
-                SamplingParams(temperature=temperature, seed=7, max_tokens=120, structured_outputs=constraint)
-                for constraint in constraints
-                for temperature in (0.0, 0.8)
-            ]
-            outputs = llm.generate([prompt] * len(params), params)
-            runs[name] = [(o.outputs[0].token_ids, o.outputs[0].text) for o in outputs]
-            kept = llm.engine.speculation.num_accepted_tokens
+    for name, llm in smollm2_engines.items():
+        chat = [{"role": "user", "content": text}]
+        prompt = llm.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        params = [
+            SamplingParams(temperature=temperature, seed=7, max_tokens=120, structured_outputs=constraint)
+            for constraint in constraints
+            for temperature in (0.0, 0.8)
+        ]
+        kept_before = _speculation_counts(llm)[1]
+        outputs = llm.generate([prompt] * len(params), params)
+        runs[name] = [(o.outputs[0].token_ids, o.outputs[0].text) for o in outputs]
+        kept = _speculation_counts(llm)[1] - kept_before
     assert runs["ngram"] == runs["off"]
     assert kept > 0
     texts = [text for _, text in runs["ngram"]]
