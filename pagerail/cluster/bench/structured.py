@@ -16,6 +16,7 @@ from pagerail.cluster.bench.stats import format_table
 from pagerail.cluster.bench.step_phases import on_step_results
 from pagerail.cluster.bench.workload import BenchRequest
 from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.common.grammar import GrammarError, check_constraint
 from pagerail.common.structured_outputs import StructuredOutputs
 
 # Cold compiles timed per schema; the median is reported, so one slow first run (lazy initialisation) does not skew it.
@@ -68,6 +69,12 @@ def load_schemas(paths: list[str]) -> list[Schema]:
         except ValueError as error:
             detail = str(error).removeprefix("structured_outputs.json ")
             raise ValueError(f"{JSON_SCHEMA_FLAG} {path}: {detail}") from None
+        try:
+            # Checked without a tokenizer first: a schema that cannot compile is named before the model's tokenizer
+            # is built (seconds for a large vocabulary).
+            check_constraint(constraint.kind, constraint.spec, None)
+        except GrammarError as error:
+            raise ValueError(f"{JSON_SCHEMA_FLAG} {path}: {error.message}") from None
         if all(schema.constraint != constraint for schema in schemas):
             schemas.append(Schema(Path(path).name, constraint))
     return schemas
@@ -79,7 +86,7 @@ def measure_compile(schemas: list[Schema], hf_tokenizer: Any, vocab_size: int | 
     import llguidance
     import llguidance.numpy as llnp
 
-    from pagerail.common.grammar import GrammarError, TokenizerCache, check_constraint, clear_caches
+    from pagerail.common.grammar import TokenizerCache, clear_caches
 
     if hf_tokenizer is None:
         raise ValueError(f"{JSON_SCHEMA_FLAG}: the model has no tokenizer to compile a schema against")
