@@ -121,7 +121,7 @@ def test_throughput_prints_a_table_for_dummy_weights(tiny_dir, capsys):
     argv = ["bench", "throughput", "--model", str(tiny_dir), "--load-format", "dummy", "--vocab-size", "250"]
     argv += ["--num-requests", "3"]
     argv += ["--prompt-len", "4", "8", "--output-len", "2", "3", "--max-model-len", "64", "--baseline", "roofline"]
-    argv += ["--num-gpu-blocks", "16"]  # not the 2 GiB CPU default, whose first touch alone costs seconds
+    argv += ["--num-gpu-blocks", "16"]  # a cache these requests fill
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "pagerail" in out and "compute roofline" in out and "transformers" not in out
@@ -132,7 +132,7 @@ def test_throughput_prints_a_table_for_dummy_weights(tiny_dir, capsys):
 def test_throughput_table_on_the_embedded_model(capsys):
     """No --model: the embedded SmolLM2, its own tokenizer sizing the random prompts."""
     argv = ["bench", "throughput", "--num-requests", "3", "--prompt-len", "8", "24", "--output-len", "2", "5"]
-    argv += ["--num-gpu-blocks", "64"]  # not the 2 GiB CPU default, whose first touch alone costs seconds
+    argv += ["--num-gpu-blocks", "64"]  # a cache these requests fill
     assert main(argv) == 0
     out = capsys.readouterr().out
     workload = random_workload(3, (8, 24), (2, 5), vocab_size=49152, seed=0)

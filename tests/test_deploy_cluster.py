@@ -194,8 +194,7 @@ def test_serve_on_a_two_node_ray_cluster_started_like_ray_up(tmp_path):
             "STRICT_SPREAD",
             "--device",
             "cpu",
-            # 16 MiB of KV cache per rank (65,536 tokens of the tiny model), not the 2 GiB CPU default: first-touching
-            # that costs each rank seconds to tens of seconds on a loaded host.
+            # 16 MiB of KV cache per rank (65,536 tokens of the tiny model), not the 2 GiB CPU default.
             "--kv-cache-memory-bytes",
             str(16 << 20),
             "--port",

@@ -27,7 +27,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir):
-    # 512 blocks hold every prompt here at once; the CPU default (2 GiB, zeroed at start) adds seconds, not cover.
+    # 512 blocks hold every prompt here at once.
     return LLM(str(smollm2_dir), num_gpu_blocks=512, max_num_batched_tokens=512)
 
 

@@ -35,7 +35,7 @@ def value(text: str, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def served(smollm2_dir):
-    # A 512-block cache: the CPU default (2 GiB, zeroed at start) is not what these metrics are about.
+    # A 512-block cache: a block count these metrics can be checked against.
     llm = LLM(str(smollm2_dir), served_model_name="smollm2", num_gpu_blocks=512)
     engine = llm.engine_client
     with BackgroundServer(create_app(ServerState(engine, llm.tokenizer, FrontendSettings("smollm2")))) as base_url:

@@ -17,7 +17,7 @@ from tests.serve_process import start_serve, wait_ready
 
 pytestmark = pytest.mark.slow
 # Each replica's KV cache (and the host tier the prompts' KV moves into): 8 MiB, thousands of the tiny model's
-# tokens, rather than the CPU default of 2 GiB, whose first touch costs each worker seconds on a loaded host.
+# tokens, rather than the CPU default of 2 GiB (and a host tier that size, which is allocated up front).
 KV_BYTES = 8 << 20
 
 

@@ -107,8 +107,7 @@ def mistral_window(tmp_path_factory):
         dict(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=16),
         # A cache too small for all eight at once: preemption, and blocks released mid-sequence reused.
         dict(block_size=4, num_gpu_blocks=27, max_num_batched_tokens=16),
-        # Blocks of 16 and the default step budget: every prompt prefilled whole (64 blocks hold them all; the CPU
-        # default of 2 GiB would cost seconds to allocate and touch).
+        # Blocks of 16 and the default step budget: every prompt prefilled whole (64 blocks hold them all).
         dict(block_size=16, num_gpu_blocks=64),
     ],
     ids=["chunked", "preempting", "block16"],

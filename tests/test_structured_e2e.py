@@ -19,8 +19,8 @@ from tests.http_server import BackgroundServer
 pytestmark = pytest.mark.slow
 MODEL = "smollm2"
 MAX_TOKENS = 300
-# A KV cache of 512 MiB rather than the CPU default of 2 GiB (first-touching 2 GiB costs seconds to tens of seconds
-# on a loaded host): still over 11,000 tokens, room for the whole batch of schemas at once.
+# A KV cache of 512 MiB rather than the CPU default of 2 GiB: still over 11,000 tokens, room for the whole batch of
+# schemas at once.
 KV_BYTES = 512 << 20
 
 
