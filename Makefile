@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 TORCH_STAMP := $(VENV)/.torch-spec
 
-.PHONY: venv run test test-fast lint proto clean FORCE
+.PHONY: venv run test test-fast bytecode lint proto clean FORCE
 
 # Rewritten only when TORCH_SPEC differs from the one installed, which then makes the install run again.
 $(TORCH_STAMP): FORCE
@@ -40,13 +40,18 @@ lint: $(STAMP)
 # The whole suite runs on every core (pytest-xdist), one test file per work unit so that a module's Ray cluster or
 # server starts once; the conftest puts slow files first, so the long ones start at once and the short ones fill
 # the cores behind them. A slow test's Ray cluster, servers and child processes wait on I/O much of the time.
-test: $(STAMP)
+test: $(STAMP) bytecode
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) bytecode
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m "not slow" -n auto --hypothesis-profile=fast
+
+# The package and the tests byte-compiled once: where PYTHONDONTWRITEBYTECODE is set (as in many CI images) each of
+# the suite's hundreds of processes (Ray actors, servers, child interpreters) would compile them again on import.
+bytecode: $(STAMP)
+	$(PY) -m compileall -q -j 0 pagerail tests bench > /dev/null
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. pagerail/proto/step.proto
