@@ -59,15 +59,25 @@ def _trace_finished(span: trace.Span, request_id: str, reason: str | None, num_o
     tracing.record_usage(span, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
 
 
+# JSON has no -Infinity: a token the sampling settings or a grammar ruled out shows this logprob instead (as in
+# OpenAI's and vLLM's answers), so the body stays valid JSON for every client.
+MIN_JSON_LOGPROB = -9999.0
+
+
 def logprob_entries(tokenizer, delta: ChoiceDelta) -> list[tuple[str, float, list[tuple[str, float]]]]:
-    """Per token of `delta`: (its text, its logprob, [(text, logprob) of the most likely tokens, best first])."""
+    """Per token of `delta`: (its text, its logprob, [(text, logprob) of the most likely tokens, best first]),
+    every logprob a finite number."""
     entries = []
     for position, token in enumerate(delta.token_ids):
         logprob = delta.logprobs[position] if position < len(delta.logprobs) else 0.0
         top = delta.top_logprobs[position] if position < len(delta.top_logprobs) else {}
-        ranked = sorted(top.items(), key=lambda item: -item[1])
-        entries.append((token_text(tokenizer, token), logprob, [(token_text(tokenizer, t), lp) for t, lp in ranked]))
+        ranked = [(token_text(tokenizer, t), _finite(lp)) for t, lp in sorted(top.items(), key=lambda item: -item[1])]
+        entries.append((token_text(tokenizer, token), _finite(logprob), ranked))
     return entries
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob >= MIN_JSON_LOGPROB else MIN_JSON_LOGPROB  # NaN compares false: it becomes the floor too
 
 
 def token_text(tokenizer, token_id: int) -> str:
