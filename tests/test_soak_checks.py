@@ -5,13 +5,23 @@ reused gRPC request id is refused on the twin, never on the first call."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import httpx
 import pytest
 
 from pagerail.cluster.bench.process_cpu import ProcessMemory
-from pagerail.cluster.bench.soak import Busy, Clients, FaultSchedule, Record, leftovers, memory_growth, role_pids
+from pagerail.cluster.bench.soak import (
+    WEATHER_TOOL,
+    Busy,
+    Clients,
+    FaultSchedule,
+    Record,
+    leftovers,
+    memory_growth,
+    role_pids,
+)
 
 
 def test_the_fault_schedule_parses_each_kind_and_refuses_unknown_or_negative_ones():
@@ -135,3 +145,27 @@ def test_the_twin_of_a_grpc_request_is_refused_and_the_first_call_completes():
     asyncio.run(clients.grpc_generate(_FakeGenerations(), stranger=None))
     assert not record.unexpected, record.unexpected
     assert record.counts["provoked_already_exists"] == 1 and record.counts["completed"] == 1
+
+
+def test_the_clean_run_sends_a_request_with_its_keys_in_the_order_sent():
+    # The chat template writes tools out in the order they came: a replay with sorted keys is another prompt, and
+    # its seeded output legitimately differs from the soak's.
+    clients, record = _clients()
+    body = {"model": "soak", "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER_TOOL],
+            "tool_choice": "required", "max_tokens": 4, "temperature": 0.8, "seed": 1}  # fmt: skip
+    record.answer("chat", body, [None, []])
+    [(kind, request)] = record.answers
+    sent = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        sent.append(request.content)
+        return httpx.Response(200, json={"choices": [{"message": {"content": None, "tool_calls": []}}]})
+
+    async def replay() -> object:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(server), base_url="http://soak") as http:
+            return await clients.replay(kind, json.loads(request), http, None)
+
+    assert asyncio.run(replay()) == [None, []]
+    in_order = json.loads(sent[0], object_pairs_hook=list)
+    assert in_order == json.loads(json.dumps(body), object_pairs_hook=list)
+    assert list(WEATHER_TOOL["function"]) != sorted(WEATHER_TOOL["function"])  # the check above can tell

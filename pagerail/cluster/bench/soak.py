@@ -100,7 +100,8 @@ class Record:
     """What the clients did and got: counts by outcome, answers to compare, and anything unexpected."""
 
     counts: Counter = field(default_factory=Counter)
-    # (kind, canonical request) → the outputs of every completed copy of that request
+    # (kind, the request's JSON as sent) → the outputs of every completed copy of that request. Key order is kept,
+    # not sorted: a chat template writes the tools out in the order they came, so a reordered tool is another prompt.
     answers: dict[tuple[str, str], list] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
     faults: Counter = field(default_factory=Counter)
@@ -108,7 +109,7 @@ class Record:
 
     def answer(self, kind: str, request: dict, output) -> None:
         self.counts["completed"] += 1
-        self.answers.setdefault((kind, json.dumps(request, sort_keys=True)), []).append(output)
+        self.answers.setdefault((kind, json.dumps(request)), []).append(output)
 
     started: float = field(default_factory=time.monotonic)
 
