@@ -33,8 +33,8 @@ def smollm2_dir() -> Path:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    # Half a minute in the suite keeps it within its time; a longer soak: pytest tests/test_soak.py --soak-minutes 30
-    parser.addoption("--soak-minutes", type=float, default=0.5, help="how long tests/test_soak.py runs its clients")
+    # One minute in the suite; a longer soak: pytest tests/test_soak.py --soak-minutes 30 (or pagerail bench soak)
+    parser.addoption("--soak-minutes", type=float, default=1.0, help="how long tests/test_soak.py runs its clients")
 
 
 @pytest.fixture(scope="session")

@@ -263,6 +263,41 @@ def test_restart_starts_new_ranks_only_once_the_killed_ones_are_gone(one_group_r
     assert not any(process_running(pid) for pid in new)
 
 
+class _RankDiesOnceGroup(WorkerGroup):
+    """Loses rank 1 on its first start, after the ranks exist and before they join: a rank killed while its head
+    restarts from a fault of its own."""
+
+    starts: int
+
+    def _create_ranks(self) -> list:
+        ranks = super()._create_ranks()
+        self.starts += 1
+        if self.starts == 1:
+            ray.kill(ranks[1], no_restart=True)
+        return ranks
+
+
+def test_a_rank_that_dies_while_its_group_starts_is_replaced_at_once(one_group_ray, model_dir):
+    config = worker_config(
+        EngineConfig(model=str(model_dir), cache=CacheConfig(block_size=4, num_gpu_blocks=64)), model_dir
+    )
+    group = _RankDiesOnceGroup(config, 2, "dies-once-token", name="dies-once")
+    group.starts = 0
+    started = time.monotonic()
+    try:
+        assert group.start_despite_deaths(max_restarts=1, backoff_s=0.0) == 64
+        # Noticed when the rank died, not when rank 0 gave up waiting for it in the rendezvous (minutes).
+        assert time.monotonic() - started < 60
+        assert group.starts == 2 and group.running and all(process_running(pid) for pid in group.pids)
+    finally:
+        group.shutdown()
+    # Without a restart to spend, the death is the caller's (a head's engine counts it as a failed restart).
+    group.starts = 0
+    with pytest.raises(ray.exceptions.RayActorError):
+        group.start_despite_deaths(max_restarts=0)
+    assert group.starts == 1 and not group.running
+
+
 def test_a_new_rank_waits_while_the_free_gpu_memory_still_rises(monkeypatch):
     """A rank killed just before frees its GPU memory as its process exits: the KV cache is sized after that."""
     gib = 2**30

@@ -339,6 +339,22 @@ def test_sessions_stay_on_their_replica_and_fail_with_it(replicas):
     with pytest.raises(ValueError, match="not an open streaming-input session"):
         run(routed.append_input("s1", [1], True))
 
+    # A chunk that finds the replica dead gets the session's error, as the stream does, not the transport's.
+    routed.set_in_rotation("r0", True)
+
+    async def chunk_after_death():
+        stream = routed.generate(EngineRequest("s2", [7] * 10, greedy(6), final=False))
+        task = asyncio.ensure_future(collect(stream, None))
+        while "s2" not in clients["r0"].ids():
+            await asyncio.sleep(0.01)
+        clients["r0"].dead = True
+        with pytest.raises(ReplicaFailed, match="failed during streaming-input session 's2'.*open a new one"):
+            await routed.append_input("s2", [8] * 5, False)
+        task.cancel()  # the caller gives up on the session, which ends it at the replica
+        await asyncio.gather(task, return_exceptions=True)
+
+    run(chunk_after_death())
+
 
 def test_sibling_choices_share_a_replica_while_any_is_open(replicas):
     clients = replicas()
@@ -560,3 +576,25 @@ def test_routing_on_the_replicas_block_events(replicas):
 
     served = run(scenario())
     assert clients[served].ids() == {"first", "second"}
+
+
+def test_a_request_drained_before_its_first_token_moves_instead_of_ending_aborted(replicas):
+    """r0 holds every request (paused) when it is drained: the request it just admitted is aborted there before
+    its first token, and that abort is the move's, not the caller's. It resumes on another replica and completes."""
+    prompt = [11 + j for j in range(20)]
+
+    async def scenario():
+        clients = replicas()
+        routed = RoutedEngineClient(clients, policy="round-robin")
+        await clients["r0"].pause("all")
+        result = asyncio.create_task(collect(routed.generate(EngineRequest("m", prompt, greedy(12))), len(prompt)))
+        while "m" not in clients["r0"].ids():
+            await asyncio.sleep(0.01)
+        assert await routed.moves.drain("r0") == 1
+        tokens_last = await result
+        await clients["r0"].resume()
+        return tokens_last, clients
+
+    (tokens, last), clients = run(scenario())
+    assert tokens == clean_run(prompt, 12) and (last.finish_reason, last.error) == ("length", None)
+    assert "m" in clients["r1"].ids() | clients["r2"].ids()

@@ -39,6 +39,9 @@ def test_leftovers_name_each_replica_still_holding_requests_sessions_or_blocks()
             "replicas.b.num_open_sessions": 1}  # fmt: skip
     assert leftovers(quiet) == []
     assert leftovers({**quiet, **busy}) == ["replica b: 1 unfinished, 1 sessions, 3 blocks"]
+    # A replica whose head a fault killed reports nothing until it is back: its blocks are not yet known to be free.
+    assert leftovers(quiet, frozenset({"a", "b"})) == ["replica b: not reporting (its head is not back)"]
+    assert leftovers(quiet, frozenset({"a"})) == []
     # A single engine reports at the top level.
     assert leftovers({"num_blocks": 4, "num_free_blocks": 3, "num_unfinished": 0}) == [
         "replica the: 0 unfinished, 0 sessions, 1 blocks"

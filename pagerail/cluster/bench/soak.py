@@ -515,9 +515,12 @@ def replica_names(stats: dict[str, float]) -> set[str]:
     return {key.split(".")[1] for key in stats if key.startswith("replicas.") and key.endswith(".num_blocks")}
 
 
-def leftovers(stats: dict[str, float]) -> list[str]:
-    """What a server that finished every request still holds: requests, sessions, KV blocks (each replica's)."""
-    found = []
+def leftovers(stats: dict[str, float], replicas: frozenset[str] = frozenset()) -> list[str]:
+    """What a server that finished every request still holds: requests, sessions, KV blocks (each replica's).
+    A replica of `replicas` (those the server had before the faults) that does not report is left over too: until
+    its head is back, its blocks cannot be checked."""
+    missing = sorted(replicas - replica_names(stats))
+    found = [f"replica {name}: not reporting (its head is not back)" for name in missing]
     for name in sorted(replica_names(stats)) or [""]:
         prefix = f"replicas.{name}." if name else ""
         if f"{prefix}num_blocks" not in stats:
@@ -530,13 +533,16 @@ def leftovers(stats: dict[str, float]) -> list[str]:
     return found
 
 
-async def wait_idle(grpc_target: str, timeout_s: float) -> tuple[dict[str, float], list[str]]:
-    """The stats once nothing is left over, or at the timeout with what is."""
+async def wait_idle(
+    grpc_target: str, timeout_s: float, replicas: frozenset[str] = frozenset()
+) -> tuple[dict[str, float], list[str]]:
+    """The stats once nothing is left over on any replica (each of `replicas` reporting), or at the timeout with
+    what is."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             stats = await server_stats(grpc_target)
-            left = leftovers(stats)
+            left = leftovers(stats, replicas)
         except grpc.aio.AioRpcError as error:  # a restarting replica may not answer for a moment
             stats, left = {}, [f"GetServerInfo: {error.code().name}"]
         if not left or time.monotonic() > deadline:
@@ -650,12 +656,12 @@ def run_soak(config: SoakConfig) -> dict:
     grpc_target = f"127.0.0.1:{grpc_port}"
     record = Record()
     with server:
-        asyncio.run(_warm_up(server.base_url, grpc_target, config))
+        replicas = frozenset(replica_names(asyncio.run(_warm_up(server.base_url, grpc_target, config))))
         before = session_memory(server.process.pid)
         record.started = time.monotonic()
         asyncio.run(_soak(server, grpc_target, record, config))
         soaked_s = time.monotonic() - record.started
-        stats, left = asyncio.run(wait_idle(grpc_target, config.idle_timeout_s))
+        stats, left = asyncio.run(wait_idle(grpc_target, config.idle_timeout_s, replicas))
         after = session_memory(server.process.pid)
         compared, mismatches = asyncio.run(compare_with_clean_run(record, server.base_url, grpc_target, config.seed))
     growth = memory_growth(before, after)
@@ -675,6 +681,8 @@ def run_soak(config: SoakConfig) -> dict:
         "mismatches": len(mismatches),
         "mismatch_details": mismatches[:20],
         "leftovers": left,
+        # Since each replica's head last started: a head killed by a fault starts counting again.
+        "preemptions": int(stats.get("num_preemptions", 0)),
         "blocks_in_use": {
             name: stats.get(f"replicas.{name}.num_blocks", 0) - stats.get(f"replicas.{name}.num_free_blocks", 0)
             for name in sorted(replica_names(stats))
@@ -686,13 +694,15 @@ def run_soak(config: SoakConfig) -> dict:
     return report
 
 
-async def _warm_up(http_url: str, grpc_target: str, config: SoakConfig) -> None:
-    """A few of each kind of request before the memory readings: first-use allocations are not growth."""
+async def _warm_up(http_url: str, grpc_target: str, config: SoakConfig) -> dict[str, float]:
+    """A few of each kind of request before the memory readings: first-use allocations are not growth. Returns the
+    server's stats once it is idle again."""
     record = Record()
     await asyncio.gather(
         *(Clients(http_url, grpc_target, record, -1 - i).client(time.monotonic() + 10) for i in range(4))
     )
-    await wait_idle(grpc_target, config.idle_timeout_s)
+    stats, _ = await wait_idle(grpc_target, config.idle_timeout_s)
+    return stats
 
 
 async def _soak(server: ServerProcess, grpc_target: str, record: Record, config: SoakConfig) -> None:
@@ -708,6 +718,7 @@ def format_report(report: dict) -> str:
     rows = [["minutes", report["minutes"]]]
     rows += [[f"requests {name}", value] for name, value in sorted(counts.items())]
     rows += [[f"fault: {name}", value] for name, value in sorted(faults.items())]
+    rows += [["preemptions (since each head started)", report["preemptions"]]]
     rows += [["outputs compared with the clean run", report["outputs_compared"]], ["mismatches", report["mismatches"]]]
     rows += [[f"blocks in use at the end ({name})", used] for name, used in report["blocks_in_use"].items()]
     rows += [[f"RSS MiB {m['process']}[{m['pid']}]", f"{m['rss_mib']} (fds {m['fds']})"] for m in report["memory"]]

@@ -48,7 +48,9 @@ class HeadActor:
             # Named after this actor, so that after a restart it finds and removes what its previous life left.
             name=ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None,
         )
-        self.group.start()
+        # A rank may die while its group starts (killed while this head restarts after a fault of its own): the
+        # head starts the group again rather than fail its constructor, after which Ray would not restart it.
+        self.group.start_despite_deaths(options.max_restarts)
         self.engine = EngineCore.for_model(config, self.group, info)
         self.engine.max_restarts = options.max_restarts
         self.async_engine = AsyncEngine(self.engine)

@@ -89,24 +89,13 @@ class WorkerGroup:
                 f"the cluster cannot fit {self.size} bundles of {bundle} ({self._strategy}) within "
                 f"{self._ready_timeout:.0f}s; add nodes or lower tensor_parallel_size"
             ) from error
-        actor_class = ray.remote(WorkerActor)
-        self._actors = [
-            actor_class.options(
-                num_cpus=self._cpus,
-                num_gpus=1 if self._use_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self._placement, placement_group_bundle_index=rank
-                ),
-                max_restarts=0,
-                **({"name": self._actor_name(rank)} if self.name else {}),
-            ).remote(self.config, rank, self.size, self._token, self._tls)
-            for rank in range(self.size)
-        ]
+        self._actors = self._create_ranks()
         try:
             rank0 = self._actors[0]
             rendezvous = f"{ray.get(rank0.node_ip.remote())}:{ray.get(rank0.reserve_port.remote())}"
             # Every rank must enter init_process_group together, so start them all before waiting.
-            infos = ray.get([actor.start.remote(rendezvous) for actor in self._actors], timeout=self._ready_timeout)
+            starts = [actor.start.remote(rendezvous) for actor in self._actors]
+            infos = _get_all_or_first_error(starts, self._ready_timeout)
         except Exception:
             self.shutdown()
             raise
@@ -131,6 +120,38 @@ class WorkerGroup:
             raise
         logger.info("worker group of %d ranks up at %s with %d blocks", self.size, self.addresses, self.num_blocks)
         return self.num_blocks
+
+    def _create_ranks(self) -> list:
+        """One worker actor per rank, each in its bundle of the placement group (not yet started)."""
+        actor_class = ray.remote(WorkerActor)
+        return [
+            actor_class.options(
+                num_cpus=self._cpus,
+                num_gpus=1 if self._use_gpu else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._placement, placement_group_bundle_index=rank
+                ),
+                max_restarts=0,
+                **({"name": self._actor_name(rank)} if self.name else {}),
+            ).remote(self.config, rank, self.size, self._token, self._tls)
+            for rank in range(self.size)
+        ]
+
+    def start_despite_deaths(self, max_restarts: int, backoff_s: float = 0.5, max_backoff_s: float = 10.0) -> int:
+        """start(), and again while a rank's process dies during it (killed, out of memory, its node lost), up to
+        `max_restarts` more times, as a rank that dies during a step is replaced; returns the usable block count.
+        An error a rank raised (a model it cannot load) is not retried: starting again would raise it again."""
+        attempt = 0
+        while True:
+            try:
+                return self.start()
+            except ray.exceptions.RayActorError as error:
+                if attempt >= max_restarts:
+                    raise
+                attempt += 1
+                delay = min(backoff_s * 2 ** (attempt - 1), max_backoff_s)
+                logger.warning("a rank died while the group started (%s); start %d in %.1fs", error, attempt, delay)
+                time.sleep(delay)
 
     @property
     def running(self) -> bool:
@@ -318,3 +339,16 @@ def process_running(pid: int) -> bool:
             return stat.read().rpartition(")")[2].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _get_all_or_first_error(refs: list, timeout_s: float) -> list:
+    """ray.get of every ref, raising as soon as one of them fails. ray.get itself waits for all of them first, and
+    the ranks that did not die wait in the rendezvous for the one that did until their own timeout (minutes)."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            raise ray.exceptions.GetTimeoutError(f"{len(pending)} of {len(refs)} ranks not started in {timeout_s:.0f}s")
+        ray.get(done[0])  # its error, if it failed, now rather than when every other rank gave up
+    return ray.get(refs)

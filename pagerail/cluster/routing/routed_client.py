@@ -146,8 +146,11 @@ class RoutedEngineClient:
             resume_by = None  # while resuming: until when it may wait for a replica to take it
             while True:
                 try:
+                    # The previous move (if any) is done once this attempt starts. Cleared before admitting, not
+                    # after: a drain while the replica admits it aborts it there, and that abort is a move too.
+                    entry.move_requested = False
                     replica, stream, outcome = await self._admit(entry, attempt, failed, pin)
-                    entry.move_requested, entry.move_to = False, None
+                    entry.move_to = None
                 except Aborted:
                     yield ended(request_id, num_prompt, len(outputs), cached, "abort")
                     return
@@ -206,10 +209,7 @@ class RoutedEngineClient:
                     continue
                 self._replica_failed(replica, failure)
                 if entry.session is not None:
-                    raise ReplicaFailed(
-                        f"replica {replica!r} failed during streaming-input session {request_id!r} ({failure}); "
-                        "a session cannot move to another replica: open a new one"
-                    ) from failure
+                    raise session_lost(replica, request_id, failure) from failure
                 if entry.aborted:
                     yield ended(request_id, num_prompt, len(outputs), cached, "abort")
                     return
@@ -332,7 +332,13 @@ class RoutedEngineClient:
         session = entry.session
         async with session.lock:
             session.record(token_ids, final)
-            await entry.client.append_input(request_id, token_ids, final)
+            try:
+                await entry.client.append_input(request_id, token_ids, final)
+            except Exception as error:
+                if not is_replica_failure(error):
+                    raise
+                # What the session's stream says when its replica dies: the caller learns why and what to do.
+                raise session_lost(entry.replica, request_id, error) from error
 
     async def abort(self, request_id: str, stopped: bool = False) -> None:
         entry = self._open.get(request_id)
@@ -405,3 +411,11 @@ class RoutedEngineClient:
 
     def _count_rotation(self) -> None:
         self.metrics_registry.in_rotation.labels(self.model_name).set(len(self.router.in_rotation()))
+
+
+def session_lost(replica: str | None, request_id: str, error: object) -> ReplicaFailed:
+    """The error a streaming-input session ends with when its replica fails, on its stream or on a chunk."""
+    return ReplicaFailed(
+        f"replica {replica!r} failed during streaming-input session {request_id!r} ({error}); "
+        "a session cannot move to another replica: open a new one"
+    )
