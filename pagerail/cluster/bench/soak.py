@@ -67,7 +67,6 @@ ANSWER_SCHEMA = {
 OVERSIZED_BODY_BYTES = (4 << 20) + 1024
 RSS_GROWTH_LIMIT_BYTES = 200 << 20
 FD_GROWTH_LIMIT = 64
-ROLES = ("HeadActor", "WorkerActor", "FrontendActor")
 
 
 @dataclass(frozen=True)
