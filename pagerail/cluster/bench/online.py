@@ -19,6 +19,7 @@ from pagerail.cluster.bench.sse_client import SseClient
 from pagerail.cluster.bench.stats import format_table, summarize
 from pagerail.cluster.bench.stream_request import RequestResult, build_payload, send_streaming
 from pagerail.cluster.bench.workload import BenchRequest, add_request_arguments, build_workload
+from pagerail.common import event_loops
 
 MAX_ERRORS = 5  # distinct error messages kept in the results; one is usually enough to see what went wrong
 DEFAULT_CONCURRENCY = 16
@@ -298,7 +299,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if prepared is None:
         return 1
     model, api_key, requests = prepared
-    results = asyncio.run(
+    results = event_loops.run(
         benchmark_serving(
             args.base_url,
             model,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import csv
 import math
 import sys
@@ -19,6 +18,7 @@ from pagerail.cluster.bench.online import (
 )
 from pagerail.cluster.bench.stats import format_table
 from pagerail.cluster.bench.workload import BenchRequest, build_workload
+from pagerail.common import event_loops
 
 DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 16, 32)
 
@@ -212,7 +212,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if prepared is None:
         return 1
     model, api_key, requests = prepared
-    results = asyncio.run(_sweep(args, model, api_key, requests, mode, loads))
+    results = event_loops.run(_sweep(args, model, api_key, requests, mode, loads))
 
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from pagerail.common import event_loops
 from pagerail.common.tls import TlsConfig
 from pagerail.proto import STEP_LINK_OPTIONS
 
@@ -46,7 +47,7 @@ class StepStreams:
     ) -> None:
         self._on_reply = on_reply
         self._on_end = on_end
-        self._loop = asyncio.new_event_loop()
+        self._loop = event_loops.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pagerail-step-streams", daemon=True)
         self._thread.start()
         self._channels: list[grpc.aio.Channel] = []
