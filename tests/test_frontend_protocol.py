@@ -112,11 +112,36 @@ def test_min_tokens_above_default_max_tokens() -> None:
     assert info.value.param == "min_tokens"
 
 
-@pytest.mark.parametrize("field, value", [("echo", True), ("suffix", "tail"), ("logit_bias", {"5": 1.0})])
+@pytest.mark.parametrize("field, value", [("echo", True), ("suffix", "tail")])
 def test_unsupported_completion_fields(field: str, value: Any) -> None:
     err = _rejected(CompletionRequest, {"prompt": "x", field: value})
     assert err.param == field and "not supported" in err.message
     _completion(**{field: None})  # an explicit null or false is fine
+
+
+@pytest.mark.parametrize("make", [_completion, _chat])
+def test_logit_bias_and_allowed_tokens_reach_the_sampling_params(make) -> None:
+    params = make(logit_bias={"7": 100, "3": -2.5}, allowed_token_ids=[9, 4, 9]).to_sampling_params(
+        default_max_tokens=10
+    )
+    assert params.logit_bias == ((3, -2.5), (7, 100.0)) and params.allowed_token_ids == (4, 9)
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("logit_bias", {"x": 1.0}, "token ids"),
+        ("logit_bias", {"5": 101}, "[-100, 100]"),
+        ("logit_bias", {"-5": 1}, "token ids"),
+        ("allowed_token_ids", [], "non-empty"),
+        ("allowed_token_ids", [-1], ">= 0"),
+    ],
+)
+def test_bad_logit_bias_and_allowed_tokens_are_refused_naming_the_field(field: str, value: Any, says: str) -> None:
+    with pytest.raises((ValidationError, APIError)) as info:
+        _completion(**{field: value}).to_sampling_params(default_max_tokens=10)
+    err = from_validation_error(info.value) if isinstance(info.value, ValidationError) else info.value
+    assert err.status == 400 and field in (err.param or "") and says in err.message, err
 
 
 def test_extra_fields_are_ignored() -> None:

@@ -147,6 +147,39 @@ def _processed_logits(logits: list[float], row: SamplingRow, prompt: list[int], 
     return [by_token[t] - by_token[0] for t in range(len(logits))]
 
 
+def test_logit_bias_adds_to_the_logits_before_the_draw() -> None:
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(3))
+    forced = SamplingRow(temperature=1.0, logit_bias=((7, 100.0),), generator=torch.Generator().manual_seed(0))
+    banned_greedy = SamplingRow(temperature=GREEDY, logit_bias=((int(logits[1].argmax()), -100.0),))
+    shifted = SamplingRow(temperature=GREEDY, num_logprobs=0, logit_bias=((5, 2.0), (9, -1.0)))
+    out = Sampler(torch.Generator().manual_seed(1))(logits, [forced, banned_greedy, shifted])
+    assert out.token_ids[0] == 7
+    assert out.token_ids[1] == int(logits[1].topk(2).indices[1])  # the runner-up once the argmax is pushed down
+    expected = logits[2].clone()
+    expected[5] += 2.0
+    expected[9] -= 1.0
+    assert out.token_ids[2] == int(expected.argmax())
+    assert out.logprobs[2] == pytest.approx(float(expected.log_softmax(-1)[out.token_ids[2]]), abs=1e-6)
+
+
+def test_only_allowed_tokens_are_sampled_and_bans_still_apply() -> None:
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 30, generator=generator)
+    rows = [
+        SamplingRow(temperature=1.0, allowed_token_ids=(2, 11, 29), generator=torch.Generator().manual_seed(i))
+        for i in range(3)
+    ]
+    best_allowed = 11 if logits[3, 11] > logits[3, 2] else 2
+    rows.append(SamplingRow(temperature=GREEDY, allowed_token_ids=(2, 11), banned_token_ids=(best_allowed,)))
+    for _ in range(20):
+        out = Sampler(generator)(logits, rows)
+        assert all(token in (2, 11, 29) for token in out.token_ids[:3])
+        assert out.token_ids[3] in (2, 11) and out.token_ids[3] not in rows[3].banned_token_ids
+    # A bias cannot bring back a token outside the allowed set.
+    row = SamplingRow(temperature=GREEDY, allowed_token_ids=(4,), logit_bias=((6, 100.0),))
+    assert Sampler()(logits[:1], [row]).token_ids == [4]
+
+
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
     logits = [0.0, 2.0, -1.0, 3.0, -2.0]
     got = _processed_logits(logits, SamplingRow(repetition_penalty=2.0), [1, 2], [2, 4, 4])
@@ -278,6 +311,8 @@ def test_batched_penalties_are_bit_identical_to_row_by_row(seed: int) -> None:
         (dict(temperature=0.0, frequency_penalty=0.5), False),
         (dict(temperature=0.0, num_logprobs=0), False),
         (dict(temperature=0.0, min_tokens=4, stop_token_ids=[3]), False),
+        (dict(temperature=0.0, logit_bias={3: -100.0}), False),
+        (dict(temperature=0.0, allowed_token_ids=[4, 5]), False),
     ],
 )
 def test_argmax_only_requests_sample_the_argmax(fields, fast):
@@ -298,7 +333,10 @@ def test_argmax_only_requests_sample_the_argmax(fields, fast):
         assert Sampler()(logits, [row]).token_ids == [3]
         assert not row.has_penalties and not row.banned_token_ids and row.num_logprobs is None
     else:
-        assert not row.greedy or row.has_penalties or row.banned_token_ids or row.num_logprobs is not None
+        changed = row.has_penalties or row.banned_token_ids or row.num_logprobs is not None or row.reshapes_logits
+        assert not row.greedy or changed
+        if row.reshapes_logits:
+            assert Sampler()(logits, [row]).token_ids != [3]  # the argmax shortcut would have sampled it
 
 
 @settings(max_examples=200, deadline=None)

@@ -129,6 +129,8 @@ _WIRE_SETTINGS = st.fixed_dictionaries(
         "logprobs": st.one_of(st.none(), st.integers(0, 20)),
         "min_tokens": st.integers(0, 8),
         "stop_token_ids": st.lists(st.integers(0, 1000), max_size=4).map(lambda ids: tuple(sorted(set(ids)))),
+        "logit_bias": st.dictionaries(st.integers(0, 1000), st.sampled_from([-100.0, -0.5, 0.0, 2.25, 100.0])),
+        "allowed_token_ids": st.one_of(st.none(), st.lists(st.integers(0, 1000), min_size=1, max_size=5)),
         "structured_outputs": st.sampled_from(
             [
                 None,
@@ -158,6 +160,17 @@ def test_a_rank_decodes_the_step_message_into_the_heads_sampling_params(settings
 def test_an_empty_step_message_is_the_default_sampling_params() -> None:
     """Absent fields take SamplingParams' defaults (top_p and repetition_penalty 1, not the wire's zero)."""
     assert sampling_from_step(step_pb2.SamplingParams()) == SamplingParams(max_tokens=None)
+
+
+def test_the_grpc_api_reads_logit_bias_and_allowed_tokens() -> None:
+    from pagerail.cluster.frontend.grpc_convert import sampling_params_from_proto
+    from pagerail.proto import api_pb2
+
+    params = sampling_params_from_proto(api_pb2.SamplingParams(logit_bias={9: -100, 3: 1.5}, allowed_token_ids=[4, 1]))
+    assert params.logit_bias == ((3, 1.5), (9, -100.0)) and params.allowed_token_ids == (1, 4)
+    assert sampling_params_from_proto(api_pb2.SamplingParams()).allowed_token_ids is None
+    with pytest.raises(ValueError, match=r"logit_bias\[9\] must be in \[-100, 100\]"):
+        sampling_params_from_proto(api_pb2.SamplingParams(logit_bias={9: 101}))
 
 
 def test_the_head_sends_the_requests_stop_ids_with_the_models_eos() -> None:

@@ -14,6 +14,9 @@ MAX_LOGPROBS = 20
 # Every stop string is searched for after each token, so their number and length bound the per-token cost.
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+# OpenAI's bounds: a bias is added to the token's logit, and ±100 bans or forces it in practice.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024
 # torch.Generator.manual_seed accepts exactly this range; checking here keeps a bad seed off the workers.
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -44,6 +47,11 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
     # False keeps this request out of speculative decoding (when the engine has it on).
     speculative: bool = True
+    # Added to these tokens' logits before anything else reads them (penalties, constraints, sampling); a dict
+    # {token id: bias} is kept as (token id, bias) pairs in token order.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Only these tokens may be sampled (None: any); masked before the constraints and the sampling.
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         self._validate_structured_outputs()
@@ -51,6 +59,7 @@ class SamplingParams:
         self._validate_probabilities()
         self._validate_penalties()
         self._validate_stops()
+        self._validate_token_masks()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -119,6 +128,39 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(ids))
 
         object.__setattr__(self, "stop", check_stop(self.stop))
+
+    def _validate_token_masks(self) -> None:
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, dict) else bias
+        if not isinstance(pairs, (list, tuple, type({}.items()))):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+        pairs = [tuple(pair) if isinstance(pair, (list, tuple)) else pair for pair in pairs]
+        if len(pairs) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias must hold at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(pairs)}")
+        normalized: dict[int, float] = {}
+        for pair in pairs:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise ValueError(f"logit_bias must map token ids to numbers, got {pair!r}")
+            token_id, value = pair
+            check_int("logit_bias token id", token_id, low=0)
+            value = _check_float(f"logit_bias[{token_id}]", value)
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{token_id}] must be in [-100, 100], got {value}")
+            normalized[token_id] = value
+        object.__setattr__(self, "logit_bias", tuple(sorted(normalized.items())))
+
+        allowed = self.allowed_token_ids
+        if allowed is None:
+            return
+        if not isinstance(allowed, (list, tuple)) or not allowed:
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}")
+        for token_id in allowed:
+            check_int("allowed_token_ids", token_id, low=0)
+        object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
+
+    def token_ids_named(self) -> list[int]:
+        """Every token id these settings name (stop ids, biased, allowed), for a check against the vocabulary."""
+        return [*self.stop_token_ids, *(token for token, _ in self.logit_bias), *(self.allowed_token_ids or ())]
 
 
 def check_stop(stop: object) -> tuple[str, ...]:

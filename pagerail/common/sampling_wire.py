@@ -19,11 +19,21 @@ _RENAMED = {"num_logprobs": "logprobs"}
 # The output constraint travels as its kind and canonical text (StructuredOutputs.kind / .spec).
 _CONSTRAINT = ("constraint_kind", "constraint_spec")
 _PARAM_FIELDS = {field.name for field in dataclasses.fields(SamplingParams)}
-# (wire name, SamplingParams name, has presence, repeated) of every field but the constraint's.
+# (wire name, SamplingParams name, has presence, repeated) of every field but the constraint's; a map field
+# (logit_bias) counts as repeated and travels as its SamplingParams pairs.
 _WIRE_FIELDS = tuple(
     (field.name, _RENAMED.get(field.name, field.name), field.has_presence, field.is_repeated)
     for field in step_pb2.SamplingParams.DESCRIPTOR.fields
     if field.name not in _CONSTRAINT
+)
+_MAPS = frozenset(
+    field.name
+    for field in step_pb2.SamplingParams.DESCRIPTOR.fields
+    if field.message_type is not None and field.message_type.GetOptions().map_entry
+)
+# A repeated field whose SamplingParams default is None (allowed_token_ids): empty on the wire means None.
+_NONE_WHEN_EMPTY = frozenset(
+    field.name for field in dataclasses.fields(SamplingParams) if field.default is None and field.name != "seed"
 )
 _missing = [params_name for _, params_name, _, _ in _WIRE_FIELDS if params_name not in _PARAM_FIELDS]
 if _missing:  # a field of step.proto's SamplingParams that SamplingParams lacks: a mistake in the message
@@ -40,8 +50,10 @@ def sampling_to_step(params: SamplingParams, stop_token_ids: Iterable[int] | Non
         value = getattr(params, params_name)
         if params_name == "stop_token_ids":
             value = sorted(value if stop_token_ids is None else stop_token_ids)
-        if repeated:
-            getattr(message, wire_name).extend(value)
+        if wire_name in _MAPS:
+            getattr(message, wire_name).update(value)
+        elif repeated:
+            getattr(message, wire_name).extend(value or ())
         elif value is not None:
             setattr(message, wire_name, value & _UINT64 if params_name == "seed" else value)
     constraint = params.structured_outputs
@@ -56,8 +68,11 @@ def sampling_from_step(message: step_pb2.SamplingParams) -> SamplingParams:
     that only the head enforces (max_tokens, stop strings) are not on the wire and stay unset."""
     kwargs: dict[str, object] = {"max_tokens": None}
     for wire_name, params_name, has_presence, repeated in _WIRE_FIELDS:
-        if repeated:
-            kwargs[params_name] = tuple(getattr(message, wire_name))
+        if wire_name in _MAPS:
+            kwargs[params_name] = dict(getattr(message, wire_name))
+        elif repeated:
+            values = tuple(getattr(message, wire_name))
+            kwargs[params_name] = None if not values and params_name in _NONE_WHEN_EMPTY else values
         elif not has_presence or message.HasField(wire_name):
             kwargs[params_name] = getattr(message, wire_name)
     if message.constraint_kind:

@@ -73,7 +73,8 @@ def argmax_only(sampling: SamplingParams) -> bool:
     row = _row_settings(sampling)
     # Stop tokens are banned until min_tokens outputs exist: the one setting that changes with the outputs.
     banned_some_time = sampling.min_tokens > 0 and bool(sampling.stop_token_ids)
-    return row.greedy and not row.has_penalties and row.num_logprobs is None and not banned_some_time
+    plain = not row.has_penalties and not row.reshapes_logits
+    return row.greedy and plain and row.num_logprobs is None and not banned_some_time
 
 
 def _row_settings(
@@ -91,6 +92,8 @@ def _row_settings(
         num_logprobs=params.logprobs,
         generator=generator,
         banned_token_ids=banned,
+        logit_bias=params.logit_bias,
+        allowed_token_ids=params.allowed_token_ids,
     )
 
 

@@ -36,6 +36,13 @@ class SamplingRow:
     num_logprobs: int | None = None  # None: no logprobs; 0: only the sampled token's
     generator: torch.Generator | None = None  # set for seeded requests; must live on the logits' device
     banned_token_ids: tuple[int, ...] = ()  # masked to -inf this step, e.g. EOS before min_tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits first
+    allowed_token_ids: tuple[int, ...] | None = None  # None: any token; else every other one is masked
+
+    @property
+    def reshapes_logits(self) -> bool:
+        """True when the row's logits are biased or restricted before anything else reads them."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def greedy(self) -> bool:
@@ -105,15 +112,18 @@ class Sampler:
             _check_history(history, [rows[i] for i in penalized], logits.shape[1])
         any_banned = any(row.banned_token_ids for row in rows)
         any_logprobs = any(row.num_logprobs is not None for row in rows)
+        reshaped = [i for i, row in enumerate(rows) if row.reshapes_logits]
         num_rows = len(rows)
 
-        if all(greedy) and not (penalized or any_banned or any_logprobs):
+        if all(greedy) and not (penalized or any_banned or any_logprobs or reshaped):
             # The common decode step: one kernel, one transfer.
             token_ids = row_argmax(logits, self.readback)
             return SamplerOutput(token_ids, [None] * num_rows, [[] for _ in rows], [[] for _ in rows])
 
-        if penalized or any_banned:
+        if penalized or any_banned or reshaped:
             logits = logits.clone()  # the caller's tensor stays untouched
+            if reshaped:
+                _bias_and_restrict(logits, rows, reshaped)
             if any_banned:
                 _ban_tokens(logits, rows)
             if penalized:
@@ -147,6 +157,25 @@ class Sampler:
             greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=logits.device)
             sampled = torch.where(greedy_mask, logits.argmax(dim=-1), sampled)
         return sampled
+
+
+def _bias_and_restrict(logits: torch.Tensor, rows: list[SamplingRow], indices: list[int]) -> None:
+    """Add each row's logit biases and mask every token outside its allowed set, in place (vLLM's order: these
+    come before penalties and the draw; a token a grammar or a ban masked stays masked, as -inf + bias is -inf)."""
+    device = logits.device
+    restricted = [i for i in indices if rows[i].allowed_token_ids is not None]
+    if restricted:
+        keep = torch.zeros((len(restricted), logits.shape[1]), dtype=torch.bool)
+        for position, i in enumerate(restricted):
+            keep[position, list(rows[i].allowed_token_ids)] = True
+        index = torch.tensor(restricted, device=device)
+        logits[index] = logits[index].masked_fill(~keep.to(device), float("-inf"))
+    row_index = [i for i in indices for _ in rows[i].logit_bias]
+    if row_index:
+        token_index = [token for i in indices for token, _ in rows[i].logit_bias]
+        bias = torch.tensor([value for i in indices for _, value in rows[i].logit_bias], dtype=logits.dtype)
+        position = (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device))
+        logits.index_put_(position, bias.to(device), accumulate=True)
 
 
 def _ban_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

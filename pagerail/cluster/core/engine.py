@@ -143,6 +143,13 @@ class EngineCore:
         if max(prompt) >= self.vocab_size:
             self._check_tokens(prompt)
         params = request.params
+        named = params.token_ids_named()
+        if named and max(named) >= self.vocab_size:
+            # A stop, biased or allowed id past the vocabulary would index past the logits on every rank.
+            raise ValueError(
+                f"stop_token_ids, logit_bias and allowed_token_ids must name tokens in [0, {self.vocab_size}), "
+                f"got {max(named)}"
+            )
         if resumed:
             if max(resumed) >= self.vocab_size:
                 self._check_tokens(resumed, "resumed_output_token_ids")

@@ -32,12 +32,24 @@ _FIELDS = tuple(
 )
 
 
+# logit_bias, a map: {token id: bias}. allowed_token_ids: empty means any token (SamplingParams' None).
+_MAPS = frozenset(
+    field.name
+    for field in api_pb2.SamplingParams.DESCRIPTOR.fields
+    if field.message_type is not None and field.message_type.GetOptions().map_entry
+)
+_NONE_WHEN_EMPTY = frozenset({"allowed_token_ids"})
+
+
 def sampling_params_from_proto(message: api_pb2.SamplingParams) -> SamplingParams:
     """SamplingParams from its message; raises ValueError naming the bad field. Absent max_tokens means no limit."""
     kwargs: dict[str, Any] = {"max_tokens": None}
     for name, has_presence, repeated in _FIELDS:
-        if repeated:
-            kwargs[name] = tuple(getattr(message, name))
+        if name in _MAPS:
+            kwargs[name] = dict(getattr(message, name))
+        elif repeated:
+            values = tuple(getattr(message, name))
+            kwargs[name] = None if not values and name in _NONE_WHEN_EMPTY else values
         elif not has_presence or message.HasField(name):
             kwargs[name] = getattr(message, name)
     kwargs["structured_outputs"] = structured_outputs_from_proto(message)

@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.core.errors import QueueFullError
@@ -26,6 +27,7 @@ from pagerail.cluster.frontend.errors import (
     from_validation_error,
     from_value_error,
     internal_error,
+    not_found_model,
     overloaded,
     payload_too_large,
     unauthorized,
@@ -77,6 +79,17 @@ def create_app(state: ServerState) -> FastAPI:
     async def value_error(_: Request, error: ValueError):
         return _error_response(from_value_error(error))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        # Routing's own answers (an unknown path, a method a route does not take) in the error shape every
+        # other answer has, so clients show the reason rather than a bare status.
+        if error.status_code == 404:
+            return _error_response(APIError(404, f"No route {request.url.path} on this server", code="not_found"))
+        if error.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+            return _error_response(APIError(405, message, code="method_not_allowed"))
+        return _error_response(APIError(error.status_code, str(error.detail)))
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError):
         return _error_response(bad_request(str(error.errors()[0].get("msg", error)) if error.errors() else str(error)))
@@ -99,16 +112,24 @@ def create_app(state: ServerState) -> FastAPI:
     async def version():
         return {"version": VERSION}
 
-    @app.get("/v1/models")
-    async def models():
-        card = {
+    def model_card() -> dict:
+        return {
             "id": state.settings.served_model_name,
             "object": "model",
             "created": 0,
             "owned_by": "pagerail",
             "max_model_len": state.engine.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != state.settings.served_model_name:
+            raise not_found_model(model_id)
+        return model_card()
 
     async def generation(request: Request, model, route, **options):
         """Parse the body as `model` and run `route` over it, counted as in flight until its response ends: a

@@ -24,7 +24,7 @@ from pagerail.common.structured_outputs import StructuredOutputs
 
 # SamplingParams fields that _SamplingRequest.build reads in a way of their own; every other SamplingParams field
 # is a request field of the same name, passed through as sent (tests/test_http_protocol.py keeps that true).
-_BUILT_APART = frozenset({"max_tokens", "stop", "stop_token_ids", "logprobs", "structured_outputs"})
+_BUILT_APART = frozenset({"max_tokens", "stop", "stop_token_ids", "logprobs", "structured_outputs", "logit_bias"})
 _PASSED_THROUGH = tuple(field.name for field in dataclasses.fields(SamplingParams) if field.name not in _BUILT_APART)
 
 
@@ -64,7 +64,9 @@ class _SamplingRequest(ConstrainedOutputFields):
     # False keeps the request out of speculative decoding, where the server has it on.
     speculative: bool | None = True
     user: str | None = None
+    # {token id as a string (JSON keys are strings): bias in [-100, 100]}, as OpenAI takes it.
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -80,7 +82,18 @@ class _SamplingRequest(ConstrainedOutputFields):
             raise ValueError("stream_options is only allowed when stream is true")
         return value
 
-    @field_validator("logit_bias", "echo", "suffix", check_fields=False)
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _check_logit_bias(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            for key, bias in value.items():
+                if not (isinstance(key, str) and key.strip().isdigit()):
+                    raise ValueError(f"logit_bias keys must be token ids (strings of digits), got {key!r}")
+                if isinstance(bias, int) and not isinstance(bias, bool):
+                    value = {**value, key: float(bias)}  # strict floats refuse 5; OpenAI takes it
+        return value
+
+    @field_validator("echo", "suffix", check_fields=False)
     @classmethod
     def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         # Ignoring these would silently return something other than what was asked for.
@@ -104,6 +117,7 @@ class _SamplingRequest(ConstrainedOutputFields):
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 logprobs=logprobs,
                 structured_outputs=constraint,
+                logit_bias={int(token): bias for token, bias in (self.logit_bias or {}).items()},
                 **values,
             )
         except ValueError as err:
