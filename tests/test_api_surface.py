@@ -20,7 +20,10 @@ PROMPT = [5, 17, 42, 99, 7, 300, 12]
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     model_dir = write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-    return LLM(str(model_dir), served_model_name=MODEL, kv_cache_memory_bytes=16 << 20)
+    llm = LLM(str(model_dir), served_model_name=MODEL, kv_cache_memory_bytes=16 << 20)
+    # A plain template, so chat requests render (the trimmed tokenizer has none).
+    llm.tokenizer.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +114,137 @@ def test_unknown_routes_and_methods_answer_in_openai_error_shape(api):
     with pytest.raises(openai.APIStatusError) as info:
         api.get("/completions", cast_to=object)
     assert info.value.status_code == 405 and info.value.body["code"] == "method_not_allowed"
+
+
+@pytest.fixture(scope="module")
+def prompt_scores(llm):
+    """Each PROMPT token's logprob given the tokens before it, from transformers on the same weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llm.model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logprobs = model(torch.tensor([PROMPT])).logits[0].log_softmax(-1)
+    return [float(logprobs[position - 1, PROMPT[position]]) for position in range(1, len(PROMPT))]
+
+
+def test_echo_scores_the_prompt_as_an_evaluation_harness_reads_it(api, llm, prompt_scores):
+    """lm-evaluation-harness's loglikelihood request: the prompt echoed with one logprob per token (the first
+    null) and the top logprobs, whose best entry says whether the token was the greedy one."""
+    completion = api.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, logprobs=1, echo=True, temperature=0, extra_body={"ignore_eos": True}
+    )
+    choice = completion.choices[0]
+    prompt_text = llm.tokenizer.decode(PROMPT)
+    assert choice.text.startswith(prompt_text)
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(PROMPT) + 1 and logprobs.token_logprobs[0] is None
+    assert logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1 : len(PROMPT)] == pytest.approx(prompt_scores, abs=1e-4)
+    for token, logprob, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
+        assert top[token] == pytest.approx(logprob) and max(top.values()) >= logprob
+    assert logprobs.text_offset[1] == len(logprobs.tokens[0])
+    assert completion.usage.completion_tokens == 1
+
+
+def test_echo_with_no_tokens_returns_the_scored_prompt_alone_cached_or_not(api, llm, prompt_scores):
+    answers = [
+        api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, logprobs=0, echo=True) for _ in range(2)
+    ]
+    for completion in answers:  # the second prompt is in the prefix cache: it is computed again for its logprobs
+        choice = completion.choices[0]
+        assert choice.text == llm.tokenizer.decode(PROMPT) and choice.finish_reason == "length"
+        assert len(choice.logprobs.tokens) == len(PROMPT)
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(prompt_scores, abs=1e-4)
+        assert completion.usage.completion_tokens == 0
+    assert answers[0].choices[0].logprobs.token_logprobs == answers[1].choices[0].logprobs.token_logprobs
+
+
+def test_streamed_echo_puts_the_prompt_first(api, llm, prompt_scores):
+    stream = api.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=0, echo=True, temperature=0, stream=True
+    )
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    whole = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=0, echo=True, temperature=0)
+    assert "".join(chunk.text for chunk in chunks) == whole.choices[0].text
+    streamed = [lp for chunk in chunks for lp in chunk.logprobs.token_logprobs]
+    assert streamed == whole.choices[0].logprobs.token_logprobs and streamed[0] is None
+    assert streamed[1 : len(PROMPT)] == pytest.approx(prompt_scores, abs=1e-4)
+
+
+def test_prompt_logprobs_in_vllms_shape(api, prompt_scores):
+    completion = api.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    scored = completion.choices[0].model_extra["prompt_logprobs"]
+    assert len(scored) == len(PROMPT) and scored[0] is None
+    for position, entry in enumerate(scored[1:], start=1):
+        own = entry[str(PROMPT[position])]
+        assert own["logprob"] == pytest.approx(prompt_scores[position - 1], abs=1e-4) and own["rank"] >= 1
+        # The top two and the token itself, each with its rank among the vocabulary.
+        ranks = sorted(e["rank"] for e in entry.values())
+        assert ranks == ([1, 2] if own["rank"] <= 2 else [1, 2, own["rank"]])
+        assert (own["rank"] == 1) == (max(e["logprob"] for e in entry.values()) == own["logprob"])
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+        ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
+    ],
+)
+def test_scoring_requests_out_of_bounds_are_400_naming_the_field(api, fields, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        api.completions.create(model=MODEL, prompt=PROMPT, **fields)
+    assert info.value.body["param"] == param
+
+
+def test_grpc_returns_the_prompts_logprobs_in_each_choices_first_message(api, llm, prompt_scores):
+    import asyncio
+
+    import grpc
+
+    from pagerail.cluster.frontend.grpc_api import build_grpc_server
+    from pagerail.proto import api_pb2, api_pb2_grpc
+
+    async def generate() -> list[api_pb2.GenerateResponse]:
+        server, port = build_grpc_server(llm.engine_client, llm.tokenizer, host="127.0.0.1", port=0)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                sampling = api_pb2.SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1, n=2, seed=1)
+                request = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=PROMPT), sampling_params=sampling)
+                return [m async for m in api_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30)]
+        finally:
+            await server.stop(None)
+
+    messages = asyncio.run(generate())
+    for index in (0, 1):
+        ours = [m for m in messages if m.index == index]
+        first, later = ours[0], ours[1:]
+        assert [entry.token_id for entry in first.prompt_logprobs] == PROMPT[1:]
+        assert [entry.logprob for entry in first.prompt_logprobs] == pytest.approx(prompt_scores, abs=1e-4)
+        assert all(len(entry.top_logprobs) == 1 for entry in first.prompt_logprobs)
+        assert all(not m.prompt_logprobs for m in later)
+
+
+def test_tokenizer_info_describes_the_served_tokenizer(api, llm):
+    root = api.with_options(base_url=str(api.base_url).removesuffix("/").removesuffix("/v1"))  # outside /v1
+    info = root.get("/tokenizer_info", cast_to=object)
+    assert info["tokenizer_class"] == type(llm.tokenizer).__name__
+    assert info["eos_token"] == llm.tokenizer.eos_token and info["model_max_length"] == llm.engine_client.max_model_len
+    assert info["vocab_size"] == llm.engine_client.vocab_size
+
+
+def test_chat_returns_the_rendered_prompts_logprobs_once(api, llm):
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = api.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, n=2, seed=0, extra_body={"prompt_logprobs": 0}
+    )
+    scored = chat.model_extra["prompt_logprobs"]
+    prompt_ids = llm.tokenizer(llm.tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
+    prompt_ids = prompt_ids["input_ids"]
+    assert len(scored) == len(prompt_ids) and scored[0] is None
+    assert all(list(entry) == [str(token)] for entry, token in zip(scored[1:], prompt_ids[1:], strict=True))

@@ -6,7 +6,8 @@ import json
 import math
 
 from pagerail.cluster.frontend.generation import MIN_JSON_LOGPROB, ChoiceDelta
-from pagerail.cluster.frontend.openai_routes import _chat_logprobs, _completion_logprobs
+from pagerail.cluster.frontend.openai_routes import _chat_logprobs
+from pagerail.cluster.frontend.prompt_echo import completion_logprobs
 
 
 class LetterTokenizer:
@@ -41,6 +42,6 @@ def test_chat_logprobs_are_finite_json() -> None:
 
 
 def test_completion_logprobs_are_finite_json() -> None:
-    body = json.loads(json.dumps(_completion_logprobs(LetterTokenizer(), [ruled_out_delta()]), allow_nan=False))
+    body = json.loads(json.dumps(completion_logprobs(LetterTokenizer(), [ruled_out_delta()]), allow_nan=False))
     assert body["token_logprobs"] == [0.0, MIN_JSON_LOGPROB]
     assert body["top_logprobs"][0] == {"a": 0.0, "c": MIN_JSON_LOGPROB, "d": MIN_JSON_LOGPROB}

@@ -40,6 +40,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top logprobs per token; 0 returns only the sampled token's logprob
+    # The same for each prompt token after the first (vLLM's prompt_logprobs); such a request computes its whole
+    # prompt (no prefix-cache hit) and is not speculated.
+    prompt_logprobs: int | None = None
     stop: tuple[str, ...] = ()  # matched on text by the frontend, validated here
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -90,6 +93,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         if self.seed is not None:
             check_int("seed", self.seed, low=_SEED_MIN, high=_SEED_MAX)
 

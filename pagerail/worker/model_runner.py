@@ -26,6 +26,7 @@ from pagerail.worker.layers.attention import decode_path
 from pagerail.worker.layers.moe import moe_comm_bytes
 from pagerail.worker.parallel_state import TensorParallelGroup
 from pagerail.worker.penalty_state import PenaltyState
+from pagerail.worker.prompt_logprobs import prompt_spans, span_rows, write_prompt_logprobs
 from pagerail.worker.request_state import RequestState, RequestStates, sampling_row
 from pagerail.worker.sampler import Sampler, row_argmax
 from pagerail.worker.spec_decode.rows import row_offsets, row_states, speculating_history, split_runs, write_result
@@ -223,10 +224,14 @@ class ModelRunner:
                 if flat.sample_states:
                     # Every rank sends its vocabulary slice; only rank 0 receives the logits, samples and answers.
                     logits = self.model.compute_logits(hidden[flat.sample_rows])
+                spans = prompt_spans(flat.ordered) if self.states.any_prompt_logprobs else None
+                prompt_logits = self.model.compute_logits(hidden[span_rows(spans, hidden.device)]) if spans else None
             if events is not None:
                 events[1].record()
             else:
                 result.forward_seconds = time.perf_counter() - forward_started
+            if spans and self.tp.rank == 0:
+                write_prompt_logprobs(result, spans, prompt_logits, self.readback)
             token_ids = None
             if flat.sample_states and self.tp.rank == 0:
                 with traced(_tracer, "sample"):

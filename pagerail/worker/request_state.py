@@ -108,11 +108,17 @@ class RequestStates:
         # States whose tokens are not all the argmax of their logits; none (the common case) spares the sampler a
         # look at each request of a step.
         self._num_not_argmax_only = 0
+        self._num_prompt_logprobs = 0  # states that score their prompt: a step looks for their rows
 
     @property
     def all_argmax_only(self) -> bool:
         """True when every request held here samples each token as the argmax of its logits."""
         return not self._num_not_argmax_only
+
+    @property
+    def any_prompt_logprobs(self) -> bool:
+        """True when some request held here asked for its prompt tokens' logprobs."""
+        return bool(self._num_prompt_logprobs)
 
     def apply(self, batch: step_pb2.StepBatch) -> list[RequestState]:
         """Apply one step's deltas; return the states scheduled in this step, in message order."""
@@ -145,6 +151,8 @@ class RequestStates:
             states[new.handle] = state
             if not state.argmax_only:
                 self._num_not_argmax_only += 1
+            if sampling.prompt_logprobs is not None:
+                self._num_prompt_logprobs += 1
             scheduled.append(state)
         for delta in batch.cached_requests:
             state = states[delta.handle]
@@ -179,6 +187,8 @@ class RequestStates:
             return
         if not state.argmax_only:
             self._num_not_argmax_only -= 1
+        if state.sampling.prompt_logprobs is not None:
+            self._num_prompt_logprobs -= 1
         if self.on_drop is not None:
             self.on_drop(state)
 

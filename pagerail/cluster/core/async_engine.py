@@ -43,6 +43,7 @@ def delta_of(request: Request, start: int = 0) -> RequestDelta:
         num_cached_tokens=request.num_cached_tokens,
         error=request.error,
         error_code=request.error_code,
+        prompt_logprobs=request.prompt_logprobs if start == 0 else None,
     )
 
 

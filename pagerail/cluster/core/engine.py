@@ -52,6 +52,25 @@ def unpack_result(result: step_pb2.StepResult) -> tuple[SampledTokens, SampledLo
     return sampled, logprobs
 
 
+def keep_prompt_logprobs(out: SchedulerOutput, entries) -> None:
+    """Hold each scored prompt token's (logprob, rank, top logprobs) on its request, by position; a prompt scored
+    again (a recompute after preemption or a restart) scores the same tokens to the same values."""
+    by_handle = {item.request.handle: item.request for item in out.scheduled}
+    for entry in entries:
+        request = by_handle.get(entry.handle)
+        if request is None or request.finished:
+            continue
+        scored = request.prompt_logprobs
+        if scored is None:
+            scored = request.prompt_logprobs = []
+        if len(scored) < request.num_prompt_tokens:  # a session's prompt grows with each input chunk
+            scored.extend([None] * (request.num_prompt_tokens - len(scored)))
+        tops = entry.top_logprobs
+        for i, (logprob, rank) in enumerate(zip(entry.logprobs, entry.ranks, strict=True)):
+            top = dict(zip(tops[i].token_ids, tops[i].logprobs, strict=True)) if tops else {}
+            scored[entry.start + i] = (logprob, rank, top)
+
+
 @dataclass
 class _InflightStep:
     """A step handed to the ranks, with what is needed to apply its answer."""
@@ -304,6 +323,8 @@ class EngineCore:
             rows = step.out.num_batched_tokens - lookahead + drafted
             self.speculation.observe_step(rows, result.compute_seconds, spec_runs)
             self.metrics.observe_speculation(self.speculation, spec_runs)
+        if result.prompt_logprobs:
+            keep_prompt_logprobs(step.out, result.prompt_logprobs)
         changed = self.scheduler.update_from_output(
             step.out, sampled, frozenset(result.constraint_done), logprobs, spec_runs
         )

@@ -27,6 +27,9 @@ class RequestDelta:
     error: str | None = None  # why the engine gave up, when it did
     # "worker_failure" (retriable), "session_idle_timeout" or "quarantined", with `error`.
     error_code: str | None = None
+    # With prompt_logprobs, on the request's first delta: per prompt position, (logprob, rank, top logprobs) of
+    # its token given the ones before it; position 0 (nothing before it) is None.
+    prompt_logprobs: list[tuple[float, int, dict[int, float]] | None] | None = None
 
     def __reduce__(self):
         # A head sends hundreds of deltas per step to each frontend. Pickled as its fields in order, a delta is
@@ -45,6 +48,7 @@ class RequestDelta:
                 self.num_cached_tokens,
                 self.error,
                 self.error_code,
+                self.prompt_logprobs,
             ),
         )
 
@@ -55,6 +59,7 @@ def merge_deltas(consecutive: list[RequestDelta]) -> RequestDelta:
         return consecutive[0]
     return replace(
         consecutive[-1],
+        prompt_logprobs=consecutive[0].prompt_logprobs,
         token_ids=[token for delta in consecutive for token in delta.token_ids],
         logprobs=[logprob for delta in consecutive for logprob in delta.logprobs],
         top_logprobs=[top for delta in consecutive for top in delta.top_logprobs],

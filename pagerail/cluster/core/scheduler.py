@@ -264,9 +264,13 @@ class Scheduler:
             cached, hosted = [], []  # the device prefix hit, and the host tier's continuation of it
             # A returning streaming-input session still owns its blocks; everything else starts empty (and looks up).
             admitted = not self.block_table.has_request(request.request_id)
+            # A prompt whose logprobs are asked for is computed whole until they are out (the first token):
+            # the logprobs come from its rows' logits, which a prefix-cache hit would skip.
+            scores_prompt = request.sampling_params.prompt_logprobs is not None and not request.output_token_ids
             if admitted:
-                cached = self.block_table.find_cached_prefix(request.all_token_ids)
-                hosted = self.block_table.find_host_prefix(request.all_token_ids, cached)
+                if not scores_prompt:
+                    cached = self.block_table.find_cached_prefix(request.all_token_ids)
+                    hosted = self.block_table.find_host_prefix(request.all_token_ids, cached)
                 request.num_computed_tokens = (len(cached) + len(hosted)) * self.block_table.block_size
             num_new = request.num_tokens - request.num_computed_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:

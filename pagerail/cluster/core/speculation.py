@@ -114,8 +114,8 @@ class SpeculationPolicy:
     def eligible(self, params: SamplingParams, final: bool) -> bool:
         """A request may speculate: speculation is on, the request did not turn it off, and its input is closed.
         Output constraints mask each row as the grammar stands after the drafts before it; penalties count the
-        drafts before each row."""
-        return self.config is not None and final and params.speculative
+        drafts before each row. A request scoring its prompt keeps one row per position it computes."""
+        return self.config is not None and final and params.speculative and params.prompt_logprobs is None
 
     def lookahead(self, num_running: int) -> int:
         """Draft tokens each speculating decode may verify this step: num_speculative_tokens, or 0 to back off."""

@@ -113,6 +113,9 @@ def from_validation_error(err: ValidationError) -> APIError:
     message = _strip_prefix(str(first["msg"]))
     if first["type"] == "missing":
         text = f"Missing required field {param!r}"
+    elif param is None and (named := _FIELD_AT_START.match(message)):
+        # A check across fields (a model validator) names the field it refuses first.
+        param, text = named.group("param"), message
     elif param is None:
         text = f"Invalid request body: {message}"
     elif (named := _FIELD_AT_START.match(message)) and param.endswith(named.group("param")):

@@ -25,6 +25,7 @@ from pagerail.cluster.frontend.grpc_convert import (
     RpcError,
     constraint_field,
     numeric_stats,
+    prompt_token_logprobs,
     sampling_params_from_proto,
     status_on_error,
     token_logprobs,
@@ -283,6 +284,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             response.text = out.text
         if stream.params.logprobs is not None:
             response.logprobs.extend(token_logprobs(out))
+        if out.prompt_logprobs is not None:
+            response.prompt_logprobs.extend(prompt_token_logprobs(stream.prompt_ids, out.prompt_logprobs))
         if delta.finished:
             choice.engine_done = True
         if out.finish_reason is not None:

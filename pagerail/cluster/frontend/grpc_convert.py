@@ -95,6 +95,17 @@ def token_logprobs(delta: ChoiceDelta) -> list[api_pb2.TokenLogprob]:
     return out
 
 
+def prompt_token_logprobs(prompt_ids: list[int], scored: list) -> list[api_pb2.TokenLogprob]:
+    """One TokenLogprob per scored prompt token (every one after the first), its alternatives most likely first."""
+    out = []
+    for token, entry in zip(prompt_ids[1:], scored[1:], strict=False):
+        logprob, _, top = entry if entry is not None else (0.0, 0, {})
+        ranked = sorted(top.items(), key=lambda item: -item[1])
+        top_messages = [api_pb2.TopLogprob(token_id=t, logprob=p) for t, p in ranked]
+        out.append(api_pb2.TokenLogprob(token_id=token, logprob=logprob, top_logprobs=top_messages))
+    return out
+
+
 def usage(delta: RequestDelta, num_output_tokens: int) -> api_pb2.Usage:
     """The request's usage: its prompt, the output tokens the caller received, the prefix-cache hit."""
     return api_pb2.Usage(

@@ -183,6 +183,23 @@ def create_app(state: ServerState) -> FastAPI:
             raise bad_request("either prompt or messages is required", "prompt")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_model_len}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """The tokenizer's settings (as vLLM answers it), so a client can count and format tokens as the server
+        does: its class, special tokens, chat template and the context this server serves."""
+        tokenizer = state.tokenizer
+        settings = getattr(tokenizer, "init_kwargs", {})
+        info = {key: value for key, value in settings.items() if isinstance(value, (str, int, float, bool))}
+        info.update(
+            tokenizer_class=type(tokenizer).__name__,
+            model_max_length=state.engine.max_model_len,
+            vocab_size=state.engine.vocab_size,
+            chat_template=getattr(tokenizer, "chat_template", None),
+        )
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            info[name] = getattr(tokenizer, name, None)
+        return info
+
     @app.post("/detokenize")
     async def detokenize(request: Request):
         payload = await _json(request, state)

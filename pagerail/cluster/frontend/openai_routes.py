@@ -15,6 +15,7 @@ from pagerail.cluster.frontend.chat_output import ChoiceOutput
 from pagerail.cluster.frontend.constraints import check_output_constraint
 from pagerail.cluster.frontend.errors import from_value_error, not_found_model
 from pagerail.cluster.frontend.generation import ChoiceDelta, Usage, logprob_entries, stream_choices
+from pagerail.cluster.frontend.prompt_echo import Echo, completion_logprobs, prompt_logprobs_json
 from pagerail.cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from pagerail.cluster.frontend.sse_events import ChunkEvents
 from pagerail.cluster.frontend.tool_calls import choose_parser
@@ -90,7 +91,7 @@ async def _collect(streams: list[_Choices]) -> dict[int, list[ChoiceDelta]]:
 
 
 def _whole_response(
-    response_id: str, kind: str, created: int, served: str, choices: list, usage: Usage
+    response_id: str, kind: str, created: int, served: str, choices: list, usage: Usage, **extra
 ) -> JSONResponse:
     return JSONResponse(
         {
@@ -100,25 +101,12 @@ def _whole_response(
             "model": served,
             "choices": choices,
             "usage": _usage_json(usage),
+            **extra,
         }
     )
 
 
 # -- completions -----------------------------------------------------------------------------------
-
-
-def _completion_logprobs(tokenizer, deltas: list[ChoiceDelta]) -> dict:
-    tokens, token_logprobs, top_logprobs = [], [], []
-    for delta in deltas:
-        for text, logprob, top in logprob_entries(tokenizer, delta):
-            tokens.append(text)
-            token_logprobs.append(logprob)
-            top_logprobs.append(dict(top))
-    offsets, position = [], 0
-    for text in tokens:
-        offsets.append(position)
-        position += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
 async def completions(
@@ -147,18 +135,35 @@ async def completions(
     for number, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
         stream = stream_choices(engine, tokenizer, f"{engine_id}-{number}", ids, sp, usage)
         streams.append(await _started(number * sp.n, stream))
+    # With echo, each prompt's text (and its scored tokens) comes first in each of its choices.
+    echoes = None
+    if body.echo:
+        echoes = [Echo.of(tokenizer, p, ids, body.max_tokens == 0) for p, ids in zip(prompts, encoded, strict=True)]
+    wants_logprobs = body.logprobs is not None
+    n = params[0].n if params else 1
 
     if body.stream:
         chunks = ChunkEvents(completion_id, "text_completion", created, served)
-        wants_logprobs = body.logprobs is not None
 
         async def events() -> AsyncIterator[str]:
             try:
-                for choices in streams:
+                for number, choices in enumerate(streams):
+                    echo = echoes[number] if echoes is not None else None
+                    echoed: set[int] = set()
                     while (delta := await choices.next()) is not None:
-                        logprobs = _completion_logprobs(tokenizer, [delta]) if wants_logprobs else None
+                        text, leading = delta.text, []
+                        if echo is not None:
+                            shown = echo.output(delta)
+                            usage.completion_tokens -= len(delta.token_ids) - len(shown.token_ids)
+                            text = shown.text
+                            if delta.index not in echoed:  # a choice's first chunk starts with the prompt
+                                echoed.add(delta.index)
+                                text = echo.text + text
+                                leading = echo.entries(tokenizer, delta) if wants_logprobs else []
+                            delta = shown
+                        logprobs = completion_logprobs(tokenizer, [delta], leading) if wants_logprobs else None
                         index = choices.offset + delta.index
-                        yield chunks.text_choice(index, delta.text, logprobs, delta.finish_reason)
+                        yield chunks.text_choice(index, text, logprobs, delta.finish_reason)
                 if body.include_usage():
                     yield chunks.event([], usage=_usage_json(usage))
                 yield "data: [DONE]\n\n"
@@ -175,14 +180,22 @@ async def completions(
     choices = []
     for index in sorted(collected):
         deltas = collected[index]
+        first = deltas[0]
+        echo = echoes[index // n] if echoes is not None else None
+        text, leading = "", []
+        if echo is not None:
+            shown = [echo.output(delta) for delta in deltas]
+            usage.completion_tokens -= sum(len(d.token_ids) for d in deltas) - sum(len(d.token_ids) for d in shown)
+            text, deltas = echo.text, shown
+            leading = echo.entries(tokenizer, first) if wants_logprobs else []
         choice = {
             "index": index,
-            "text": "".join(d.text for d in deltas),
-            "logprobs": None,
+            "text": text + "".join(d.text for d in deltas),
+            "logprobs": completion_logprobs(tokenizer, deltas, leading) if wants_logprobs else None,
             "finish_reason": deltas[-1].finish_reason,
         }
-        if body.logprobs is not None:
-            choice["logprobs"] = _completion_logprobs(tokenizer, deltas)
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, encoded[index // n], first.prompt_logprobs)
         choices.append(choice)
     return _whole_response(completion_id, "text_completion", created, served, choices, usage)
 
@@ -284,4 +297,8 @@ async def chat_completions(
                 "finish_reason": out.finish_reason(deltas[-1].finish_reason),
             }
         )
-    return _whole_response(chat_id, "chat.completion", created, served, choices, usage)
+    extra = {}
+    if body.prompt_logprobs is not None and collected:  # vLLM's: once per response, the prompt is the choices'
+        scored = collected[min(collected)][0].prompt_logprobs
+        extra["prompt_logprobs"] = prompt_logprobs_json(tokenizer, prompt_ids, scored)
+    return _whole_response(chat_id, "chat.completion", created, served, choices, usage, **extra)

@@ -37,6 +37,8 @@ class ChoiceDelta:
     num_cached_tokens: int = 0
     error: str | None = None  # why the engine gave up, when it did (finish_reason "abort")
     error_code: str | None = None
+    # On the first delta of a request with prompt_logprobs: RequestDelta.prompt_logprobs.
+    prompt_logprobs: list | None = None
 
 
 def fan_out(
@@ -128,6 +130,8 @@ class ChoiceState:
         if self.want_logprobs:
             out.logprobs = delta.logprobs[: len(token_ids)]
             out.top_logprobs = delta.top_logprobs[: len(token_ids)]
+        if delta.prompt_logprobs is not None:
+            out.prompt_logprobs = delta.prompt_logprobs
         if reason is not None and delta.error and not self.stopped:
             out.error, out.error_code = delta.error, delta.error_code
         return out
@@ -145,6 +149,12 @@ def append_choice(output: RequestOutput, delta: ChoiceDelta) -> None:
             entries.append({token: logprob, **top})
         completion.logprobs = entries
         completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + sum(delta.logprobs)
+    if delta.prompt_logprobs is not None and output.prompt_logprobs is None:
+        tokens = output.prompt_token_ids
+        output.prompt_logprobs = [
+            None if entry is None else {tokens[position]: entry[0], **entry[2]}
+            for position, entry in enumerate(delta.prompt_logprobs)
+        ]
     output.num_cached_tokens = max(output.num_cached_tokens, delta.num_cached_tokens)
     if delta.finish_reason is not None:
         completion.finish_reason = delta.finish_reason

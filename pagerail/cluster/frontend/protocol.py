@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pagerail.cluster.frontend.errors import from_value_error
 from pagerail.cluster.frontend.output_format import ConstrainedOutputFields
@@ -43,7 +43,7 @@ class _SamplingRequest(ConstrainedOutputFields):
     Lenient like _Lenient; response_format and structured_outputs come from ConstrainedOutputFields."""
 
     model: str | None = None  # None: the model this server serves
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo (scores the prompt alone)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -67,6 +67,8 @@ class _SamplingRequest(ConstrainedOutputFields):
     # {token id as a string (JSON keys are strings): bias in [-100, 100]}, as OpenAI takes it.
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # vLLM's: each prompt token's logprob (after the first) with the top k, in a whole response's choices.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -93,7 +95,20 @@ class _SamplingRequest(ConstrainedOutputFields):
                     value = {**value, key: float(bias)}  # strict floats refuse 5; OpenAI takes it
         return value
 
-    @field_validator("echo", "suffix", check_fields=False)
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _check_prompt_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are only returned in whole responses; leave stream out")
+        return value
+
+    @model_validator(mode="after")
+    def _check_max_tokens_above_zero(self) -> _SamplingRequest:
+        if self.max_tokens == 0 and not getattr(self, "echo", False):
+            raise ValueError("max_tokens must be >= 1 (0 only with echo, which returns the scored prompt alone)")
+        return self
+
+    @field_validator("suffix", check_fields=False)
     @classmethod
     def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         # Ignoring these would silently return something other than what was asked for.
@@ -163,8 +178,12 @@ class CompletionRequest(_SamplingRequest):
         return list(self.prompt)  # type: ignore[arg-type]
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """SamplingParams for this request; raises APIError (400) naming the offending field."""
-        return self._build(self.max_tokens, default_max_tokens, self.logprobs)
+        """SamplingParams for this request; raises APIError (400) naming the offending field. With echo, max_tokens
+        0 runs one token (dropped from the answer) and logprobs k scores the prompt with the top k too."""
+        params = self._build(1 if self.max_tokens == 0 else self.max_tokens, default_max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=max(self.logprobs, self.prompt_logprobs or 0))
+        return params
 
 
 class ContentPart(_Lenient):
