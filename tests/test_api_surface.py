@@ -141,7 +141,8 @@ def test_echo_scores_the_prompt_as_an_evaluation_harness_reads_it(api, llm, prom
     assert len(logprobs.tokens) == len(PROMPT) + 1 and logprobs.token_logprobs[0] is None
     assert logprobs.top_logprobs[0] is None
     assert logprobs.token_logprobs[1 : len(PROMPT)] == pytest.approx(prompt_scores, abs=1e-4)
-    for token, logprob, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
+    rows = zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:], strict=True)
+    for token, logprob, top in rows:
         assert top[token] == pytest.approx(logprob) and max(top.values()) >= logprob
     assert logprobs.text_offset[1] == len(logprobs.tokens[0])
     assert completion.usage.completion_tokens == 1

@@ -101,6 +101,19 @@ def request_set(llm: LLM, tokenizer) -> list[tuple[list[int], SamplingParams]]:
         (PROMPTS[3], SamplingParams(temperature=0.7, seed=3, max_tokens=12, ignore_eos=True, logprobs=3)),
         # The same stop string with nothing holding it back: it ends the request within its first two tokens.
         (stop_prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop])),
+        # Biased and restricted draws, and a scored prompt.
+        (
+            PROMPTS[4],
+            SamplingParams(
+                temperature=0.9,
+                seed=7,
+                max_tokens=10,
+                ignore_eos=True,
+                logit_bias={300: 3.0, 301: -100.0},
+                prompt_logprobs=2,
+            ),
+        ),
+        (PROMPTS[5], SamplingParams(temperature=1.0, seed=9, max_tokens=10, allowed_token_ids=[5, 300, 301, 640, EOS])),
     ]
 
 
@@ -122,6 +135,12 @@ def http_body(prompt: list[int], sp: SamplingParams) -> dict:
         body["seed"] = sp.seed
     if sp.logprobs is not None:
         body["logprobs"] = sp.logprobs
+    if sp.logit_bias:
+        body["logit_bias"] = {str(token): bias for token, bias in sp.logit_bias}
+    if sp.allowed_token_ids is not None:
+        body["allowed_token_ids"] = list(sp.allowed_token_ids)
+    if sp.prompt_logprobs is not None:
+        body["prompt_logprobs"] = sp.prompt_logprobs
     return body
 
 
@@ -141,6 +160,10 @@ def grpc_request(prompt: list[int], sp: SamplingParams) -> api_pb2.GenerateReque
         params.seed = sp.seed
     if sp.logprobs is not None:
         params.logprobs = sp.logprobs
+    params.logit_bias.update(dict(sp.logit_bias))
+    params.allowed_token_ids.extend(sp.allowed_token_ids or ())
+    if sp.prompt_logprobs is not None:
+        params.prompt_logprobs = sp.prompt_logprobs
     return api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompt), sampling_params=params)
 
 
@@ -159,6 +182,9 @@ async def grpc_choices(engine: LocalEngineClient, tokenizer, requests) -> list[d
                     choice["token_ids"] += list(response.token_ids)
                     choice["text"] += response.text
                     choice["logprobs"] += [round(entry.logprob, 4) for entry in response.logprobs]
+                    choice.setdefault(
+                        "prompt_logprobs", [round(entry.logprob, 4) for entry in response.prompt_logprobs]
+                    )
                     if response.finish_reason:
                         choice["finish_reason"] = response.finish_reason
                         choice["completion_tokens"] = response.usage.completion_tokens
@@ -198,6 +224,13 @@ def test_llm_http_and_grpc_give_the_same_tokens_and_text(model_dir):
         assert [(c.token_ids, c.text, c.finish_reason) for c in remote.outputs] == [
             (c.token_ids, c.text, c.finish_reason) for c in output.outputs
         ]
+        assert remote.prompt_logprobs == output.prompt_logprobs
+    # The bias, the restriction and the scored prompt did what they say.
+    biased, restricted = offline[6], offline[7]
+    assert 301 not in biased.outputs[0].token_ids and set(restricted.outputs[0].token_ids) <= {5, 300, 301, 640, EOS}
+    scored = biased.prompt_logprobs
+    assert scored[0] is None and len(scored) == len(PROMPTS[4])
+    assert all(token in entry and len(entry) in (2, 3) for token, entry in zip(PROMPTS[4][1:], scored[1:], strict=True))
 
     # The servers' engine, built as the head actor builds its own.
     info = read_model_info(model_dir)
@@ -214,7 +247,7 @@ def test_llm_http_and_grpc_give_the_same_tokens_and_text(model_dir):
         engine._engine.shutdown()
         core.executor.shutdown()
 
-    for output, (_, sp), response, choices in zip(offline, requests, http, over_grpc, strict=True):
+    for output, (prompt, sp), response, choices in zip(offline, requests, http, over_grpc, strict=True):
         assert sorted(choices) == list(range(sp.n))
         assert response["usage"]["completion_tokens"] == sum(len(c.token_ids) for c in output.outputs)
         for completion, http_choice in zip(output.outputs, response["choices"], strict=True):
@@ -223,6 +256,12 @@ def test_llm_http_and_grpc_give_the_same_tokens_and_text(model_dir):
             assert grpc_choice["completion_tokens"] == len(completion.token_ids)
             assert http_choice["text"] == completion.text == grpc_choice["text"]
             assert http_choice["finish_reason"] == completion.finish_reason == grpc_choice["finish_reason"]
+            if sp.prompt_logprobs is not None:
+                scored = zip(prompt[1:], output.prompt_logprobs[1:], strict=True)
+                expected = [round(entry[token], 4) for token, entry in scored]
+                shown = zip(prompt[1:], http_choice["prompt_logprobs"][1:], strict=True)
+                assert [round(entry[str(token)]["logprob"], 4) for token, entry in shown] == expected
+                assert grpc_choice["prompt_logprobs"] == expected
             if sp.logprobs is not None:
                 pairs = zip(completion.logprobs, completion.token_ids, strict=True)
                 sampled = [round(entry[token], 4) for entry, token in pairs]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 
 import grpc
 import httpx
@@ -172,3 +173,48 @@ def test_the_clean_run_sends_a_request_with_its_keys_in_the_order_sent():
     in_order = json.loads(sent[0], object_pairs_hook=list)
     assert in_order == json.loads(json.dumps(body), object_pairs_hook=list)
     assert list(WEATHER_TOOL["function"]) != sorted(WEATHER_TOOL["function"])  # the check above can tell
+
+
+@pytest.mark.parametrize("refusals, drained", [(2, True), (1000, False)])
+def test_a_drain_refused_while_the_other_replica_is_out_is_tried_again(monkeypatch, refusals, drained):
+    """A drain due while the other replica restarts waits for it (the one-minute soak kills a rank every 14 s, and
+    its drains were refused outright when they fell in a restart), and counts as refused only after its wait."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from pagerail.cluster.bench import soak
+    from tests.http_server import BackgroundServer
+
+    calls = Counter()
+    app = FastAPI()
+
+    @app.post("/replicas/drain")
+    async def drain(replica: str):
+        calls["drain"] += 1
+        if calls["drain"] <= refusals:
+            return JSONResponse({"error": {"message": "draining would leave no replica in rotation"}}, status_code=400)
+        return {"moved_requests": 3}
+
+    @app.post("/replicas/undrain")
+    async def undrain(replica: str):
+        calls["undrain"] += 1
+        return {"status": "in rotation"}
+
+    async def stats(target):
+        return {"replicas.r0.num_blocks": 8.0, "replicas.r1.num_blocks": 8.0}
+
+    monkeypatch.setattr(soak, "server_stats", stats)
+    record = Record()
+    with BackgroundServer(app) as base_url:
+        faults = soak.Faults(SimpleNamespace(base_url=base_url), "unused", FaultSchedule(), record, seed=0)
+        faults.drain_retry_s, faults.retry_every_s, faults.undrain_after_s = 0.5, 0.01, 0.0
+        asyncio.run(faults.drain())
+    if drained:
+        assert calls == Counter(drain=3, undrain=1) and record.faults == Counter({"replica drained": 1})
+        assert record.counts["migrated_requests"] == 3
+    else:
+        assert calls["drain"] > 3 and calls["undrain"] == 0
+        assert record.faults == Counter({"drain refused: no other replica in rotation": 1})
+    assert not record.unexpected

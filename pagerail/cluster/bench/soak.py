@@ -429,6 +429,10 @@ class Clients:
         return [token for response in [r async for r in stub.Session(messages())] for token in response.token_ids]
 
 
+# How long a drain waits for the other replica to be back in rotation before it counts as refused.
+DRAIN_RETRY_S = 30.0
+
+
 class Faults:
     """Kills and drains on the schedule, from a task beside the clients."""
 
@@ -438,6 +442,9 @@ class Faults:
         self.schedule = schedule
         self.record = record
         self.rng = random.Random(seed)
+        # A drain is tried again each `retry_every_s` for up to `drain_retry_s` while the other replica is out, and
+        # the drained replica is put back `undrain_after_s` later.
+        self.drain_retry_s, self.retry_every_s, self.undrain_after_s = DRAIN_RETRY_S, 1.0, 5.0
 
     async def run(self, seconds: float) -> None:
         every = {
@@ -447,13 +454,20 @@ class Faults:
         }
         due = {fault: interval for fault, interval in every.items() if interval > 0}
         started = time.monotonic()
-        while due:
-            fault, at = min(due.items(), key=lambda item: item[1])
-            if at >= seconds:
-                return
-            await asyncio.sleep(max(0.0, started + at - time.monotonic()))
-            await fault()
-            due[fault] = at + every[fault]
+        drains: list[asyncio.Task] = []  # a drain waits for its moment and its undrain: kills go on meanwhile
+        try:
+            while due:
+                fault, at = min(due.items(), key=lambda item: item[1])
+                if at >= seconds:
+                    return
+                await asyncio.sleep(max(0.0, started + at - time.monotonic()))
+                if fault == self.drain:
+                    drains.append(asyncio.create_task(fault()))
+                else:
+                    await fault()
+                due[fault] = at + every[fault]
+        finally:
+            await asyncio.gather(*drains)
 
     def _kill(self, role: str) -> None:
         pids = role_pids(session_memory(self.server.process.pid), role)
@@ -475,14 +489,21 @@ class Faults:
         self._kill("HeadActor")
 
     async def drain(self) -> None:
-        """Drain one replica (its requests move, with their KV, to the other), and put it back a while later."""
+        """Drain one replica (its requests move, with their KV, to the other), and put it back a while later. While
+        the other replica is out (a killed rank or head still restarting) the server rightly refuses: the drain is
+        tried again, as an operator would (see __init__)."""
         replicas = sorted(replica_names(await server_stats(self.grpc_target)))
         replica = self.rng.choice(replicas)
         headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        give_up_at = time.monotonic() + self.drain_retry_s
         async with httpx.AsyncClient(base_url=self.server.base_url, timeout=300, headers=headers) as admin:
-            response = await admin.post("/replicas/drain", params={"replica": replica})
-            if response.status_code == 400 and "no replica in rotation" in response.text:
-                # The other replica is out (a killed head still restarting): the server rightly refuses.
+            while True:
+                response = await admin.post("/replicas/drain", params={"replica": replica})
+                refused = response.status_code == 400 and "no replica in rotation" in response.text
+                if not refused or time.monotonic() >= give_up_at:
+                    break
+                await asyncio.sleep(self.retry_every_s)
+            if refused:
                 self.record.fault("drain refused: no other replica in rotation")
                 return
             if response.status_code != 200:
@@ -490,7 +511,7 @@ class Faults:
                 return
             self.record.fault("replica drained")
             self.record.counts["migrated_requests"] += response.json()["moved_requests"]
-            await asyncio.sleep(5.0)  # the other replica serves alone for a while
+            await asyncio.sleep(self.undrain_after_s)  # the other replica serves alone for a while
             response = await admin.post("/replicas/undrain", params={"replica": replica})
             if response.status_code != 200:
                 self.record.fail(f"undrain {replica}: HTTP {response.status_code}: {response.text[:200]}")
