@@ -249,3 +249,132 @@ def test_chat_returns_the_rendered_prompts_logprobs_once(api, llm):
     prompt_ids = prompt_ids["input_ids"]
     assert len(scored) == len(prompt_ids) and scored[0] is None
     assert all(list(entry) == [str(token)] for entry, token in zip(scored[1:], prompt_ids[1:], strict=True))
+
+
+@pytest.fixture(scope="module")
+def claude(api):
+    import anthropic
+
+    root = str(api.base_url).removesuffix("/").removesuffix("/v1")
+    return anthropic.Anthropic(base_url=root, api_key="unused", max_retries=0)
+
+
+# Anthropic's current SDK no longer names temperature; older clients send it, and the server reads it.
+GREEDY = {"temperature": 0}
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    # A short answer whatever the random model prefers: the grammar allows two cities.
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Oslo", "Paris"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_anthropic_messages_answer_as_chat_completions_do_whole_and_streamed(api, claude):
+    turns = [{"role": "user", "content": "hello there"}]
+    chat = api.chat.completions.create(model=MODEL, messages=turns, max_tokens=12, temperature=0)
+    message = claude.messages.create(model="claude-any", max_tokens=12, messages=turns, extra_body=GREEDY)
+    assert [block.type for block in message.content] == ["text"]
+    assert message.content[0].text == chat.choices[0].message.content
+    assert message.stop_reason == "max_tokens" and message.role == "assistant" and message.model == MODEL
+    assert message.usage.output_tokens == chat.usage.completion_tokens
+    assert message.usage.input_tokens == chat.usage.prompt_tokens
+    with claude.messages.stream(model="claude-any", max_tokens=12, messages=turns, extra_body=GREEDY) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == message.content[0].text and final.stop_reason == "max_tokens"
+    assert final.usage.output_tokens == message.usage.output_tokens
+
+
+def test_anthropic_system_prompt_and_tool_turns_render_as_chat_messages(api, claude):
+    turns = [
+        {"role": "user", "content": "weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Oslo"}}],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "sunny"}]},
+    ]
+    chat_turns = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    message = claude.messages.create(
+        model="m", max_tokens=6, system="Be brief.", messages=turns, extra_body=GREEDY, tools=[WEATHER]
+    )
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": WEATHER["name"],
+                "description": WEATHER["description"],
+                "parameters": WEATHER["input_schema"],
+            },
+        }
+    ]
+    chat = api.chat.completions.create(model=MODEL, messages=chat_turns, max_tokens=6, temperature=0, tools=tools)
+    assert message.usage.input_tokens == chat.usage.prompt_tokens  # the same rendered prompt
+    assert message.content[0].text == chat.choices[0].message.content
+
+
+def test_a_tool_call_comes_back_as_a_tool_use_block_whole_and_streamed(claude):
+    asked = dict(
+        model="m",
+        max_tokens=64,
+        messages=[{"role": "user", "content": "weather?"}],
+        tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body=GREEDY,
+    )
+    message = claude.messages.create(**asked)
+    (call,) = [block for block in message.content if block.type == "tool_use"]
+    assert call.name == "get_weather" and call.input["city"] in ("Oslo", "Paris") and call.id
+    assert message.stop_reason == "tool_use"
+    with claude.messages.stream(**asked) as stream:
+        final = stream.get_final_message()
+    (streamed,) = [block for block in final.content if block.type == "tool_use"]
+    assert (streamed.name, streamed.input) == (call.name, call.input) and final.stop_reason == "tool_use"
+
+
+def test_anthropic_bad_requests_are_400(claude):
+    import anthropic
+
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.create(model="m", max_tokens=0, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(anthropic.BadRequestError) as info:
+        claude.messages.create(
+            model="m",
+            max_tokens=4,
+            messages=[{"role": "user", "content": [{"type": "tool_use", "id": "x", "name": "f", "input": {}}]}],
+        )
+    assert "messages[0].content" in str(info.value)
+
+
+def test_anthropic_clients_authenticate_with_their_x_api_key_header(llm, api):
+    import anthropic
+
+    app = create_app(ServerState(llm.engine_client, llm.tokenizer, FrontendSettings(MODEL, api_key="sk-anthropic")))
+    with BackgroundServer(app) as base_url:
+        turns = [{"role": "user", "content": "hi"}]
+        good = anthropic.Anthropic(base_url=base_url, api_key="sk-anthropic", max_retries=0)
+        assert good.messages.create(model="m", max_tokens=2, messages=turns).content
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=base_url, api_key="sk-wrong", max_retries=0).messages.create(
+                model="m", max_tokens=2, messages=turns
+            )

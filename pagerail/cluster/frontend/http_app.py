@@ -18,7 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.core.errors import QueueFullError
-from pagerail.cluster.frontend import openai_routes
+from pagerail.cluster.frontend import anthropic_messages, openai_routes
+from pagerail.cluster.frontend.anthropic_messages import MessagesRequest
 from pagerail.cluster.frontend.chat import encode_prompt, render_chat
 from pagerail.cluster.frontend.errors import (
     APIError,
@@ -172,6 +173,12 @@ def create_app(state: ServerState) -> FastAPI:
             tool_call_parser=state.settings.tool_call_parser,
         )
 
+    @app.post("/v1/messages")
+    async def anthropic_messages_route(request: Request):
+        return await generation(
+            request, MessagesRequest, anthropic_messages.messages, tool_call_parser=state.settings.tool_call_parser
+        )
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         payload = await _json(request, state)
@@ -290,7 +297,11 @@ class GuardMiddleware:
             return message
 
         try:
-            _check_key(self.state, scope["path"], headers.get("authorization", ""))
+            # Anthropic's clients send the key as x-api-key; OpenAI's as a bearer token.
+            key_header = headers.get("authorization") or (
+                f"Bearer {headers['x-api-key']}" if "x-api-key" in headers else ""
+            )
+            _check_key(self.state, scope["path"], key_header)
             length = headers.get("content-length", "")
             if length.isdigit() and int(length) > limit:
                 raise payload_too_large(limit)

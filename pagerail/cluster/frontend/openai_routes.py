@@ -76,7 +76,7 @@ async def _started(offset: int, stream: AsyncIterator[ChoiceDelta]) -> _Choices:
     return _Choices(offset, first, stream)
 
 
-async def _collect(streams: list[_Choices]) -> dict[int, list[ChoiceDelta]]:
+async def collect_choices(streams: list[_Choices]) -> dict[int, list[ChoiceDelta]]:
     """Every choice's deltas by its index in the response (each stream's choices start at its offset)."""
     collected: dict[int, list[ChoiceDelta]] = {}
     try:
@@ -176,7 +176,7 @@ async def completions(
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    collected = await _collect(streams)
+    collected = await collect_choices(streams)
     choices = []
     for index in sorted(collected):
         deltas = collected[index]
@@ -218,19 +218,28 @@ def _chat_logprobs(tokenizer, deltas: list[ChoiceDelta]) -> dict:
     return {"content": content}
 
 
-async def chat_completions(
+@dataclass
+class ChatRun:
+    """A chat request under way: its choices' stream (first delta pulled), each choice's tool-call reader, the
+    usage counted as the choices run, and the rendered prompt."""
+
+    stream: _Choices
+    output: Callable[[int], ChoiceOutput]
+    usage: Usage
+    prompt_ids: list[int]
+
+
+async def start_chat(
     body: ChatCompletionRequest,
     engine: EngineClient,
     tokenizer,
     served: str,
     request_id: str,
-    label: str | None = None,
+    response_id: str,
     tool_call_parser: str | None = None,
-    on_stream_end: Callable[[], None] = _nothing,
-):
-    """`request_id` is the server's own id for the engine; `label` (the client's X-Request-Id) names the response;
-    `tool_call_parser` names the model's tool-call format (None: the one its chat template teaches);
-    `on_stream_end` runs once a streamed response's last event was sent (or its client left)."""
+) -> ChatRun:
+    """Render the conversation, check the settings and start its choices: the chat path every chat-shaped API
+    (OpenAI's chat completions, Anthropic's messages) formats its answer from."""
     _check_model(body.model, served)
     prompt_ids = render_chat(tokenizer, body.messages, body.tool_dicts())
     params = _sampling(body, engine, len(prompt_ids))
@@ -246,11 +255,29 @@ async def chat_completions(
             outputs[index] = ChoiceOutput(output_parser(tool_choice, call_format, parallel))
         return outputs[index]
 
-    created = int(time.time())
-    chat_id = f"chatcmpl-{label or request_id}"
-    annotate_request(trace.get_current_span(), chat_id, body.model or served, params)
+    annotate_request(trace.get_current_span(), response_id, body.model or served, params)
     usage = Usage()
     stream = await _started(0, stream_choices(engine, tokenizer, f"chatcmpl-{request_id}", prompt_ids, params, usage))
+    return ChatRun(stream, output, usage, prompt_ids)
+
+
+async def chat_completions(
+    body: ChatCompletionRequest,
+    engine: EngineClient,
+    tokenizer,
+    served: str,
+    request_id: str,
+    label: str | None = None,
+    tool_call_parser: str | None = None,
+    on_stream_end: Callable[[], None] = _nothing,
+):
+    """`request_id` is the server's own id for the engine; `label` (the client's X-Request-Id) names the response;
+    `tool_call_parser` names the model's tool-call format (None: the one its chat template teaches);
+    `on_stream_end` runs once a streamed response's last event was sent (or its client left)."""
+    created = int(time.time())
+    chat_id = f"chatcmpl-{label or request_id}"
+    run = await start_chat(body, engine, tokenizer, served, request_id, chat_id, tool_call_parser)
+    stream, output, usage, prompt_ids = run.stream, run.output, run.usage, run.prompt_ids
 
     if body.stream:
         chunks = ChunkEvents(chat_id, "chat.completion.chunk", created, served)
@@ -284,7 +311,7 @@ async def chat_completions(
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    collected = await _collect([stream])
+    collected = await collect_choices([stream])
     choices = []
     for index in sorted(collected):
         deltas = collected[index]
