@@ -123,3 +123,24 @@ def test_full_queue_is_answered_with_retry_after(tokenizer):
         response = httpx.post(base_url + "/v1/completions", json=completion())
     assert response.status_code == 429 and int(response.headers["retry-after"]) >= 1
     assert response.json()["error"]["type"] == "rate_limit_error"
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/tokenize", {"prompt": None}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"messages": None, "prompt": None}, "prompt"),
+        ("/tokenize", {"messages": []}, "messages"),
+        ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ("/tokenize", {"prompt": [1, -2]}, "prompt"),
+        ("/detokenize", {"tokens": "x"}, "tokens"),
+        ("/detokenize", {"tokens": [True]}, "tokens[0]"),
+        ("/detokenize", {}, "tokens"),
+    ],
+)
+def test_malformed_tokenizer_bodies_are_400_naming_the_field(server, path, body, param):
+    base_url = server[0]
+    response = httpx.post(base_url + path, json=body, headers=AUTH)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param

@@ -34,7 +34,12 @@ from pagerail.cluster.frontend.errors import (
     unauthorized,
     unavailable,
 )
-from pagerail.cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from pagerail.cluster.frontend.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from pagerail.cluster.frontend.settings import FrontendSettings
 from pagerail.cluster.frontend.tracing import traced_http
 from pagerail.common.auth import bearer_matches
@@ -181,11 +186,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        payload = await _json(request, state)
-        if "messages" in payload:
-            tokens = render_chat(state.tokenizer, payload["messages"])
-        elif "prompt" in payload:
-            tokens = encode_prompt(state.tokenizer, payload["prompt"], state.engine.vocab_size)
+        body = await _validated(request, state, TokenizeRequest)
+        if body.messages is not None:
+            tokens = render_chat(state.tokenizer, body.messages)
+        elif body.prompt is not None:
+            tokens = encode_prompt(state.tokenizer, body.prompt, state.engine.vocab_size)
         else:
             raise bad_request("either prompt or messages is required", "prompt")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_model_len}
@@ -209,10 +214,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        payload = await _json(request, state)
-        tokens = payload.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise bad_request("tokens must be a list of token ids", "tokens")
+        tokens = (await _validated(request, state, DetokenizeRequest)).tokens
         if any(not 0 <= t < state.engine.vocab_size for t in tokens):
             raise bad_request(f"tokens must be in [0, {state.engine.vocab_size})", "tokens")
         return {"prompt": state.tokenizer.decode(tokens)}
@@ -358,8 +360,14 @@ async def _json(request: Request, state: ServerState) -> dict:
 
 
 async def _parse(request: Request, state: ServerState, model):
+    """The body of a generation route as `model`; refused while the server drains."""
     if state.draining:
         raise unavailable("the server is shutting down", retry_after_s=5)
+    return await _validated(request, state, model)
+
+
+async def _validated(request: Request, state: ServerState, model):
+    """The body as `model`; a 400 naming the first bad field otherwise."""
     payload = await _json(request, state)
     try:
         return model.model_validate(payload)

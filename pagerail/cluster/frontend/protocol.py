@@ -281,3 +281,18 @@ class ChatCompletionRequest(_SamplingRequest):
 
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+class TokenizeRequest(_Lenient):
+    """POST /tokenize: a completion prompt (text or token ids) or a conversation, rendered as chat renders it."""
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+
+
+class DetokenizeRequest(_Lenient):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
