@@ -144,3 +144,27 @@ def test_malformed_tokenizer_bodies_are_400_naming_the_field(server, path, body,
     response = httpx.post(base_url + path, json=body, headers=AUTH)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_openapi_describes_each_request_body_with_the_model_that_validates_it(server):
+    import jsonschema
+
+    base_url = server[0]
+    schema = httpx.get(base_url + "/openapi.json", headers=AUTH).json()
+    components = schema["components"]["schemas"]
+    samples = {
+        "/v1/completions": ({"model": "m", "prompt": "hi", "max_tokens": 4, "logit_bias": {"5": 1.0}}, {"prompt": 3}),
+        "/v1/chat/completions": ({"messages": [{"role": "user", "content": "hi"}]}, {"messages": "hi"}),
+        "/v1/messages": ({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}, {}),
+        "/tokenize": ({"prompt": "hi"}, {"prompt": 3.5}),
+        "/detokenize": ({"tokens": [1, 2]}, {"tokens": "x"}),
+    }
+    for path, (good, bad) in samples.items():
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        resolved = {**components[body["$ref"].rsplit("/", 1)[1]], "components": {"schemas": components}}
+        jsonschema.validate(good, resolved)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, resolved)
+        # The server refuses what the schema refuses.
+        assert httpx.post(base_url + path, json=bad, headers=AUTH).status_code == 400
+    assert list(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]

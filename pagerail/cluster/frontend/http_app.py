@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -66,10 +66,46 @@ class ServerState:
     in_flight: int = 0
 
 
+# The routes that read a JSON body through a model of their own (to answer bad input with OpenAI's 400s rather
+# than FastAPI's 422s); /openapi.json names the same models as their request bodies.
+_BODIES = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/messages": MessagesRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
+
+
+def _with_request_bodies(app: FastAPI) -> Callable[[], dict]:
+    """app.openapi, with each _BODIES route's request body described by its model's JSON schema."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in _BODIES.items():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            reference = {"$ref": f"#/components/schemas/{model.__name__}"}
+            schema["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": reference}},
+            }
+        app.openapi_schema = schema
+        return schema
+
+    return openapi
+
+
 def create_app(state: ServerState) -> FastAPI:
     # FastAPI's own request spans would duplicate the request span GuardMiddleware opens (with gen_ai attributes).
     app = FastAPI(title="pagerail", version=VERSION, docs_url=None, redoc_url=None, telemetry={"tracing": False})
     app.state.server = state
+    app.openapi = _with_request_bodies(app)
 
     app.add_middleware(GuardMiddleware, state=state)
 
@@ -110,7 +146,7 @@ def create_app(state: ServerState) -> FastAPI:
             return _error_response(unavailable("not ready" if not state.draining else "draining", 1))
         return {"status": "ready"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return PlainTextResponse(await state.engine.metrics(), media_type=CONTENT_TYPE_LATEST)
 
