@@ -378,3 +378,31 @@ def test_anthropic_clients_authenticate_with_their_x_api_key_header(llm, api):
             anthropic.Anthropic(base_url=base_url, api_key="sk-wrong", max_retries=0).messages.create(
                 model="m", max_tokens=2, messages=turns
             )
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_everywhere(api, llm, greedy):
+    from pagerail.common.sampling_params import SamplingParams
+
+    tail = PROMPT[-4:]
+    expected = llm.generate([tail], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    through_llm = llm.generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, truncate_prompt_tokens=4)
+    )[0]
+    assert through_llm.prompt_token_ids == tail and through_llm.outputs[0].token_ids == expected.outputs[0].token_ids
+    completion = api.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True, "truncate_prompt_tokens": 4},
+    )
+    assert completion.usage.prompt_tokens == 4 and completion.choices[0].text == expected.outputs[0].text
+    echoed = api.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, extra_body={"truncate_prompt_tokens": 4}
+    )
+    assert echoed.choices[0].text == llm.tokenizer.decode(tail)
+    whole = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(PROMPT)
+    with pytest.raises(openai.BadRequestError) as info:
+        api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"truncate_prompt_tokens": 0})
+    assert info.value.body["param"] == "truncate_prompt_tokens"

@@ -55,6 +55,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Only these tokens may be sampled (None: any); masked before the constraints and the sampling.
     allowed_token_ids: tuple[int, ...] | None = None
+    # Keep only the prompt's last k tokens (-1: as many as the context holds); applied by the front doors.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._validate_structured_outputs()
@@ -97,6 +99,8 @@ class SamplingParams:
             check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         if self.seed is not None:
             check_int("seed", self.seed, low=_SEED_MIN, high=_SEED_MAX)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=1)
 
     def _validate_probabilities(self) -> None:
         temperature = _check_float("temperature", self.temperature)
@@ -166,6 +170,14 @@ class SamplingParams:
     def token_ids_named(self) -> list[int]:
         """Every token id these settings name (stop ids, biased, allowed), for a check against the vocabulary."""
         return [*self.stop_token_ids, *(token for token, _ in self.logit_bias), *(self.allowed_token_ids or ())]
+
+
+def truncate_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `keep` tokens (truncate_prompt_tokens; -1: the context's length), or all of it."""
+    if keep is None:
+        return prompt_ids
+    keep = max_model_len if keep == -1 else keep
+    return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
 
 
 def check_stop(stop: object) -> tuple[str, ...]:

@@ -23,7 +23,7 @@ from pagerail.common import telemetry
 from pagerail.common.engine_args import engine_config
 from pagerail.common.grammar import TOKENIZERS, GrammarError, check_constraint
 from pagerail.common.model_source import resolve_model_dir
-from pagerail.common.sampling_params import SamplingParams
+from pagerail.common.sampling_params import SamplingParams, truncate_prompt
 from pagerail.worker.config import worker_config
 
 Prompt = str | Sequence[int]
@@ -83,6 +83,15 @@ class LLM:
             self._engine_loop = AsyncEngine(self.engine, start=False)
 
     @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt and output) this LLM serves."""
+        if self._cluster is not None:
+            return self._cluster.client.max_model_len
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down; create a new one")
+        return self.engine.max_model_len
+
+    @property
     def engine_client(self):
         """The engine client behind this LLM (the one `pagerail serve`'s frontend would use), for serving the same
         engine over HTTP or gRPC in this process; in-process, its loop thread starts on first use."""
@@ -106,7 +115,7 @@ class LLM:
         self._check_constraints(params_list)
         outputs: list[RequestOutput] = []
         for prompt, sp in zip(prompts, params_list, strict=True):
-            token_ids = self._encode(prompt)
+            token_ids = truncate_prompt(self._encode(prompt), sp.truncate_prompt_tokens, self.max_model_len)
             output = RequestOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, token_ids)
             output.outputs = [CompletionOutput(index, "", [], None) for index in range(sp.n)]
             outputs.append(output)

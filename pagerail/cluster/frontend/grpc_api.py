@@ -33,7 +33,7 @@ from pagerail.cluster.frontend.grpc_convert import (
 )
 from pagerail.cluster.frontend.grpc_guards import ApiKeyInterceptor, EngineHealth
 from pagerail.cluster.frontend.output_processor import ChoiceState, fan_out
-from pagerail.common.sampling_params import SamplingParams
+from pagerail.common.sampling_params import SamplingParams, truncate_prompt
 from pagerail.common.tls import ServerTls
 from pagerail.proto import api_pb2, api_pb2_grpc
 
@@ -175,6 +175,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         prompt_ids = self._input_ids(message, first=True)
         if not prompt_ids:
             raise ValueError("input: the prompt must contain at least one token")
+        prompt_ids = truncate_prompt(prompt_ids, params.truncate_prompt_tokens, self.engine.max_model_len)
         return _Stream(request_id, engine_id, prompt_ids, params, send_text=not message.skip_detokenize)
 
     def _input_ids(self, message: api_pb2.GenerateRequest | api_pb2.SessionRequest, *, first: bool) -> list[int]:

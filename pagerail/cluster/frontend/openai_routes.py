@@ -21,7 +21,7 @@ from pagerail.cluster.frontend.sse_events import ChunkEvents
 from pagerail.cluster.frontend.tool_calls import choose_parser
 from pagerail.cluster.frontend.tool_choice import output_parser
 from pagerail.cluster.frontend.tracing import annotate_request
-from pagerail.common.sampling_params import SamplingParams
+from pagerail.common.sampling_params import SamplingParams, truncate_prompt
 
 
 def _check_model(requested: str | None, served: str) -> None:
@@ -34,6 +34,14 @@ def _sampling(request, engine: EngineClient, prompt_len: int) -> SamplingParams:
         return request.to_sampling_params(default_max_tokens=max(1, engine.max_model_len - prompt_len))
     except ValueError as error:
         raise from_value_error(error) from None
+
+
+def _truncation(body) -> int | None:
+    """truncate_prompt_tokens of a request, checked as SamplingParams checks it (a 400 naming it)."""
+    keep = body.truncate_prompt_tokens
+    if keep is not None and keep != -1 and keep < 1:
+        raise from_value_error(ValueError(f"truncate_prompt_tokens must be >= 1 or -1, got {keep}"))
+    return keep
 
 
 def _usage_json(usage: Usage) -> dict:
@@ -122,7 +130,9 @@ async def completions(
     `on_stream_end` runs once a streamed response's last event was sent (or its client left)."""
     _check_model(body.model, served)
     prompts = body.prompt_list()
-    encoded = [encode_prompt(tokenizer, prompt, engine.vocab_size) for prompt in prompts]
+    keep = _truncation(body)
+    whole = [encode_prompt(tokenizer, prompt, engine.vocab_size) for prompt in prompts]
+    encoded = [truncate_prompt(ids, keep, engine.max_model_len) for ids in whole]
     params = [_sampling(body, engine, len(ids)) for ids in encoded]
     if params:  # every prompt has the same constraint
         await check_output_constraint(params[0], tokenizer, engine.vocab_size, body.output_constraint()[1])
@@ -138,7 +148,9 @@ async def completions(
     # With echo, each prompt's text (and its scored tokens) comes first in each of its choices.
     echoes = None
     if body.echo:
-        echoes = [Echo.of(tokenizer, p, ids, body.max_tokens == 0) for p, ids in zip(prompts, encoded, strict=True)]
+        # A truncated prompt is echoed as what the model read: its kept tokens.
+        shown = [p if len(ids) == len(w) else ids for p, ids, w in zip(prompts, encoded, whole, strict=True)]
+        echoes = [Echo.of(tokenizer, p, ids, body.max_tokens == 0) for p, ids in zip(shown, encoded, strict=True)]
     wants_logprobs = body.logprobs is not None
     n = params[0].n if params else 1
 
@@ -242,6 +254,7 @@ async def start_chat(
     (OpenAI's chat completions, Anthropic's messages) formats its answer from."""
     _check_model(body.model, served)
     prompt_ids = render_chat(tokenizer, body.messages, body.tool_dicts())
+    prompt_ids = truncate_prompt(prompt_ids, _truncation(body), engine.max_model_len)
     params = _sampling(body, engine, len(prompt_ids))
     await check_output_constraint(params, tokenizer, engine.vocab_size, body.output_constraint()[1], body.tools)
     tool_choice = body.tool_choice_in_effect()

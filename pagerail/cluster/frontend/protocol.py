@@ -69,6 +69,8 @@ class _SamplingRequest(ConstrainedOutputFields):
     allowed_token_ids: list[int] | None = None
     # vLLM's: each prompt token's logprob (after the first) with the top k, in a whole response's choices.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds).
+    truncate_prompt_tokens: int | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
