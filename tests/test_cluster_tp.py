@@ -77,10 +77,19 @@ def test_tp2_matches_tp1_and_transformers(tp2_llm):
     test_new_architectures_tp.py (qwen3_moe)."""
     model_dir = tp2_llm.model_dir
     reference = reference_greedy(model_dir, PROMPTS, 16)
-    single = engine_greedy(LLM(str(model_dir), block_size=4, num_gpu_blocks=128), PROMPTS, 16)
+    one_rank = LLM(str(model_dir), block_size=4, num_gpu_blocks=128)
+    single = engine_greedy(one_rank, PROMPTS, 16)
     parallel = engine_greedy(tp2_llm, PROMPTS, 16)
     assert compare(parallel, reference).identical == len(PROMPTS)
     assert [tokens for tokens, _ in parallel] == [tokens for tokens, _ in single]
+    # Scored prompts: both ranks take part in gathering the prompt rows' logits, rank 0 scores them.
+    scored = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2, logit_bias={5: 100.0})
+    for alone, split in zip(one_rank.generate(PROMPTS, scored), tp2_llm.generate(PROMPTS, scored), strict=True):
+        assert split.outputs[0].token_ids == alone.outputs[0].token_ids == [5, 5, 5]
+        assert split.prompt_logprobs[0] is None and len(split.prompt_logprobs) == len(alone.prompt_logprobs)
+        for ours, theirs in zip(split.prompt_logprobs[1:], alone.prompt_logprobs[1:], strict=True):
+            assert ours.keys() == theirs.keys()
+            assert all(abs(ours[token] - theirs[token]) < 1e-4 for token in ours)
 
 
 def test_killed_worker_is_replaced_without_changing_tokens(tp2_llm):
