@@ -406,3 +406,22 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_everywhere(api, ll
     with pytest.raises(openai.BadRequestError) as info:
         api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"truncate_prompt_tokens": 0})
     assert info.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_bad_words_never_come_out(api, llm, texts, canonical, greedy):
+    from pagerail.cluster.frontend.bad_words import bad_word_sequences
+    from pagerail.common.sampling_params import SamplingParams
+
+    # A two-token word, spelled as the greedy run's first two tokens: the second is masked right after the first.
+    word = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, bad_words_token_ids=[tuple(greedy[:2])])
+    (tokens,) = [o.outputs[0].token_ids for o in llm.generate([PROMPT], word)]
+    assert tokens[0] == greedy[0] and tokens[1] != greedy[1]
+    # Over HTTP, as a client sends them: words as text, spelled with the server's tokenizer.
+    first = llm.tokenizer.decode([greedy[0]]).strip()
+    sequences = bad_word_sequences(llm.tokenizer, (first,))
+    assert sequences and all(isinstance(token, int) for sequence in sequences for token in sequence)
+    banned = {sequence[0] for sequence in sequences if len(sequence) == 1}
+    out = _tokens(api, texts, extra_body={"bad_words": [first]})
+    assert not banned & set(out)
+    # The greedy first token is one of the word's spellings, so the answer had to change.
+    assert (greedy[0],) in sequences and out[0] != canonical(greedy[0])

@@ -131,6 +131,10 @@ _WIRE_SETTINGS = st.fixed_dictionaries(
         "stop_token_ids": st.lists(st.integers(0, 1000), max_size=4).map(lambda ids: tuple(sorted(set(ids)))),
         "logit_bias": st.dictionaries(st.integers(0, 1000), st.sampled_from([-100.0, -0.5, 0.0, 2.25, 100.0])),
         "allowed_token_ids": st.one_of(st.none(), st.lists(st.integers(0, 1000), min_size=1, max_size=5)),
+        "bad_words_token_ids": st.lists(st.lists(st.integers(0, 1000), min_size=1, max_size=3), max_size=3).map(
+            lambda sequences: tuple(tuple(sequence) for sequence in sequences)
+        ),
+        "prompt_logprobs": st.one_of(st.none(), st.integers(0, 20)),
         "structured_outputs": st.sampled_from(
             [
                 None,
@@ -149,9 +153,9 @@ _WIRE_SETTINGS = st.fixed_dictionaries(
 def test_a_rank_decodes_the_step_message_into_the_heads_sampling_params(settings) -> None:
     """Every setting the ranks act on arrives as the head had it (a negative seed wrapped to uint64, as torch
     wraps it); the head-only limits (max_tokens, stop strings) are not sent."""
-    head = SamplingParams(max_tokens=32, stop=("END",), **settings)
+    head = SamplingParams(max_tokens=32, stop=("END",), bad_words=("no",), **settings)
     rank = sampling_from_step(step_pb2.SamplingParams.FromString(sampling_to_step(head).SerializeToString()))
-    expected = dataclasses.replace(head, max_tokens=None, stop=())
+    expected = dataclasses.replace(head, max_tokens=None, stop=(), bad_words=())
     if head.seed is not None:
         expected = dataclasses.replace(expected, seed=head.seed & 0xFFFFFFFFFFFFFFFF)
     assert rank == expected
@@ -176,3 +180,17 @@ def test_the_grpc_api_reads_logit_bias_and_allowed_tokens() -> None:
 def test_the_head_sends_the_requests_stop_ids_with_the_models_eos() -> None:
     message = sampling_to_step(SamplingParams(stop_token_ids=[9, 4]), stop_token_ids={9, 4, 2})
     assert list(message.stop_token_ids) == [2, 4, 9]
+
+
+def test_a_bad_word_is_banned_where_the_outputs_end_with_the_rest_of_it() -> None:
+    from pagerail.worker.request_state import bad_word_bans
+
+    words = ((7,), (3, 4), (1, 2, 5))
+    assert bad_word_bans(words, []) == (7,)
+    assert bad_word_bans(words, [9, 3]) == (7, 4)
+    assert bad_word_bans(words, [1, 2]) == (7, 5)
+    assert bad_word_bans(words, [2, 1, 3]) == (7, 4)
+    with pytest.raises(ValueError, match="bad_words must hold non-blank strings"):
+        SamplingParams(bad_words=[" "])
+    with pytest.raises(ValueError, match="bad_words_token_ids must hold non-empty"):
+        SamplingParams(bad_words_token_ids=[[]])

@@ -17,6 +17,8 @@ MAX_STOP_LENGTH = 256
 # OpenAI's bounds: a bias is added to the token's logit, and ±100 bans or forces it in practice.
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 1024
+# Each bad word is matched against the outputs at every step.
+MAX_BAD_WORDS = 128
 # torch.Generator.manual_seed accepts exactly this range; checking here keeps a bad seed off the workers.
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -57,6 +59,11 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     # Keep only the prompt's last k tokens (-1: as many as the context holds); applied by the front doors.
     truncate_prompt_tokens: int | None = None
+    # Words never to generate (vLLM's bad_words): the front door, which has the tokenizer, spells each as token
+    # sequences (with and without a leading space) into bad_words_token_ids, which the ranks act on: a sequence's
+    # last token is masked whenever the outputs end with the rest of it (a one-token word always).
+    bad_words: tuple[str, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         self._validate_structured_outputs()
@@ -65,6 +72,7 @@ class SamplingParams:
         self._validate_penalties()
         self._validate_stops()
         self._validate_token_masks()
+        self._validate_bad_words()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -167,9 +175,28 @@ class SamplingParams:
             check_int("allowed_token_ids", token_id, low=0)
         object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
 
+    def _validate_bad_words(self) -> None:
+        words = self.bad_words
+        if isinstance(words, str) or not isinstance(words, (list, tuple)) or len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words must be a list of at most {MAX_BAD_WORDS} strings, got {words!r}")
+        for word in words:
+            if not isinstance(word, str) or not word.strip() or len(word) > MAX_STOP_LENGTH:
+                raise ValueError(f"bad_words must hold non-blank strings of at most {MAX_STOP_LENGTH} characters")
+        object.__setattr__(self, "bad_words", tuple(words))
+        sequences = self.bad_words_token_ids
+        if not isinstance(sequences, (list, tuple)) or len(sequences) > 2 * MAX_BAD_WORDS:
+            raise ValueError(f"bad_words_token_ids must be a list of at most {2 * MAX_BAD_WORDS} token-id lists")
+        for sequence in sequences:
+            if not isinstance(sequence, (list, tuple)) or not sequence:
+                raise ValueError(f"bad_words_token_ids must hold non-empty token-id lists, got {sequence!r}")
+            for token_id in sequence:
+                check_int("bad_words_token_ids", token_id, low=0)
+        object.__setattr__(self, "bad_words_token_ids", tuple(tuple(sequence) for sequence in sequences))
+
     def token_ids_named(self) -> list[int]:
-        """Every token id these settings name (stop ids, biased, allowed), for a check against the vocabulary."""
-        return [*self.stop_token_ids, *(token for token, _ in self.logit_bias), *(self.allowed_token_ids or ())]
+        """Every token id these settings name (stop, biased, allowed, bad words), to check against the vocabulary."""
+        named = [*self.stop_token_ids, *(token for token, _ in self.logit_bias), *(self.allowed_token_ids or ())]
+        return named + [token for sequence in self.bad_words_token_ids for token in sequence]
 
 
 def truncate_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:

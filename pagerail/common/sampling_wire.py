@@ -31,6 +31,12 @@ _MAPS = frozenset(
     for field in step_pb2.SamplingParams.DESCRIPTOR.fields
     if field.message_type is not None and field.message_type.GetOptions().map_entry
 )
+# Repeated messages of token ids (bad_words_token_ids): a tuple of token-id tuples.
+_SEQUENCES = frozenset(
+    field.name
+    for field in step_pb2.SamplingParams.DESCRIPTOR.fields
+    if field.message_type is not None and not field.message_type.GetOptions().map_entry
+)
 # A repeated field whose SamplingParams default is None (allowed_token_ids): empty on the wire means None.
 _NONE_WHEN_EMPTY = frozenset(
     field.name for field in dataclasses.fields(SamplingParams) if field.default is None and field.name != "seed"
@@ -52,6 +58,9 @@ def sampling_to_step(params: SamplingParams, stop_token_ids: Iterable[int] | Non
             value = sorted(value if stop_token_ids is None else stop_token_ids)
         if wire_name in _MAPS:
             getattr(message, wire_name).update(value)
+        elif wire_name in _SEQUENCES:
+            for sequence in value:
+                getattr(message, wire_name).add(token_ids=sequence)
         elif repeated:
             getattr(message, wire_name).extend(value or ())
         elif value is not None:
@@ -64,12 +73,14 @@ def sampling_to_step(params: SamplingParams, stop_token_ids: Iterable[int] | Non
 
 
 def sampling_from_step(message: step_pb2.SamplingParams) -> SamplingParams:
-    """The SamplingParams a rank keeps for a new request: an absent field takes SamplingParams' default. Limits
-    that only the head enforces (max_tokens, stop strings) are not on the wire and stay unset."""
+    """The SamplingParams a rank keeps for a new request: an absent field takes SamplingParams' default. What only
+    the head or the front door acts on (max_tokens, stop strings, bad words as text) is not on the wire."""
     kwargs: dict[str, object] = {"max_tokens": None}
     for wire_name, params_name, has_presence, repeated in _WIRE_FIELDS:
         if wire_name in _MAPS:
             kwargs[params_name] = dict(getattr(message, wire_name))
+        elif wire_name in _SEQUENCES:
+            kwargs[params_name] = tuple(tuple(sequence.token_ids) for sequence in getattr(message, wire_name))
         elif repeated:
             values = tuple(getattr(message, wire_name))
             kwargs[params_name] = None if not values and params_name in _NONE_WHEN_EMPTY else values

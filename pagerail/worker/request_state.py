@@ -65,14 +65,28 @@ def sampling_row(state: RequestState, ahead: int = 0) -> SamplingRow:
     drafted = len(state.drafts) if state.drafts else 0
     num_outputs = len(state.token_ids) - drafted - state.num_prompt_tokens + ahead
     banned = tuple(params.stop_token_ids) if num_outputs < params.min_tokens else ()
+    if params.bad_words_token_ids:
+        end = len(state.token_ids) - drafted + ahead
+        banned += bad_word_bans(params.bad_words_token_ids, state.token_ids[state.num_prompt_tokens : end])
     return _row_settings(params, state.seeded_generator(ahead), banned)
+
+
+def bad_word_bans(sequences: tuple[tuple[int, ...], ...], outputs: list[int]) -> tuple[int, ...]:
+    """The tokens that would complete a bad word now: each sequence's last token where the outputs end with the
+    rest of it (a one-token word: always)."""
+    banned = []
+    for sequence in sequences:
+        before = len(sequence) - 1
+        if before == 0 or (len(outputs) >= before and tuple(outputs[-before:]) == sequence[:-1]):
+            banned.append(sequence[-1])
+    return tuple(banned)
 
 
 def argmax_only(sampling: SamplingParams) -> bool:
     """True when every token of the request is the argmax of its logits, whatever its outputs so far."""
     row = _row_settings(sampling)
     # Stop tokens are banned until min_tokens outputs exist: the one setting that changes with the outputs.
-    banned_some_time = sampling.min_tokens > 0 and bool(sampling.stop_token_ids)
+    banned_some_time = (sampling.min_tokens > 0 and bool(sampling.stop_token_ids)) or bool(sampling.bad_words_token_ids)
     plain = not row.has_penalties and not row.reshapes_logits
     return row.greedy and plain and row.num_logprobs is None and not banned_some_time
 

@@ -18,6 +18,7 @@ from pagerail.cluster.core.model_info import read_model_info
 from pagerail.cluster.core.outputs import CompletionOutput, RequestOutput
 from pagerail.cluster.distributed.cluster_options import DEFAULT_OPTIONS
 from pagerail.cluster.distributed.local_executor import InProcessExecutor
+from pagerail.cluster.frontend.bad_words import with_bad_words
 from pagerail.cluster.frontend.output_processor import ChoiceState, append_choice, fan_out
 from pagerail.common import telemetry
 from pagerail.common.engine_args import engine_config
@@ -111,7 +112,7 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         if self._shut_down:
             raise RuntimeError("this LLM was shut down; create a new one")
-        params_list = _as_params_list(params, len(prompts))
+        params_list = [with_bad_words(sp, self.tokenizer) for sp in _as_params_list(params, len(prompts))]
         self._check_constraints(params_list)
         outputs: list[RequestOutput] = []
         for prompt, sp in zip(prompts, params_list, strict=True):

@@ -20,6 +20,7 @@ from opentelemetry import trace
 from pagerail.cluster.core.engine_client import EngineClient, RequestDelta
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.frontend import tracing
+from pagerail.cluster.frontend.bad_words import with_bad_words
 from pagerail.cluster.frontend.constraints import check_constraint_of
 from pagerail.cluster.frontend.grpc_convert import (
     RpcError,
@@ -169,7 +170,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         request_id = message.request_id or engine_id
         if len(request_id) > MAX_REQUEST_ID_LEN:
             raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_LEN} characters, got {len(request_id)}")
-        params = sampling_params_from_proto(message.sampling_params)
+        params = with_bad_words(sampling_params_from_proto(message.sampling_params), self.tokenizer)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings are matched on text, and this model has no tokenizer")
         prompt_ids = self._input_ids(message, first=True)

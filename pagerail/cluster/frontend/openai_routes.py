@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
 
 from pagerail.cluster.core.engine_client import EngineClient
+from pagerail.cluster.frontend.bad_words import with_bad_words
 from pagerail.cluster.frontend.chat import encode_prompt, render_chat
 from pagerail.cluster.frontend.chat_output import ChoiceOutput
 from pagerail.cluster.frontend.constraints import check_output_constraint
@@ -29,9 +30,10 @@ def _check_model(requested: str | None, served: str) -> None:
         raise not_found_model(requested)
 
 
-def _sampling(request, engine: EngineClient, prompt_len: int) -> SamplingParams:
+def _sampling(request, engine: EngineClient, prompt_len: int, tokenizer) -> SamplingParams:
     try:
-        return request.to_sampling_params(default_max_tokens=max(1, engine.max_model_len - prompt_len))
+        params = request.to_sampling_params(default_max_tokens=max(1, engine.max_model_len - prompt_len))
+        return with_bad_words(params, tokenizer)
     except ValueError as error:
         raise from_value_error(error) from None
 
@@ -133,7 +135,7 @@ async def completions(
     keep = _truncation(body)
     whole = [encode_prompt(tokenizer, prompt, engine.vocab_size) for prompt in prompts]
     encoded = [truncate_prompt(ids, keep, engine.max_model_len) for ids in whole]
-    params = [_sampling(body, engine, len(ids)) for ids in encoded]
+    params = [_sampling(body, engine, len(ids), tokenizer) for ids in encoded]
     if params:  # every prompt has the same constraint
         await check_output_constraint(params[0], tokenizer, engine.vocab_size, body.output_constraint()[1])
     created = int(time.time())
@@ -255,7 +257,7 @@ async def start_chat(
     _check_model(body.model, served)
     prompt_ids = render_chat(tokenizer, body.messages, body.tool_dicts())
     prompt_ids = truncate_prompt(prompt_ids, _truncation(body), engine.max_model_len)
-    params = _sampling(body, engine, len(prompt_ids))
+    params = _sampling(body, engine, len(prompt_ids), tokenizer)
     await check_output_constraint(params, tokenizer, engine.vocab_size, body.output_constraint()[1], body.tools)
     tool_choice = body.tool_choice_in_effect()
     call_format = choose_parser(getattr(tokenizer, "chat_template", None), tool_call_parser)

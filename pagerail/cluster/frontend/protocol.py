@@ -24,7 +24,9 @@ from pagerail.common.structured_outputs import StructuredOutputs
 
 # SamplingParams fields that _SamplingRequest.build reads in a way of their own; every other SamplingParams field
 # is a request field of the same name, passed through as sent (tests/test_http_protocol.py keeps that true).
-_BUILT_APART = frozenset({"max_tokens", "stop", "stop_token_ids", "logprobs", "structured_outputs", "logit_bias"})
+_BUILT_APART = frozenset(
+    {"max_tokens", "stop", "stop_token_ids", "logprobs", "structured_outputs", "logit_bias", "bad_words_token_ids"}
+)
 _PASSED_THROUGH = tuple(field.name for field in dataclasses.fields(SamplingParams) if field.name not in _BUILT_APART)
 
 
@@ -71,6 +73,7 @@ class _SamplingRequest(ConstrainedOutputFields):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds).
     truncate_prompt_tokens: int | None = None
+    bad_words: list[str] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
