@@ -1,7 +1,10 @@
-"""The OpenAI API's less common request fields and routes, through the official client against the HTTP server
-on a tiny random Llama: logit_bias, allowed_token_ids, a model's own card, and errors in OpenAI's shape."""
+"""The API surface as clients reach it, through the official openai and anthropic clients against the HTTP server on
+a tiny random Llama: sampling fields (logit_bias, allowed_token_ids, bad_words, truncation), scored prompts (echo,
+prompt_logprobs), routes and errors, Anthropic's Messages API and OpenAI's Responses API."""
 
 from __future__ import annotations
+
+import json
 
 import openai
 import pytest
@@ -425,3 +428,115 @@ def test_bad_words_never_come_out(api, llm, texts, canonical, greedy):
     assert not banned & set(out)
     # The greedy first token is one of the word's spellings, so the answer had to change.
     assert (greedy[0],) in sequences and out[0] != canonical(greedy[0])
+
+
+def test_responses_create_answers_as_chat_completions_does(api):
+    turns = [{"role": "user", "content": "hello there"}]
+    chat = api.chat.completions.create(model=MODEL, messages=turns, max_tokens=10, temperature=0)
+    response = api.responses.create(model=MODEL, input="hello there", max_output_tokens=10, temperature=0)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    assert api.responses.retrieve(response.id).output_text == response.output_text
+
+
+def test_streamed_response_deltas_make_the_whole_text_and_end_with_usage(api):
+    whole = api.responses.create(model=MODEL, input="hello there", max_output_tokens=10, temperature=0)
+    events = list(
+        api.responses.create(model=MODEL, input="hello there", max_output_tokens=10, temperature=0, stream=True)
+    )
+    kinds = [event.type for event in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text == whole.output_text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+    assert events[-1].response.output_text == whole.output_text
+
+
+def test_a_continuation_equals_sending_the_whole_history_and_reuses_its_prefix(api):
+    first = api.responses.create(
+        model=MODEL,
+        input="the first question, long enough to fill some blocks",
+        instructions="Be brief.",
+        max_output_tokens=6,
+        temperature=0,
+    )
+    follow = api.responses.create(
+        model=MODEL,
+        input="and the second one",
+        previous_response_id=first.id,
+        instructions="Be brief.",
+        max_output_tokens=6,
+        temperature=0,
+    )
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "the first question, long enough to fill some blocks"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "and the second one"},
+    ]
+    whole = api.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
+    assert follow.output_text == whole.choices[0].message.content
+    assert follow.usage.input_tokens == whole.usage.prompt_tokens
+    assert follow.usage.input_tokens_details.cached_tokens > 0  # the first turn's blocks, from the prefix cache
+
+
+def test_a_function_call_comes_back_as_a_function_call_item(api):
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": WEATHER["input_schema"],
+    }
+    response = api.responses.create(
+        model=MODEL,
+        input="weather?",
+        tools=[tool],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=64,
+        temperature=0,
+    )
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Oslo", "Paris") and call.call_id
+    streamed = list(
+        api.responses.create(
+            model=MODEL,
+            input="weather?",
+            tools=[tool],
+            tool_choice={"type": "function", "name": "get_weather"},
+            max_output_tokens=64,
+            temperature=0,
+            stream=True,
+        )
+    )
+    arguments = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
+    assert arguments == call.arguments
+
+
+@pytest.mark.parametrize(
+    "fields, error, param",
+    [
+        ({"max_output_tokens": -1}, openai.BadRequestError, "max_output_tokens"),
+        ({"previous_response_id": "resp_nothing"}, openai.NotFoundError, "previous_response_id"),
+        ({"input": [{"type": "image_generation_call"}]}, openai.BadRequestError, "input[0]"),
+    ],
+)
+def test_bad_responses_requests_name_the_field(api, fields, error, param):
+    with pytest.raises(error) as info:
+        api.responses.create(model=MODEL, **{"input": "hi", **fields})
+    assert info.value.body["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        api.responses.retrieve("resp_nothing")
+
+
+def test_the_response_store_is_bounded_by_count_and_age():
+    from pagerail.cluster.frontend.responses_api import ResponseStore
+
+    store = ResponseStore(max_responses=2, max_age_s=60.0)
+    for name in ("a", "b", "c"):
+        store.put(name, {"id": name}, [])
+    assert store.get("a") is None and store.get("c").body == {"id": "c"} and len(store) == 2
+    store.max_age_s = 0.0
+    assert store.get("b") is None and len(store) == 1

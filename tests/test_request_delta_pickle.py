@@ -22,6 +22,20 @@ _VALUES = {
     "num_cached_tokens": st.integers(0, 2**20),
     "error": st.one_of(st.none(), st.text(max_size=12)),
     "error_code": st.one_of(st.none(), st.sampled_from(["worker_failure", "session_idle_timeout", "quarantined"])),
+    "prompt_logprobs": st.one_of(
+        st.none(),
+        st.lists(
+            st.one_of(
+                st.none(),
+                st.tuples(
+                    st.floats(allow_nan=False),
+                    st.integers(1, 2**20),
+                    st.dictionaries(st.integers(0, 100), st.floats(allow_nan=False), max_size=3),
+                ),
+            ),
+            max_size=4,
+        ),
+    ),
 }
 
 

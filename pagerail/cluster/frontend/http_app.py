@@ -7,7 +7,7 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.core.errors import QueueFullError
-from pagerail.cluster.frontend import anthropic_messages, openai_routes
+from pagerail.cluster.frontend import anthropic_messages, openai_routes, responses_api
 from pagerail.cluster.frontend.anthropic_messages import MessagesRequest
 from pagerail.cluster.frontend.chat import encode_prompt, render_chat
 from pagerail.cluster.frontend.errors import (
@@ -40,6 +40,7 @@ from pagerail.cluster.frontend.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagerail.cluster.frontend.responses_api import ResponsesRequest, ResponseStore, not_found_response
 from pagerail.cluster.frontend.settings import FrontendSettings
 from pagerail.cluster.frontend.tracing import traced_http
 from pagerail.common.auth import bearer_matches
@@ -64,6 +65,8 @@ class ServerState:
     settings: FrontendSettings  # the served model's name, the API keys, the body limit, the tool-call format
     draining: bool = False
     in_flight: int = 0
+    # Responses kept for previous_response_id and GET /v1/responses/{id}.
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
 
 # The routes that read a JSON body through a model of their own (to answer bad input with OpenAI's 400s rather
@@ -72,6 +75,7 @@ _BODIES = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/messages": MessagesRequest,
+    "/v1/responses": ResponsesRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
@@ -213,6 +217,23 @@ def create_app(state: ServerState) -> FastAPI:
             openai_routes.chat_completions,
             tool_call_parser=state.settings.tool_call_parser,
         )
+
+    @app.post("/v1/responses")
+    async def responses_route(request: Request):
+        return await generation(
+            request,
+            ResponsesRequest,
+            responses_api.responses,
+            tool_call_parser=state.settings.tool_call_parser,
+            store=state.responses,
+        )
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str):
+        kept = state.responses.get(response_id)
+        if kept is None:
+            raise not_found_response(response_id)
+        return kept.body
 
     @app.post("/v1/messages")
     async def anthropic_messages_route(request: Request):
