@@ -540,3 +540,16 @@ def test_the_response_store_is_bounded_by_count_and_age():
     assert store.get("a") is None and store.get("c").body == {"id": "c"} and len(store) == 2
     store.max_age_s = 0.0
     assert store.get("b") is None and len(store) == 1
+
+
+def test_a_json_schema_response_completes_streamed_and_whole(api):
+    text = {"format": {"type": "json_schema", "name": "city", "schema": WEATHER["input_schema"], "strict": True}}
+    whole = api.responses.create(model=MODEL, input="which city?", text=text, max_output_tokens=64, temperature=0)
+    assert whole.status == "completed" and json.loads(whole.output_text)["city"] in ("Oslo", "Paris")
+    events = list(
+        api.responses.create(
+            model=MODEL, input="which city?", text=text, max_output_tokens=64, temperature=0, stream=True
+        )
+    )
+    assert events[-1].type == "response.completed" and events[-1].response.usage.total_tokens > 0
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
