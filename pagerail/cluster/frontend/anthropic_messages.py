@@ -83,7 +83,10 @@ def _text_of(content: str | list[Block] | list[dict] | None, field: str) -> str:
         kind = block.type if isinstance(block, Block) else block.get("type")
         if kind != "text":
             raise bad_request(f"{field} holds a {kind!r} block; only text is supported there", field)
-        texts.append(block.text if isinstance(block, Block) else str(block.get("text", "")))
+        text = block.text if isinstance(block, Block) else block.get("text")
+        if text is not None and not isinstance(text, str):
+            raise bad_request(f"{field} holds a text block whose text is not a string", field)
+        texts.append(text or "")
     return "".join(texts)
 
 

@@ -113,7 +113,10 @@ def _text(content: Any, where: str) -> str:
         if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise bad_request(f"{where}[{number}] is a {kind!r} part; only text is supported", f"{where}[{number}]")
-        texts.append(str(part.get("text", "")))
+        text = part.get("text")
+        if text is not None and not isinstance(text, str):
+            raise bad_request(f"{where}[{number}].text must be a string", f"{where}[{number}].text")
+        texts.append(text or "")
     return "".join(texts)
 
 
