@@ -89,7 +89,13 @@ def _with_request_bodies(app: FastAPI) -> Callable[[], dict]:
         if app.openapi_schema is not None:
             return app.openapi_schema
         schema = build()
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        # Every route but the open ones takes the API key as a bearer token (when the server has one).
+        schema.setdefault("components", {})["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+        for path, operations in schema["paths"].items():
+            if path not in _OPEN_PATHS:
+                for operation in operations.values():
+                    operation["security"] = [{"apiKey": []}]
+        components = schema["components"].setdefault("schemas", {})
         for path, model in _BODIES.items():
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(body.pop("$defs", {}))
