@@ -14,22 +14,18 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.frontend.errors import bad_request, from_validation_error
 from pagerail.cluster.frontend.openai_routes import collect_choices, start_chat
-from pagerail.cluster.frontend.protocol import ChatCompletionRequest
+from pagerail.cluster.frontend.protocol import ChatCompletionRequest, LenientModel
 
 # Chat finish reasons as Anthropic names them.
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class Block(_Lenient):
+class Block(LenientModel):
     """A content block of a turn: text, tool_use (an assistant's call) or tool_result (a user's answer to one)."""
 
     type: Literal["text", "tool_use", "tool_result", "image", "document", "thinking"]
@@ -41,23 +37,23 @@ class Block(_Lenient):
     content: str | list[dict[str, Any]] | None = None
 
 
-class Turn(_Lenient):
+class Turn(LenientModel):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class Tool(_Lenient):
+class Tool(LenientModel):
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
 
 
-class ToolChoice(_Lenient):
+class ToolChoice(LenientModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
 
 
-class MessagesRequest(_Lenient):
+class MessagesRequest(LenientModel):
     """POST /v1/messages, as the anthropic SDK sends it."""
 
     model: str

@@ -30,19 +30,19 @@ _BUILT_APART = frozenset(
 _PASSED_THROUGH = tuple(field.name for field in dataclasses.fields(SamplingParams) if field.name not in _BUILT_APART)
 
 
-class _Lenient(BaseModel):
+class LenientModel(BaseModel):
     # Clients send fields this server does not know (extra_body, vendor options); they are ignored, not refused.
     # Strict types keep "0.5" from passing as a number and true from passing as 1.
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(LenientModel):
     include_usage: bool | None = False
 
 
 class _SamplingRequest(ConstrainedOutputFields):
     """Fields shared by completions and chat; None means "the default", as OpenAI allows explicit nulls.
-    Lenient like _Lenient; response_format and structured_outputs come from ConstrainedOutputFields."""
+    Lenient like LenientModel; response_format and structured_outputs come from ConstrainedOutputFields."""
 
     model: str | None = None  # None: the model this server serves
     max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo (scores the prompt alone)
@@ -191,12 +191,12 @@ class CompletionRequest(_SamplingRequest):
         return params
 
 
-class ContentPart(_Lenient):
+class ContentPart(LenientModel):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(LenientModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -288,7 +288,7 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(LenientModel):
     """POST /tokenize: a completion prompt (text or token ids) or a conversation, rendered as chat renders it."""
 
     model: str | None = None
@@ -296,7 +296,7 @@ class TokenizeRequest(_Lenient):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(LenientModel):
     """POST /detokenize."""
 
     model: str | None = None

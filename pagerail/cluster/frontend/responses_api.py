@@ -18,34 +18,30 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.frontend.errors import APIError, bad_request, from_validation_error
 from pagerail.cluster.frontend.openai_routes import collect_choices, start_chat
-from pagerail.cluster.frontend.protocol import ChatCompletionRequest
+from pagerail.cluster.frontend.protocol import ChatCompletionRequest, LenientModel
 
 # How many responses the store keeps, and for how long (seconds), whichever ends first.
 STORE_MAX_RESPONSES = 1000
 STORE_MAX_AGE_S = 3600.0
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class TextFormat(_Lenient):
+class TextFormat(LenientModel):
     type: Literal["text", "json_schema", "json_object"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class TextSettings(_Lenient):
+class TextSettings(LenientModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Lenient):
+class ResponsesRequest(LenientModel):
     """POST /v1/responses, as the openai SDK sends it."""
 
     model: str | None = None
