@@ -80,7 +80,10 @@ class FakeEngineClient:
                 reason = ("stop" if stopped else "length") if finished else None
                 logprobs = [-0.5] if params.logprobs is not None else []
                 top = [{token: -0.5, (token + 1) % self.vocab_size: -1.5}] if params.logprobs else []
-                yield RequestDelta(request_id, [token], len(prompt), i + 1, finished, reason, logprobs, top)
+                delta = RequestDelta(request_id, [token], len(prompt), i + 1, finished, reason, logprobs, top)
+                if finished and request.pooling is not None:
+                    delta.pooled = [float(sum(prompt) % 7 + 1), float(len(prompt))]  # a stand-in embedding
+                yield delta
                 if finished:
                     return
         finally:

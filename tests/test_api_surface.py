@@ -553,3 +553,76 @@ def test_a_json_schema_response_completes_streamed_and_whole(api):
     )
     assert events[-1].type == "response.completed" and events[-1].response.usage.total_tokens > 0
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+
+
+@pytest.fixture(scope="module")
+def hidden_states(llm):
+    """Final hidden states of transformers on the same weights, for a text's tokens."""
+    import torch
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(llm.model_dir, dtype=torch.float32)
+
+    def states(token_ids: list[int]):
+        with torch.no_grad():
+            return model(torch.tensor([token_ids])).last_hidden_state[0]
+
+    return states
+
+
+def _cosine(a, b) -> float:
+    import torch
+
+    return float(torch.nn.functional.cosine_similarity(torch.tensor(a), torch.as_tensor(b), dim=0))
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
+def test_embeddings_match_transformers_pooling_in_input_order(api, llm, hidden_states, pooling):
+    texts = ["the first input", "a second, longer input that takes more tokens than the first", "3"]
+    answer = api.embeddings.create(model=MODEL, input=texts, encoding_format="float", extra_body={"pooling": pooling})
+    assert [item.index for item in answer.data] == [0, 1, 2]
+    for text, item in zip(texts, answer.data, strict=True):
+        states = hidden_states(llm.tokenizer.encode(text))
+        expected = {"last": states[-1], "mean": states.mean(0), "cls": states[0]}[pooling]
+        assert _cosine(item.embedding, expected) >= 0.999
+        assert abs(sum(x * x for x in item.embedding) - 1.0) < 1e-4  # unit length
+    tokens = sum(len(llm.tokenizer.encode(text)) for text in texts)
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens == tokens
+
+
+def test_base64_embeddings_decode_to_the_same_floats_and_dimensions_cut_them(api):
+    import base64
+    import struct
+
+    floats = api.embeddings.create(model=MODEL, input=[[5, 17, 42], [8, 9]], encoding_format="float")
+    encoded = api.embeddings.with_raw_response.create(
+        model=MODEL, input=[[5, 17, 42], [8, 9]], encoding_format="base64"
+    )
+    for item, raw in zip(floats.data, encoded.http_response.json()["data"], strict=True):
+        data = base64.b64decode(raw["embedding"])
+        assert list(struct.unpack(f"<{len(data) // 4}f", data)) == pytest.approx(item.embedding, abs=1e-7)
+    short = api.embeddings.create(model=MODEL, input=[5, 17, 42], dimensions=16, encoding_format="float").data[0]
+    head = floats.data[0].embedding[:16]
+    norm = sum(x * x for x in head) ** 0.5
+    assert short.embedding == pytest.approx([x / norm for x in head], abs=1e-6) and len(floats.data[0].embedding) > 16
+
+
+def test_llm_embed_equals_the_served_embedding(api, llm):
+    served = api.embeddings.create(model=MODEL, input=[PROMPT], encoding_format="float").data[0].embedding
+    (offline,) = llm.embed([PROMPT])
+    assert offline == pytest.approx(served, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "fields, error, param",
+    [
+        ({"input": []}, openai.BadRequestError, "input"),
+        ({"input": "x", "dimensions": 100000}, openai.BadRequestError, "dimensions"),
+        ({"input": "x", "encoding_format": "int8"}, openai.BadRequestError, "encoding_format"),
+        ({"input": "x", "model": "other"}, openai.NotFoundError, "model"),
+    ],
+)
+def test_bad_embedding_requests_name_the_field(api, fields, error, param):
+    with pytest.raises(error) as info:
+        api.embeddings.create(**{"model": MODEL, **fields})
+    assert info.value.body["param"] == param

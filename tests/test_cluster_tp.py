@@ -90,6 +90,10 @@ def test_tp2_matches_tp1_and_transformers(tp2_llm):
         for ours, theirs in zip(split.prompt_logprobs[1:], alone.prompt_logprobs[1:], strict=True):
             assert ours.keys() == theirs.keys()
             assert all(abs(ours[token] - theirs[token]) < 1e-4 for token in ours)
+    # Embeddings pool the same final hidden states across the ranks' all-reduce as on one rank.
+    for pooling in ("last", "mean"):
+        for split, alone in zip(tp2_llm.embed(PROMPTS, pooling), one_rank.embed(PROMPTS, pooling), strict=True):
+            assert max(abs(a - b) for a, b in zip(split, alone, strict=True)) < 1e-4
 
 
 def test_killed_worker_is_replaced_without_changing_tokens(tp2_llm):

@@ -36,6 +36,7 @@ _VALUES = {
             max_size=4,
         ),
     ),
+    "pooled": st.one_of(st.none(), st.lists(st.floats(allow_nan=False), max_size=4)),
 }
 
 

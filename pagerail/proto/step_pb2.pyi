@@ -58,7 +58,7 @@ class TokenSequence(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("handle", "request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "skip_sampling")
+    __slots__ = ("handle", "request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "skip_sampling", "pooling")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class NewRequest(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SKIP_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     handle: int
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -77,7 +78,8 @@ class NewRequest(_message.Message):
     num_computed_tokens: int
     num_scheduled_tokens: int
     skip_sampling: bool
-    def __init__(self, handle: _Optional[int] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., skip_sampling: _Optional[bool] = ...) -> None: ...
+    pooling: str
+    def __init__(self, handle: _Optional[int] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., skip_sampling: _Optional[bool] = ..., pooling: _Optional[str] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
     __slots__ = ("handle", "new_token_ids", "new_block_ids", "num_scheduled_tokens", "resumed", "num_computed_tokens", "skip_sampling", "num_prompt_tokens", "num_lookahead_tokens")
@@ -159,7 +161,7 @@ class PromptLogprobs(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., start: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "handles", "token_ids", "logprobs", "top_logprobs", "compute_seconds", "forward_seconds", "constraint_done", "constraint_seconds", "error", "moe_collective_bytes", "spec_handles", "spec_counts", "spec_num_drafts", "spec_token_ids", "spec_logprobs", "spec_top_logprobs", "kv_transfer_seconds", "kv_transfer_bytes", "prompt_logprobs")
+    __slots__ = ("step_id", "handles", "token_ids", "logprobs", "top_logprobs", "compute_seconds", "forward_seconds", "constraint_done", "constraint_seconds", "error", "moe_collective_bytes", "spec_handles", "spec_counts", "spec_num_drafts", "spec_token_ids", "spec_logprobs", "spec_top_logprobs", "kv_transfer_seconds", "kv_transfer_bytes", "prompt_logprobs", "pooled")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +182,7 @@ class StepResult(_message.Message):
     KV_TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     handles: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -200,4 +203,13 @@ class StepResult(_message.Message):
     kv_transfer_seconds: float
     kv_transfer_bytes: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., constraint_done: _Optional[_Iterable[int]] = ..., constraint_seconds: _Optional[float] = ..., error: _Optional[str] = ..., moe_collective_bytes: _Optional[int] = ..., spec_handles: _Optional[_Iterable[int]] = ..., spec_counts: _Optional[_Iterable[int]] = ..., spec_num_drafts: _Optional[_Iterable[int]] = ..., spec_token_ids: _Optional[_Iterable[int]] = ..., spec_logprobs: _Optional[_Iterable[float]] = ..., spec_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    pooled: _containers.RepeatedCompositeFieldContainer[PooledOutput]
+    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., constraint_done: _Optional[_Iterable[int]] = ..., constraint_seconds: _Optional[float] = ..., error: _Optional[str] = ..., moe_collective_bytes: _Optional[int] = ..., spec_handles: _Optional[_Iterable[int]] = ..., spec_counts: _Optional[_Iterable[int]] = ..., spec_num_drafts: _Optional[_Iterable[int]] = ..., spec_token_ids: _Optional[_Iterable[int]] = ..., spec_logprobs: _Optional[_Iterable[float]] = ..., spec_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ...) -> None: ...
+
+class PooledOutput(_message.Message):
+    __slots__ = ("handle", "values")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, handle: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...

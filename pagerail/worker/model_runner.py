@@ -26,6 +26,7 @@ from pagerail.worker.layers.attention import decode_path
 from pagerail.worker.layers.moe import moe_comm_bytes
 from pagerail.worker.parallel_state import TensorParallelGroup
 from pagerail.worker.penalty_state import PenaltyState
+from pagerail.worker.pooling import pool_prompt_rows
 from pagerail.worker.prompt_logprobs import prompt_spans, span_rows, write_prompt_logprobs
 from pagerail.worker.request_state import RequestState, RequestStates, sampling_row
 from pagerail.worker.sampler import Sampler, row_argmax
@@ -232,6 +233,8 @@ class ModelRunner:
                 result.forward_seconds = time.perf_counter() - forward_started
             if spans and self.tp.rank == 0:
                 write_prompt_logprobs(result, spans, prompt_logits, self.readback)
+            if self.states.any_pooling and self.tp.rank == 0:
+                pool_prompt_rows(flat.ordered, hidden, result)
             token_ids = None
             if flat.sample_states and self.tp.rank == 0:
                 with traced(_tracer, "sample"):

@@ -40,6 +40,10 @@ class RequestState:
     # proposed for this step (appended to token_ids until the step keeps or drops them).
     num_lookahead: int = 0
     drafts: list[int] | None = None
+    # An embedding request: how it pools its prompt ("last", "mean", "cls"; empty for generation), and what it
+    # has pooled so far (a running sum for "mean", the first row for "cls").
+    pooling: str = ""
+    pooled: torch.Tensor | None = None
 
     def seeded_generator(self, ahead: int = 0) -> torch.Generator | None:
         """The generator for this request's next token (or the one `ahead` positions after it, for a draft's
@@ -123,11 +127,17 @@ class RequestStates:
         # look at each request of a step.
         self._num_not_argmax_only = 0
         self._num_prompt_logprobs = 0  # states that score their prompt: a step looks for their rows
+        self._num_pooling = 0  # embedding requests: a step pools their prompt rows
 
     @property
     def all_argmax_only(self) -> bool:
         """True when every request held here samples each token as the argmax of its logits."""
         return not self._num_not_argmax_only
+
+    @property
+    def any_pooling(self) -> bool:
+        """True when some request held here is an embedding request."""
+        return bool(self._num_pooling)
 
     @property
     def any_prompt_logprobs(self) -> bool:
@@ -160,6 +170,7 @@ class RequestStates:
                 num_scheduled_tokens=new.num_scheduled_tokens,
                 skip_sampling=new.skip_sampling,
                 argmax_only=argmax_only(sampling),
+                pooling=new.pooling,
             )
             self._drop(states.get(new.handle))
             states[new.handle] = state
@@ -167,6 +178,8 @@ class RequestStates:
                 self._num_not_argmax_only += 1
             if sampling.prompt_logprobs is not None:
                 self._num_prompt_logprobs += 1
+            if state.pooling:
+                self._num_pooling += 1
             scheduled.append(state)
         for delta in batch.cached_requests:
             state = states[delta.handle]
@@ -203,6 +216,8 @@ class RequestStates:
             self._num_not_argmax_only -= 1
         if state.sampling.prompt_logprobs is not None:
             self._num_prompt_logprobs -= 1
+        if state.pooling:
+            self._num_pooling -= 1
         if self.on_drop is not None:
             self.on_drop(state)
 

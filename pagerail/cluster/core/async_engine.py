@@ -44,6 +44,7 @@ def delta_of(request: Request, start: int = 0) -> RequestDelta:
         error=request.error,
         error_code=request.error_code,
         prompt_logprobs=request.prompt_logprobs if start == 0 else None,
+        pooled=request.pooled if request.finished else None,
     )
 
 

@@ -190,7 +190,7 @@ class EngineCore:
             input_open=not request.final,
             output_token_ids=list(resumed),
             num_reported_tokens=len(resumed),  # produced elsewhere: not this engine's generated tokens
-            speculative=self.speculation.eligible(params, request.final),
+            speculative=request.pooling is None and self.speculation.eligible(params, request.final),
         )
         if resumed and params.logprobs is not None:
             # Logprobs stay aligned with the outputs; the resumed ones are never sent again, so these are never read.
@@ -325,6 +325,12 @@ class EngineCore:
             self.metrics.observe_speculation(self.speculation, spec_runs)
         if result.prompt_logprobs:
             keep_prompt_logprobs(step.out, result.prompt_logprobs)
+        if result.pooled:
+            by_handle = {item.request.handle: item.request for item in step.out.scheduled}
+            for entry in result.pooled:
+                request = by_handle.get(entry.handle)
+                if request is not None:
+                    request.pooled = list(entry.values)
         changed = self.scheduler.update_from_output(
             step.out, sampled, frozenset(result.constraint_done), logprobs, spec_runs
         )

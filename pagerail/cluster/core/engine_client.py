@@ -30,6 +30,8 @@ class RequestDelta:
     # With prompt_logprobs, on the request's first delta: per prompt position, (logprob, rank, top logprobs) of
     # its token given the ones before it; position 0 (nothing before it) is None.
     prompt_logprobs: list[tuple[float, int, dict[int, float]] | None] | None = None
+    # An embedding request's pooled vector, on its last delta.
+    pooled: list[float] | None = None
 
     def __reduce__(self):
         # A head sends hundreds of deltas per step to each frontend. Pickled as its fields in order, a delta is
@@ -49,6 +51,7 @@ class RequestDelta:
                 self.error,
                 self.error_code,
                 self.prompt_logprobs,
+                self.pooled,
             ),
         )
 

@@ -8,7 +8,10 @@ from dataclasses import dataclass, field, replace
 
 from pagerail.common.sampling_params import SamplingParams, check_int
 
-__all__ = ["EngineRequest", "SiblingGroup"]
+__all__ = ["POOLING_TYPES", "EngineRequest", "SiblingGroup"]
+
+# How an embedding request pools its prompt's final hidden states (vLLM's LAST, MEAN and CLS).
+POOLING_TYPES = ("last", "mean", "cls")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +52,9 @@ class EngineRequest:
     group: SiblingGroup | None = None
     # False: the caller wants the output once, when the request ends (no delta per step to make and hand over).
     stream: bool = True
+    # An embedding request: the prompt's final hidden states pooled into one vector ("last" token, "mean" over the
+    # prompt, or "cls", its first token), returned with the request's end; None: a generation request.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -76,6 +82,8 @@ class EngineRequest:
         if resumed and not self.final:
             # A session's prompt is still growing: there is no fixed prompt for the outputs to follow.
             raise ValueError("resumed_output_token_ids require final=True (a streaming-input session cannot resume)")
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
         if self.group is not None and not isinstance(self.group, SiblingGroup):
             raise ValueError(f"group must be a SiblingGroup or None, got {type(self.group).__name__}")
 

@@ -57,6 +57,8 @@ class Request:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     # With prompt_logprobs: per prompt position, (logprob, rank, top logprobs) once scored; position 0 stays None.
     prompt_logprobs: list[tuple[float, int, dict[int, float]] | None] | None = None
+    # An embedding request's pooled vector, once its prompt was computed to the end.
+    pooled: list[float] | None = None
     num_computed_tokens: int = 0
     # Scheduled in steps the ranks have not answered yet: tokens being computed, and tokens being sampled.
     # The scheduler plans the next step as if they were done (its placeholders); the answer confirms them.

@@ -266,7 +266,10 @@ class Scheduler:
             admitted = not self.block_table.has_request(request.request_id)
             # A prompt whose logprobs are asked for is computed whole until they are out (the first token):
             # the logprobs come from its rows' logits, which a prefix-cache hit would skip.
-            scores_prompt = request.sampling_params.prompt_logprobs is not None and not request.output_token_ids
+            # So is an embedding request's, whose vector pools its prompt rows' hidden states.
+            scores_prompt = not request.output_token_ids and (
+                request.sampling_params.prompt_logprobs is not None or request.envelope.pooling is not None
+            )
             if admitted:
                 if not scores_prompt:
                     cached = self.block_table.find_cached_prefix(request.all_token_ids)

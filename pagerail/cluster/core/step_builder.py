@@ -80,6 +80,7 @@ class StepMessageBuilder:
                         num_computed_tokens=request.num_computed_tokens,
                         num_scheduled_tokens=item.num_tokens,
                         skip_sampling=item.skip_sampling,
+                        pooling=request.envelope.pooling or "",
                     )
                 )
             else:

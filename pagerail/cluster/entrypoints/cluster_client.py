@@ -83,6 +83,10 @@ class ClusterClient:
     async def _start_pool(self) -> None:
         self.pool.start()
 
+    def call(self, coroutine: Coroutine) -> Any:
+        """Run `coroutine` (which may use `client`) on the loop the client lives on; its result."""
+        return self._loop.run(coroutine)
+
     def run(self, outputs: Sequence[RequestOutput], params: Sequence[SamplingParams], tokenizer: Any) -> None:
         """Generate every prompt's choices at once, filling `outputs` in place."""
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import queue
 import uuid
@@ -19,6 +20,7 @@ from pagerail.cluster.core.outputs import CompletionOutput, RequestOutput
 from pagerail.cluster.distributed.cluster_options import DEFAULT_OPTIONS
 from pagerail.cluster.distributed.local_executor import InProcessExecutor
 from pagerail.cluster.frontend.bad_words import with_bad_words
+from pagerail.cluster.frontend.embeddings import finish_vector, pooled_vectors
 from pagerail.cluster.frontend.output_processor import ChoiceState, append_choice, fan_out
 from pagerail.common import telemetry
 from pagerail.common.engine_args import engine_config
@@ -125,6 +127,22 @@ class LLM:
         else:
             self._run_in_process(outputs, params_list)
         return outputs
+
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", normalize: bool = True
+    ) -> list[list[float]]:
+        """Each prompt's embedding: its final hidden states pooled ("last" token, "mean", or "cls", the first),
+        scaled to unit length unless `normalize` is False; in prompt order, the prompts batched together."""
+        prompts = _as_prompt_list(prompts)
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down; create a new one")
+        token_ids = [self._encode(prompt) for prompt in prompts]
+        request_id = f"embed-{next(self._ids)}"
+        if self._cluster is not None:
+            vectors = self._cluster.call(pooled_vectors(self._cluster.client, token_ids, pooling, request_id))
+        else:
+            vectors = asyncio.run(pooled_vectors(self.engine_client, token_ids, pooling, request_id))
+        return [finish_vector(vector, None, normalize) for vector in vectors]
 
     def chat(
         self,

@@ -18,9 +18,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.core.errors import QueueFullError
-from pagerail.cluster.frontend import anthropic_messages, openai_routes, responses_api
+from pagerail.cluster.frontend import anthropic_messages, embeddings, openai_routes, responses_api
 from pagerail.cluster.frontend.anthropic_messages import MessagesRequest
 from pagerail.cluster.frontend.chat import encode_prompt, render_chat
+from pagerail.cluster.frontend.embeddings import EmbeddingRequest
 from pagerail.cluster.frontend.errors import (
     APIError,
     bad_request,
@@ -76,6 +77,7 @@ _BODIES = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/messages": MessagesRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/embeddings": EmbeddingRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
@@ -223,6 +225,10 @@ def create_app(state: ServerState) -> FastAPI:
             openai_routes.chat_completions,
             tool_call_parser=state.settings.tool_call_parser,
         )
+
+    @app.post("/v1/embeddings")
+    async def embeddings_route(request: Request):
+        return await generation(request, EmbeddingRequest, embeddings.embeddings)
 
     @app.post("/v1/responses")
     async def responses_route(request: Request):

@@ -161,9 +161,9 @@ class CompletionRequest(_SamplingRequest):
         shape = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
         if not isinstance(value, list) or not value:
             raise ValueError(shape + (" (got an empty list)" if value == [] else ""))
-        if all(isinstance(p, str) for p in value) or all(_is_token_id(t) for t in value):
+        if all(isinstance(p, str) for p in value) or all(is_token_id(t) for t in value):
             return value
-        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
+        if all(isinstance(p, list) and p and all(is_token_id(t) for t in p) for p in value):
             return value
         raise ValueError(shape)
 
@@ -284,7 +284,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._build(max_tokens, default_max_tokens, logprobs)
 
 
-def _is_token_id(value: Any) -> bool:
+def is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -1,0 +1,39 @@
+"""Embedding requests on a rank: their prompt's final hidden states pooled into one vector per request.
+
+An embedding request computes its prompt like any prefill (chunked or not); the rows of its prompt positions
+are pooled as they are computed ("mean" keeps a running sum across chunks, "cls" keeps the first position's row),
+and the step that computes the prompt's last position answers the vector ("last": that row itself).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagerail.proto import step_pb2
+from pagerail.worker.request_state import RequestState
+
+
+def pool_prompt_rows(ordered: list[RequestState], hidden: torch.Tensor, result: step_pb2.StepResult) -> None:
+    """Pool this step's prompt rows of every embedding request (rows follow `ordered`, each request owning
+    num_scheduled_tokens consecutive rows); a request whose prompt ends in this step gets its vector in `result`.
+    Call before the step advances the states."""
+    row = 0
+    for state in ordered:
+        count = state.num_scheduled_tokens
+        if state.pooling:
+            first = state.num_computed_tokens
+            end = state.num_prompt_tokens
+            stop = min(first + count, end)
+            if stop > first:
+                rows = hidden[row : row + stop - first].float()
+                if first == 0:  # the prompt starts over (first chunk, or recomputed after preemption)
+                    state.pooled = rows[0].clone() if state.pooling == "cls" else None
+                if state.pooling == "mean":
+                    total = rows.sum(dim=0)
+                    state.pooled = total if state.pooled is None or first == 0 else state.pooled + total
+                if stop == end:
+                    vector = rows[-1] if state.pooling == "last" else state.pooled
+                    if state.pooling == "mean":
+                        vector = vector / end
+                    result.pooled.add(handle=state.handle, values=vector.tolist())
+        row += count
