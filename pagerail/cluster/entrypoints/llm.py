@@ -13,6 +13,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from pagerail.cluster.core.async_engine import AsyncEngine, OutputBatch
+from pagerail.cluster.core.embedding import finish_vector, pooled_vectors
 from pagerail.cluster.core.engine import EngineCore
 from pagerail.cluster.core.local_client import LocalEngineClient
 from pagerail.cluster.core.model_info import read_model_info
@@ -20,7 +21,6 @@ from pagerail.cluster.core.outputs import CompletionOutput, RequestOutput
 from pagerail.cluster.distributed.cluster_options import DEFAULT_OPTIONS
 from pagerail.cluster.distributed.local_executor import InProcessExecutor
 from pagerail.cluster.frontend.bad_words import with_bad_words
-from pagerail.cluster.frontend.embeddings import finish_vector, pooled_vectors
 from pagerail.cluster.frontend.output_processor import ChoiceState, append_choice, fan_out
 from pagerail.common import telemetry
 from pagerail.common.engine_args import engine_config
