@@ -105,3 +105,26 @@ def test_two_ranks_match_single_rank(local_ray, tmp_path):
     finally:
         torch.set_num_threads(threads)
         ray.get([actor.stop.remote() for actor in ranks], timeout=TIMEOUT_S)
+
+
+def test_a_ranks_non_builtin_error_reaches_the_head_as_a_builtin_one():
+    """Unpickling a torch error on the head would import torch there; ValueError and other builtins pass as is."""
+    import pickle
+
+    import pytest
+
+    from pagerail.worker.actor import builtin_errors
+
+    class DistStoreError(RuntimeError):  # stands in for torch.distributed's, defined outside builtins
+        pass
+
+    @builtin_errors
+    def fails(error):
+        raise error
+
+    with pytest.raises(RuntimeError) as info:
+        fails(DistStoreError("wait timeout after 20000ms"))
+    assert type(info.value) is RuntimeError and "DistStoreError: wait timeout" in str(info.value)
+    assert type(pickle.loads(pickle.dumps(info.value))) is RuntimeError
+    with pytest.raises(ValueError, match="cannot split"):
+        fails(ValueError("cannot split"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import logging
 import os
 import socket
@@ -35,6 +36,23 @@ DEFAULT_DIST_TIMEOUT_S = 300.0
 _STOP_GRACE_S = 2.0
 # Before sizing its KV cache, a rank on a GPU waits (at most this long) for the free memory to stop rising.
 _MEMORY_SETTLE_TIMEOUT_S = 10.0
+
+
+def builtin_errors(method):
+    """Raise the method's errors as builtin exceptions: an error a rank sends the head crosses Ray pickled, and
+    unpickling a torch one (a KV channel's DistStoreError when the other replica died) made the head import torch,
+    250 MiB it otherwise never loads. Builtin errors (a model the group cannot split: ValueError) pass unchanged."""
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except Exception as error:
+            if type(error).__module__ == "builtins":
+                raise
+            raise RuntimeError(f"{type(error).__module__}.{type(error).__qualname__}: {error}") from None
+
+    return wrapped
 
 
 def _ray_initialized() -> bool:
@@ -115,6 +133,7 @@ class WorkerActor:
         """Export the spans this rank still buffers; the head asks on its own flush and before stopping the rank."""
         return telemetry.flush()
 
+    @builtin_errors
     def start(self, rendezvous: str, timeout_s: float = DEFAULT_DIST_TIMEOUT_S) -> dict[str, Any]:
         """Join the process group at `rendezvous` ('host:port' from rank 0's reserve_port), load the shard, serve.
 
@@ -158,14 +177,17 @@ class WorkerActor:
             "node_id": _node_id(),
         }
 
+    @builtin_errors
     def export_blocks(self, block_ids: list[int]):
         """This rank's KV heads of `block_ids` (worker/kv_transfer.py), for a request moving to another replica."""
         return self.worker.export_blocks(block_ids)
 
+    @builtin_errors
     def import_host(self, slots: list[int], data) -> None:
         """Every KV head of blocks from another replica into this rank's host slots (its own heads of them)."""
         self.worker.import_host(slots, data)
 
+    @builtin_errors
     def kv_channel_open(
         self, channel_id: str, host: str, port: int, group_rank: int, senders: int, receivers: int,
         transfer_base_s: float | None = None,
@@ -179,12 +201,14 @@ class WorkerActor:
             host, port, group_rank, senders, receivers, self.worker.device, transfer_base_s=base_s
         )
 
+    @builtin_errors
     def kv_send(self, channel_id: str, block_ids: list[int]) -> int:
         """This rank's heads of `block_ids` over the channel to the receiving ranks; the bytes sent."""
         data = self.worker.export_blocks(block_ids)
         with self._dropped_on_failure(channel_id) as channel:
             return channel.send(data, self.worker.kv_layout["num_kv_heads"])
 
+    @builtin_errors
     def kv_receive(self, channel_id: str, slots: list[int], shape: tuple[int, ...], dtype: str) -> None:
         """Blocks from the channel into this rank's host slots (its own KV heads of them)."""
         if self.worker.host_kv is None:
