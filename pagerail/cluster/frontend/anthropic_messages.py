@@ -18,7 +18,7 @@ from pydantic import Field, ValidationError
 
 from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.frontend.errors import bad_request, from_validation_error
-from pagerail.cluster.frontend.openai_routes import collect_choices, start_chat
+from pagerail.cluster.frontend.openai_routes import start_chat
 from pagerail.cluster.frontend.protocol import ChatCompletionRequest, LenientModel
 
 # Chat finish reasons as Anthropic names them.
@@ -229,10 +229,7 @@ async def messages(
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    collected = await collect_choices([run.stream])
-    deltas = collected.get(0, [])
-    message = out.message("".join(d.text for d in deltas))
-    reason = out.finish_reason(deltas[-1].finish_reason if deltas else "stop")
+    message, reason = await run.whole_message()
     return JSONResponse(
         {
             **opening,

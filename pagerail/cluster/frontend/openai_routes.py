@@ -242,6 +242,13 @@ class ChatRun:
     usage: Usage
     prompt_ids: list[int]
 
+    async def whole_message(self) -> tuple[dict, str | None]:
+        """The single choice's whole assistant message (tool calls read out) and its finish reason."""
+        deltas = (await collect_choices([self.stream])).get(0, [])
+        out = self.output(0)
+        message = out.message("".join(delta.text for delta in deltas))
+        return message, out.finish_reason(deltas[-1].finish_reason if deltas else "stop")
+
 
 async def start_chat(
     body: ChatCompletionRequest,

@@ -22,7 +22,7 @@ from pydantic import Field, ValidationError
 
 from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.frontend.errors import APIError, bad_request, from_validation_error
-from pagerail.cluster.frontend.openai_routes import collect_choices, start_chat
+from pagerail.cluster.frontend.openai_routes import start_chat
 from pagerail.cluster.frontend.protocol import ChatCompletionRequest, LenientModel
 
 # How many responses the store keeps, and for how long (seconds), whichever ends first.
@@ -421,7 +421,5 @@ async def responses(
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    collected = await collect_choices([run.stream])
-    deltas = collected.get(0, [])
-    reason = out.finish_reason(deltas[-1].finish_reason if deltas else "stop")
-    return JSONResponse(finished(out.message("".join(d.text for d in deltas)), reason))
+    message, reason = await run.whole_message()
+    return JSONResponse(finished(message, reason))
