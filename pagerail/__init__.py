@@ -3,9 +3,18 @@
 import importlib
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputs",
+    "RequestOutput",
+    "CompletionOutput",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+]
 
 if TYPE_CHECKING:
+    from pagerail.cluster.core.beam_search import BeamSearchOutput, BeamSearchParams
     from pagerail.cluster.core.outputs import CompletionOutput, RequestOutput
     from pagerail.cluster.entrypoints.llm import LLM
     from pagerail.common.sampling_params import SamplingParams
@@ -18,6 +27,8 @@ _HOMES = {
     "CompletionOutput": "pagerail.cluster.core.outputs",
     "SamplingParams": "pagerail.common.sampling_params",
     "StructuredOutputs": "pagerail.common.structured_outputs",
+    "BeamSearchParams": "pagerail.cluster.core.beam_search",
+    "BeamSearchOutput": "pagerail.cluster.core.beam_search",
 }
 
 

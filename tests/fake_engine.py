@@ -28,6 +28,7 @@ class FakeEngineClient:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset({eos_token_id})
         self.max_waiting = max_waiting
         self.step_delay_s = step_delay_s
         self.vary_by_seed = vary_by_seed

@@ -626,3 +626,46 @@ def test_bad_embedding_requests_name_the_field(api, fields, error, param):
     with pytest.raises(error) as info:
         api.embeddings.create(**{"model": MODEL, **fields})
     assert info.value.body["param"] == param
+
+
+def test_beam_search_answers_the_n_best_beams_as_llm_beam_search_does(api, llm):
+    from pagerail import BeamSearchParams
+
+    (offline,) = llm.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5))
+    extra = {"use_beam_search": True, "length_penalty": 0.5}
+    served = api.completions.create(model=MODEL, prompt=PROMPT, n=3, max_tokens=6, temperature=0, extra_body=extra)
+    assert [c.text for c in served.choices] == [s.text for s in offline.sequences]
+    assert [c.index for c in served.choices] == [0, 1, 2]
+    assert served.usage.completion_tokens == sum(len(s.token_ids) for s in offline.sequences)
+    chat = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=4, extra_body=extra
+    )
+    assert len(chat.choices) == 2 and chat.choices[0].message.content != chat.choices[1].message.content
+
+
+def test_best_of_answers_the_choices_with_the_highest_summed_logprob(api):
+    fields = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    every = api.completions.create(n=4, logprobs=0, extra_body={"ignore_eos": True}, **fields)
+    ranked = sorted(every.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    assert [c.index for c in ranked[:2]] != [0, 1]  # so answering the first two would fail below
+    best = api.completions.create(n=2, best_of=4, extra_body={"ignore_eos": True}, **fields)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == every.usage.completion_tokens  # all four ran
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"n": 2, "best_of": 1}, "best_of"),
+        ({"best_of": 2, "stream": True}, "best_of"),
+        ({"extra_body": {"use_beam_search": True}, "stream": True}, "stream"),
+        ({"extra_body": {"use_beam_search": True}, "temperature": 0.7}, "temperature"),
+        ({"extra_body": {"use_beam_search": True}, "n": 11}, "n"),
+        ({"extra_body": {"use_beam_search": True}, "stop": ["x"]}, "stop"),
+    ],
+)
+def test_bad_best_of_and_beam_requests_are_400_naming_the_field(api, fields, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, **fields)
+    assert info.value.body["param"] == param

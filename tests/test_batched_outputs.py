@@ -213,7 +213,7 @@ def test_head_streams_get_every_token_once_in_one_message_per_step(tmp_path):
             .remote(config, ClusterOptions(), secrets.token_urlsafe(16))
         )
         ray.get(head.ready.remote())
-        client = HeadEngineClient(head, "tiny", {"max_model_len": 256, "vocab_size": VOCAB})
+        client = HeadEngineClient(head, "tiny", {"max_model_len": 256, "vocab_size": VOCAB, "eos_token_ids": []})
         plans = make_plans("ray")
 
         async def scenario() -> None:

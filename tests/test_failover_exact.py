@@ -43,6 +43,7 @@ class DyingReplica:
     def __init__(self, inner: LocalEngineClient, fate: dict) -> None:
         self.inner = inner
         self.model_name, self.max_model_len, self.vocab_size = inner.model_name, inner.max_model_len, inner.vocab_size
+        self.eos_token_ids = inner.eos_token_ids
         self.fate = fate
         self.requests: list[EngineRequest] = []
 

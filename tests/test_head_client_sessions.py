@@ -51,7 +51,7 @@ class _Head:
 def test_a_chunk_sent_before_the_session_is_admitted_waits_for_the_admission():
     async def scenario() -> list[str]:
         head = _Head()
-        client = HeadEngineClient(head, "tiny", {"max_model_len": 64, "vocab_size": 100})
+        client = HeadEngineClient(head, "tiny", {"max_model_len": 64, "vocab_size": 100, "eos_token_ids": []})
         request = EngineRequest("s1", [1, 2, 3], SamplingParams(max_tokens=4), final=False)
         stream = client.generate(request)
         first = asyncio.ensure_future(anext(stream))
@@ -76,7 +76,7 @@ def test_a_chunk_of_an_admitted_session_goes_out_at_once():
     async def scenario() -> list[str]:
         head = _Head()
         head.admit.set()
-        client = HeadEngineClient(head, "tiny", {"max_model_len": 64, "vocab_size": 100})
+        client = HeadEngineClient(head, "tiny", {"max_model_len": 64, "vocab_size": 100, "eos_token_ids": []})
         stream = client.generate(EngineRequest("s2", [1, 2], SamplingParams(max_tokens=4), final=False))
         first = asyncio.ensure_future(anext(stream))
         for _ in range(5):

@@ -51,6 +51,7 @@ class Dying:
     def __init__(self, inner, after: int | None = None, export_fails: bool = False) -> None:
         self.inner, self.after, self.export_fails = inner, after, export_fails
         self.model_name, self.max_model_len, self.vocab_size = inner.model_name, inner.max_model_len, inner.vocab_size
+        self.eos_token_ids = inner.eos_token_ids
         self.dead = False
 
     async def generate(self, request):

@@ -34,6 +34,7 @@ class Recorder:
     def __init__(self, inner: LocalEngineClient, die_after: int | None = None) -> None:
         self.inner = inner
         self.model_name, self.max_model_len, self.vocab_size = inner.model_name, inner.max_model_len, inner.vocab_size
+        self.eos_token_ids = inner.eos_token_ids
         self.die_after = die_after
         self.refuse_after_s: float | None = None  # refuse every request as full, this long after it came
         self.dead = False

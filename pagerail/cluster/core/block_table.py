@@ -110,6 +110,8 @@ class BlockTable:
         # The computed-token count at which each request's next block becomes full (prefix caching on) or, with a
         # sliding window, leaves the window, whichever comes first: from then on commit_computed has work.
         self._hash_due: dict[str, int] = {}
+        # The most blocks requests held at once since the last reset_peak (how much sharing saved, for example).
+        self.peak_used_blocks = 0
 
     # ------------------------------------------------------------------ sizes
 
@@ -129,6 +131,10 @@ class BlockTable:
     @property
     def num_used_blocks(self) -> int:
         return self._num_blocks - len(self._free_queue)
+
+    def reset_peak(self) -> None:
+        """Start peak_used_blocks again from the blocks held now."""
+        self.peak_used_blocks = self.num_used_blocks
 
     @property
     def usage(self) -> float:
@@ -274,6 +280,7 @@ class BlockTable:
             self._ref_counts[block_id] = 1
         req.block_ids.extend(new_ids)
         self._slots[request_id] = len(req.block_ids) * self._block_size
+        self.peak_used_blocks = max(self.peak_used_blocks, self._num_blocks - len(self._free_queue))
         return new_ids
 
     def commit_computed(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:

@@ -103,6 +103,7 @@ class EngineClient(Protocol):
     model_name: str
     max_model_len: int
     vocab_size: int
+    eos_token_ids: frozenset[int]  # the tokens that end a sequence (unless a request ignores them)
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]: ...
 

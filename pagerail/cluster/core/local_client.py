@@ -17,6 +17,7 @@ class LocalEngineClient:
         self.model_name = model_name
         self.max_model_len = engine.engine.max_model_len
         self.vocab_size = engine.engine.vocab_size
+        self.eos_token_ids = engine.engine.eos_token_ids
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
         return self._engine.stream(request)

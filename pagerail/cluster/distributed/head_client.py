@@ -69,11 +69,12 @@ class HeadEngineClient:
     together, one message per engine step, on one stream per head."""
 
     def __init__(self, head, model_name: str, model_info: dict) -> None:
-        """`model_info`: the head's model_info() (max_model_len, vocab_size)."""
+        """`model_info`: the head's model_info() (max_model_len, vocab_size, eos_token_ids)."""
         self._head = head
         self.model_name = model_name
         self.max_model_len = model_info["max_model_len"]
         self.vocab_size = model_info["vocab_size"]
+        self.eos_token_ids = frozenset(model_info["eos_token_ids"])
         self._reader: _OutputReader | None = None
         # Requests whose submit call has not returned yet: a session's next chunk waits for its admission. The
         # head runs its actor calls as coroutines, so a chunk sent at once could reach its engine before the

@@ -13,6 +13,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from pagerail.cluster.core.async_engine import AsyncEngine, OutputBatch
+from pagerail.cluster.core.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagerail.cluster.core.embedding import finish_vector, pooled_vectors
 from pagerail.cluster.core.engine import EngineCore
 from pagerail.cluster.core.local_client import LocalEngineClient
@@ -143,6 +144,35 @@ class LLM:
         else:
             vectors = asyncio.run(pooled_vectors(self.engine_client, token_ids, pooling, request_id))
         return [finish_vector(vector, None, normalize) for vector in vectors]
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Each prompt's `params.beam_width` best sequences by beam search (transformers' selection and length
+        penalty), best first; the prompts' beams run batched together, in prompt order."""
+        prompts = _as_prompt_list(prompts)
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down; create a new one")
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        token_ids = [self._encode(prompt) for prompt in prompts]
+        request_id = f"beam-{next(self._ids)}"
+
+        async def search_all(engine) -> list:
+            searches = (
+                beam_search(engine, ids, params, f"{request_id}-{n}", engine.eos_token_ids)
+                for n, ids in enumerate(token_ids)
+            )
+            return list(await asyncio.gather(*searches))
+
+        if self._cluster is not None:
+            results = self._cluster.call(search_all(self._cluster.client))
+        else:
+            results = asyncio.run(search_all(self.engine_client))
+        outputs = []
+        for prompt, ids, sequences in zip(prompts, token_ids, results, strict=True):
+            for sequence in sequences if self.tokenizer is not None else ():
+                sequence.text = self.tokenizer.decode(sequence.token_ids, skip_special_tokens=True)
+            outputs.append(BeamSearchOutput(prompt if isinstance(prompt, str) else None, ids, sequences))
+        return outputs
 
     def chat(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from opentelemetry import trace
 
 from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.frontend.bad_words import with_bad_words
+from pagerail.cluster.frontend.beam_choices import beam_choices
 from pagerail.cluster.frontend.chat import encode_prompt, render_chat
 from pagerail.cluster.frontend.chat_output import ChoiceOutput
 from pagerail.cluster.frontend.constraints import check_output_constraint
@@ -135,12 +137,28 @@ async def completions(
     keep = _truncation(body)
     whole = [encode_prompt(tokenizer, prompt, engine.vocab_size) for prompt in prompts]
     encoded = [truncate_prompt(ids, keep, engine.max_model_len) for ids in whole]
-    params = [_sampling(body, engine, len(ids), tokenizer) for ids in encoded]
-    if params:  # every prompt has the same constraint
-        await check_output_constraint(params[0], tokenizer, engine.vocab_size, body.output_constraint()[1])
     created = int(time.time())
     completion_id = f"cmpl-{label or request_id}"
     engine_id = f"cmpl-{request_id}"
+    if body.use_beam_search:
+        usage = Usage()
+        beams = await beam_choices(engine, tokenizer, body, encoded, engine_id, usage)
+        width = body.n or 1
+        choices = [
+            {"index": number * width + rank, "text": beam.text, "logprobs": None, "finish_reason": beam.finish_reason}
+            for number, group in enumerate(beams)
+            for rank, beam in enumerate(group)
+        ]
+        return _whole_response(completion_id, "text_completion", created, served, choices, usage)
+    n = body.n or 1
+    # best_of > n: best_of choices run (their logprobs kept to rank them), the best n are answered.
+    best_of = body.best_of if body.best_of is not None and body.best_of > n else None
+    params = [_sampling(body, engine, len(ids), tokenizer) for ids in encoded]
+    if best_of is not None:
+        logprobs = params[0].logprobs if params[0].logprobs is not None else 0
+        params = [dataclasses.replace(sp, n=best_of, logprobs=logprobs) for sp in params]
+    if params:  # every prompt has the same constraint
+        await check_output_constraint(params[0], tokenizer, engine.vocab_size, body.output_constraint()[1])
     annotate_request(trace.get_current_span(), completion_id, body.model or served, params[0] if params else None)
     usage = Usage()
     streams = []
@@ -154,7 +172,6 @@ async def completions(
         shown = [p if len(ids) == len(w) else ids for p, ids, w in zip(prompts, encoded, whole, strict=True)]
         echoes = [Echo.of(tokenizer, p, ids, body.max_tokens == 0) for p, ids in zip(shown, encoded, strict=True)]
     wants_logprobs = body.logprobs is not None
-    n = params[0].n if params else 1
 
     if body.stream:
         chunks = ChunkEvents(completion_id, "text_completion", created, served)
@@ -191,6 +208,8 @@ async def completions(
         return StreamingResponse(events(), media_type="text/event-stream")
 
     collected = await collect_choices(streams)
+    if best_of is not None:
+        collected = _best_n(collected, best_of, n)
     choices = []
     for index in sorted(collected):
         deltas = collected[index]
@@ -212,6 +231,18 @@ async def completions(
             choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, encoded[index // n], first.prompt_logprobs)
         choices.append(choice)
     return _whole_response(completion_id, "text_completion", created, served, choices, usage)
+
+
+def _best_n(collected: dict[int, list[ChoiceDelta]], best_of: int, n: int) -> dict[int, list[ChoiceDelta]]:
+    """Of each prompt's best_of choices, the n whose tokens have the highest summed logprob, best first, indexed as
+    the response numbers them (prompt × n + rank)."""
+    kept = {}
+    for number in range(max(collected, default=-1) // best_of + 1):
+        group = [collected[i] for i in range(number * best_of, (number + 1) * best_of) if i in collected]
+        group.sort(key=lambda deltas: -sum(logprob for delta in deltas for logprob in delta.logprobs))
+        for rank, deltas in enumerate(group[:n]):
+            kept[number * n + rank] = [dataclasses.replace(delta, index=rank) for delta in deltas]
+    return kept
 
 
 # -- chat ------------------------------------------------------------------------------------------
@@ -298,6 +329,22 @@ async def chat_completions(
     `on_stream_end` runs once a streamed response's last event was sent (or its client left)."""
     created = int(time.time())
     chat_id = f"chatcmpl-{label or request_id}"
+    if body.use_beam_search:
+        _check_model(body.model, served)
+        prompt_ids = render_chat(tokenizer, body.messages, None)
+        prompt_ids = truncate_prompt(prompt_ids, _truncation(body), engine.max_model_len)
+        usage = Usage()
+        (beams,) = await beam_choices(engine, tokenizer, body, [prompt_ids], f"chatcmpl-{request_id}", usage)
+        choices = [
+            {
+                "index": rank,
+                "message": {"role": "assistant", "content": beam.text},
+                "logprobs": None,
+                "finish_reason": beam.finish_reason,
+            }
+            for rank, beam in enumerate(beams)
+        ]
+        return _whole_response(chat_id, "chat.completion", created, served, choices, usage)
     run = await start_chat(body, engine, tokenizer, served, request_id, chat_id, tool_call_parser)
     stream, output, usage, prompt_ids = run.stream, run.output, run.usage, run.prompt_ids
 

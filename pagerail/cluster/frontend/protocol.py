@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from pagerail.cluster.core.beam_search import BeamSearchParams
 from pagerail.cluster.frontend.errors import from_value_error
 from pagerail.cluster.frontend.output_format import ConstrainedOutputFields
 from pagerail.cluster.frontend.tool_choice import (
@@ -19,7 +20,7 @@ from pagerail.cluster.frontend.tool_choice import (
     parse_tool_choice,
     tool_constraint,
 )
-from pagerail.common.sampling_params import MAX_LOGPROBS, SamplingParams, check_stop
+from pagerail.common.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, check_stop
 from pagerail.common.structured_outputs import StructuredOutputs
 
 # SamplingParams fields that _SamplingRequest.build reads in a way of their own; every other SamplingParams field
@@ -74,6 +75,9 @@ class _SamplingRequest(ConstrainedOutputFields):
     # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds).
     truncate_prompt_tokens: int | None = None
     bad_words: list[str] | None = None
+    # vLLM's: the n best of n beams (whole responses at temperature 0), ranked with this length penalty.
+    use_beam_search: bool | None = False
+    length_penalty: float | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -113,6 +117,29 @@ class _SamplingRequest(ConstrainedOutputFields):
             raise ValueError("max_tokens must be >= 1 (0 only with echo, which returns the scored prompt alone)")
         return self
 
+    @model_validator(mode="after")
+    def _check_beam_search(self) -> _SamplingRequest:
+        if not self.use_beam_search:
+            return self
+        # Beams are ranked by the model's own logprobs and end on its end-of-sequence token: settings that sample,
+        # cut or reshape the output would be ignored, so they are refused instead.
+        refused = {
+            "stream": self.stream,
+            "temperature": self.temperature,
+            "echo": getattr(self, "echo", False),
+            "logprobs": getattr(self, "logprobs", None) not in (None, False),
+            "stop": self.stop,
+            "best_of": getattr(self, "best_of", None) not in (None, self.n or 1),
+            "tools": getattr(self, "tools", None),
+            "structured_outputs": self.structured_outputs,
+            "response_format": self.response_format is not None and self.response_format.constrains(),
+            "prompt_logprobs": self.prompt_logprobs is not None,
+        }
+        for name, value in refused.items():
+            if value:
+                raise ValueError(f"{name} is not supported with use_beam_search; leave it out")
+        return self
+
     @field_validator("suffix", check_fields=False)
     @classmethod
     def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
@@ -124,6 +151,18 @@ class _SamplingRequest(ConstrainedOutputFields):
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a chunk carrying token usage."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
+        """The beam search this request asks for (use_beam_search): n beams, the n best returned."""
+        try:
+            return BeamSearchParams(
+                beam_width=self.n if self.n is not None else 1,
+                max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+                ignore_eos=bool(self.ignore_eos),
+                length_penalty=self.length_penalty if self.length_penalty is not None else 1.0,
+            )
+        except ValueError as err:  # n is the beam width on the wire
+            raise from_value_error(ValueError(str(err).replace("beam_width", "n", 1))) from err
 
     def _build(self, max_tokens: int | None, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
         constraint, _ = self.output_constraint()  # raises APIError naming its field
@@ -170,8 +209,14 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("best_of")
     @classmethod
     def _check_best_of(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and value != (info.data.get("n") or 1):
-            raise ValueError("best_of is not supported unless it equals n; leave it out")
+        # The best n of best_of choices by their tokens' summed logprob: known only once all of them ended.
+        if value is None:
+            return value
+        n = info.data.get("n") or 1
+        if not n <= value <= MAX_N:
+            raise ValueError(f"best_of must be between n ({n}) and {MAX_N}, got {value}")
+        if value > n and info.data.get("stream"):
+            raise ValueError("best_of is only answered whole; leave stream out")
         return value
 
     def prompt_list(self) -> list[str | list[int]]:

@@ -72,6 +72,7 @@ class RoutedEngineClient:
         self.model_name = model_name if model_name is not None else first.model_name
         self.max_model_len = max_model_len if max_model_len is not None else first.max_model_len
         self.vocab_size = vocab_size if vocab_size is not None else first.vocab_size
+        self.eos_token_ids = first.eos_token_ids
         # "events": the router follows the replicas' block events (exact); "estimate": the prompts it sent.
         self.follows_events = index == "events"
         self.router = Router(
