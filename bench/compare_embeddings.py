@@ -89,6 +89,7 @@ def run_one(server: str, model: Path, requests, args: argparse.Namespace, tag: s
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"))
+    parser.add_argument("--servers", default=",".join(SERVERS), help="which to run (a comparison needs both)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32, help="inputs per request")
     parser.add_argument("--concurrency", type=int, default=8)
@@ -97,15 +98,21 @@ def main() -> int:
     parser.add_argument("--kv-cache-gib", type=float, default=1.0)
     parser.add_argument("--out", type=Path, default=Path("bench-results/compare-embeddings"))
     args = parser.parse_args()
-    if not args.vllm_python:
+    servers = [name for name in args.servers.split(",") if name]
+    if set(servers) - set(SERVERS) or not servers:
+        parser.error(f"--servers must name some of {', '.join(SERVERS)}")
+    if "vllm" in servers and not args.vllm_python:
         parser.error("vLLM needs its interpreter: --vllm-python PATH or VLLM_PYTHON=PATH")
     args.out.mkdir(parents=True, exist_ok=True)
     model = write_tiny_llama(args.out / "tiny-llama")
     requests = inputs(args)
     rows, ratios = [], []
     for number in range(1, args.rounds + 1):
-        order = SERVERS if number % 2 else tuple(reversed(SERVERS))
+        order = servers if number % 2 else servers[::-1]
         results = {server: run_one(server, model, requests, args, str(number)) for server in order}
+        if len(results) == 1:
+            rows.append([number] + [f"{results[s][0]:.1f}" if s in results else "" for s in SERVERS] + ["", ""])
+            continue
         (ours, our_vector), (theirs, their_vector) = results["pagerail"], results["vllm"]
         dot = sum(a * b for a, b in zip(our_vector, their_vector, strict=True))
         cosine = dot / (math.hypot(*our_vector) * math.hypot(*their_vector))

@@ -293,6 +293,28 @@ def test_least_recently_freed_is_evicted_first() -> None:
     assert len(table.find_cached_prefix(pb + [0])) == 2
 
 
+def test_a_freed_block_without_a_hash_is_reused_before_any_other() -> None:
+    """A partly filled last block holds nothing findable: the next allocation takes it, not a never-used block (the
+    blocks in use stay few and warm) and not a cached one."""
+    table = BlockTable(8, BS)
+    ids = table.allocate_slots("a", toks(0, 6), 6)  # one full (hashed) block and one partial
+    table.free("a")
+    assert table.allocate_slots("b", toks(50, 3), 3) == [ids[1]]
+    assert table.find_cached_prefix(toks(0, 6)) == [ids[0]]  # the hashed one stayed findable
+    check_invariants(table)
+
+
+def test_blocks_of_a_request_nobody_looks_up_get_no_hash_and_come_back_first() -> None:
+    table = EngineBlockTable(8, BS)
+    prompt = toks(0, 12)
+    ids = table.allocate_slots("embed", prompt, 12, cacheable=False)
+    table.commit_computed("embed", prompt, 12)
+    assert "embed" not in table.hash_due_at and table.find_cached_prefix(prompt + [0]) == []
+    table.free("embed")
+    assert table.allocate_slots("next", toks(100, 12), 12) == ids  # the freed ones first, in their order
+    check_invariants(table)
+
+
 def test_attached_cached_blocks_leave_the_evictable_set() -> None:
     table = BlockTable(4, BS)
     prompt = toks(0, 9)

@@ -21,17 +21,18 @@ class _Head:
     def __init__(self) -> None:
         self.events: list[str] = []
         self.admit = asyncio.Event()
-        self.submit = _Method(self._submit)
+        self.submit_many = _Method(self._submit_many)
         self.append_input = _Method(self._append_input)
         self.outputs = _Method(self._outputs)
         self.abort = _Method(lambda *args: None)
 
-    def _submit(self, channel_id: str, request: EngineRequest):
-        self.events.append(f"submit {request.request_id}")
+    def _submit_many(self, submissions: list[tuple[str, EngineRequest]]):
+        self.events.extend(f"submit {request.request_id}" for _, request in submissions)
 
-        async def admitted() -> None:
+        async def admitted() -> list[None]:
             await self.admit.wait()
-            self.events.append(f"admitted {request.request_id}")
+            self.events.extend(f"admitted {request.request_id}" for _, request in submissions)
+            return [None] * len(submissions)
 
         return admitted()
 

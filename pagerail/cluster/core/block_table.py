@@ -44,6 +44,8 @@ class _RequestBlocks:
     last_hash: int = ROOT_PARENT_HASH
     # Leading entries already released (sliding window): block_ids[:num_released] are all RELEASED.
     num_released: int = 0
+    # False: the KV is never looked up by another request (an embedding's prompt), so its blocks get no hash.
+    cacheable: bool = True
 
 
 class BlockTable:
@@ -225,26 +227,33 @@ class BlockTable:
         num_tokens: int,
         cached_block_ids: Sequence[int] = (),
         host_blocks: Sequence[HostBlock] = (),
+        cacheable: bool = True,
     ) -> list[int] | None:
         """Make the request own blocks for its first num_tokens tokens; None (and no change) if they don't fit.
 
         cached_block_ids (from find_cached_prefix, only for a request without blocks) are attached first; the
         first new blocks are then filled from `host_blocks` (from find_host_prefix) in this step.
-        Returns only the newly allocated block ids, in sequence order.
+        Returns only the newly allocated block ids, in sequence order. `cacheable` False (for a request without
+        blocks): its blocks are never hashed, and go back to be reused first when it ends.
         """
         if host_blocks:
             # Pinned first: evictions this allocation makes must not take the slots it loads from.
             self.host_tier.pin(host_blocks)
-            new_ids = self._allocate(request_id, token_ids, num_tokens, cached_block_ids)
+            new_ids = self._allocate(request_id, token_ids, num_tokens, cached_block_ids, cacheable)
             if new_ids is None:
                 self.host_tier.unpin(host_blocks)
             else:
                 self.host_tier.load(host_blocks, new_ids[: len(host_blocks)])
             return new_ids
-        return self._allocate(request_id, token_ids, num_tokens, cached_block_ids)
+        return self._allocate(request_id, token_ids, num_tokens, cached_block_ids, cacheable)
 
     def _allocate(
-        self, request_id: str, token_ids: Sequence[int], num_tokens: int, cached_block_ids: Sequence[int]
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        cached_block_ids: Sequence[int],
+        cacheable: bool = True,
     ) -> list[int] | None:
         req = self._requests.get(request_id)
         num_owned = len(req.block_ids) if req is not None else 0
@@ -262,7 +271,7 @@ class BlockTable:
             return None
 
         if req is None:
-            req = self._requests[request_id] = _RequestBlocks()
+            req = self._requests[request_id] = _RequestBlocks(cacheable=cacheable)
         for block_id in cached_block_ids:
             if self._ref_counts[block_id] == 0:
                 del self._free_queue[block_id]
@@ -292,7 +301,8 @@ class BlockTable:
         req = self._requests.get(request_id)
         if req is None:
             return
-        if self._enable_prefix_caching and num_computed_tokens >= (req.num_hashed + 1) * self._block_size:
+        hashing = req.cacheable and self._enable_prefix_caching
+        if hashing and num_computed_tokens >= (req.num_hashed + 1) * self._block_size:
             self._hash_full_blocks(req, token_ids, min(num_computed_tokens, len(token_ids)))
         if self._sliding_window is not None:
             # The next query sits at position num_computed_tokens and sees keys from window - 1 before it on; the
@@ -307,14 +317,18 @@ class BlockTable:
             return
         del self._slots[request_id]
         self._hash_due.pop(request_id, None)
-        # Tail first: the queue front is evicted first, and a sequence's head is the part most likely shared.
+        # Tail first: the queue front is evicted first, and a sequence's head is the part most likely shared. A
+        # block without a hash holds nothing anyone can find: it goes to the very front, to be reused next, so
+        # the blocks in use stay few and warm (a block first written costs the page faults of fresh memory).
         tier = self.host_tier
         for block_id in reversed(req.block_ids[req.num_released :]):
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
                 self._free_queue[block_id] = None
                 h = self._block_hashes[block_id]
-                if tier is not None and h is not None:
+                if h is None:
+                    self._free_queue.move_to_end(block_id, last=False)
+                elif tier is not None:
                     # Copied to the host now, beside the next forward, so its eviction later costs no copy.
                     entry = self._cached[h]
                     tier.store(block_id, h, entry.parent_hash, entry.token_ids, reused=False)
@@ -323,7 +337,7 @@ class BlockTable:
 
     def _set_due(self, request_id: str, req: _RequestBlocks) -> None:
         due = []
-        if self._enable_prefix_caching:
+        if self._enable_prefix_caching and req.cacheable:
             due.append((req.num_hashed + 1) * self._block_size)
         if self._sliding_window is not None:
             due.append((req.num_released + 1) * self._block_size + self._sliding_window)

@@ -280,7 +280,12 @@ class Scheduler:
                 break
             num_new = min(num_new, budget)
             new_blocks = self.block_table.allocate_slots(
-                request.request_id, request.all_token_ids, request.num_computed_tokens + num_new, cached, hosted
+                request.request_id,
+                request.all_token_ids,
+                request.num_computed_tokens + num_new,
+                cached,
+                hosted,
+                cacheable=request.envelope.pooling is None,
             )
             if new_blocks is None:
                 if cached or hosted:

@@ -72,12 +72,20 @@ class HeadActor:
             "eos_token_ids": sorted(self.engine.eos_token_ids),
         }
 
-    async def submit(self, channel_id: str, request: EngineRequest) -> None:
-        """Admit a request whose outputs go to channel `channel_id`; raises ValueError/QueueFullError when refused.
+    async def submit_many(self, submissions: list[tuple[str, EngineRequest]]) -> list[Exception | None]:
+        """Admit requests whose outputs go to the channels named with them, with one actor call for a frontend's
+        submissions of one event-loop turn (an embedding batch's inputs, n choices, requests that arrived
+        together); per request None once admitted, or the exception that refused it (ValueError, QueueFullError).
 
-        The request's `trace_context`: the W3C carrier of the caller's request span, which the step spans link to.
+        A request's `trace_context`: the W3C carrier of the caller's request span, which the step spans link to.
         """
-        await self._channel(channel_id).submit(request)
+        results = await asyncio.gather(
+            *(self._channel(channel_id).submit(request) for channel_id, request in submissions), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result  # a cancellation, not a refusal
+        return list(results)
 
     async def outputs(self, channel_id: str) -> AsyncIterator[OutputBatch]:
         """The channel's stream: one message per engine step, every delta of the channel's requests in it.

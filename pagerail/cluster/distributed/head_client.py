@@ -7,8 +7,6 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 
-import ray
-
 from pagerail.cluster.core.engine_client import RequestDelta, next_delta
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.core.errors import QueueFullError
@@ -80,6 +78,9 @@ class HeadEngineClient:
         # head runs its actor calls as coroutines, so a chunk sent at once could reach its engine before the
         # request it belongs to, find no such session, and be lost (the session then times out idle).
         self._admitting: dict[str, asyncio.Event] = {}
+        # Submissions of this event-loop turn, sent together by one submit_many call at its end: one actor call
+        # (and one head coroutine) per batch of requests instead of one per request.
+        self._unsent: list[tuple[str, EngineRequest, asyncio.Future]] = []
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
         reader = self._current_reader()
@@ -90,13 +91,9 @@ class HeadEngineClient:
         admitted = self._admitting[request_id] = asyncio.Event()
         try:
             try:
-                await self._head.submit.remote(reader.channel_id, request)
-            except ray.exceptions.RayTaskError as error:
-                # Hand the caller the head's own exception (bad input, queue full), not Ray's wrapper.
-                cause = getattr(error, "cause", None)
-                if isinstance(cause, (ValueError, QueueFullError)):
-                    refused = True
-                    raise cause from None
+                await self._submit(reader.channel_id, request)
+            except (ValueError, QueueFullError):
+                refused = True  # the head's own exception: bad input, or a full queue
                 raise
             finally:
                 admitted.set()
@@ -111,6 +108,35 @@ class HeadEngineClient:
             if not finished and not refused and reader.failure is None:
                 # The client went away: the head must free the request's blocks.
                 self._head.abort.remote(request_id, reader.channel_id)
+
+    def _submit(self, channel_id: str, request: EngineRequest) -> asyncio.Future:
+        """Resolves once the head admitted the request; raises the exception the head refused it with."""
+        loop = asyncio.get_running_loop()
+        if not self._unsent:
+            loop.call_soon(self._send_unsent)
+        admitted = loop.create_future()
+        self._unsent.append((channel_id, request, admitted))
+        return admitted
+
+    def _send_unsent(self) -> None:
+        # A caller that left before its turn ended (cancelled) is not sent at all: nothing to abort later.
+        batch = [entry for entry in self._unsent if not entry[2].done()]
+        self._unsent = []
+        if batch:
+            asyncio.get_running_loop().create_task(self._send(batch))
+
+    async def _send(self, batch: list[tuple[str, EngineRequest, asyncio.Future]]) -> None:
+        try:
+            results = await self._head.submit_many.remote([(channel_id, request) for channel_id, request, _ in batch])
+        except Exception as error:  # the head is gone or restarting: every caller gets Ray's own error
+            results = [error] * len(batch)
+        for (_, _, admitted), result in zip(batch, results, strict=True):
+            if admitted.done():
+                continue
+            if result is None:
+                admitted.set_result(None)
+            else:
+                admitted.set_exception(result)
 
     def _current_reader(self) -> _OutputReader:
         """The output channel of this event loop; a new one after the head died or restarted."""
