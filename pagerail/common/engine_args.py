@@ -20,6 +20,7 @@ from pagerail.common.engine_config import (
     ObservabilityConfig,
     SchedulerConfig,
 )
+from pagerail.common.pooling_config import CONVERSIONS, RUNNERS
 
 # The sub-configurations of EngineConfig by field name; an argument's `section` names one, or "" for the top level.
 _SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "observability": ObservabilityConfig}
@@ -77,6 +78,8 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         'speculative decoding as a JSON object, e.g. {"method": "ngram", "num_speculative_tokens": 4}; methods: '
         "ngram, draft_model, eagle, eagle3 (default: off)",
     ),
+    EngineArg("runner", "", str, "pooling: embeddings, classification and scores only (auto: by the model)", RUNNERS),
+    EngineArg("convert", "", str, "embed: a causal LM as an embedder; classify: its classification head", CONVERSIONS),
     EngineArg("enforce_eager", "", bool, "run every step eagerly: no CUDA graphs for decode steps on GPU ranks"),
     EngineArg("block_size", "cache", int, "tokens per KV-cache block (a power of two <= 128)"),
     EngineArg("kv_cache_memory_bytes", "cache", int, "bytes of KV cache per rank (default: from free memory on GPUs)"),

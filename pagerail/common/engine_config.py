@@ -134,6 +134,11 @@ class EngineConfig:
     enforce_eager: bool = False
     # Speculative decoding (given as a dict or a JSON object's text); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # vLLM's --runner and --convert: "pooling" serves embeddings, classification and scores only ("auto": what the
+    # checkpoint is: an encoder pools, a causal LM generates and embeds); "embed" serves a causal LM as an
+    # embedder, "classify" a checkpoint with a classification head as a classifier.
+    runner: str = "auto"
+    convert: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)

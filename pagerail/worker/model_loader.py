@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pagerail.common.expert_parallel import check_expert_parallel
+from pagerail.common.special_tokens import tokenizer_special_id
 from pagerail.worker.layers.cpu_matmul import attach_cpu_weights
 from pagerail.worker.layers.lazy_tensor import LazyTensor
 from pagerail.worker.layers.quantization.config import QuantizationConfigError, quant_config_from_hf
@@ -50,6 +51,9 @@ def load_model(
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     model_dir = Path(model_dir)
     config = load_hf_config(model_dir)
+    if getattr(config, "model_type", None) == "bert" and getattr(config, "sep_token_id", None) is None:
+        # BERT's configs leave the separator to the tokenizer; its segments switch after it.
+        config.sep_token_id = tokenizer_special_id(model_dir, "sep_token")
     cls = model_class(config)
     device = torch.device(device)
     extra = {}

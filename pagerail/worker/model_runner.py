@@ -75,6 +75,8 @@ class ModelRunner:
         host_kv=None,
     ) -> None:
         self.model = model
+        # A classifier (cross-encoder) answers its head's logits over the first row in place of a pooled vector.
+        self.classify_head = model.classify if getattr(model, "num_labels", 0) else None
         self.block_size = block_size
         self.device = device
         self.tp = tp
@@ -234,7 +236,7 @@ class ModelRunner:
             if spans and self.tp.rank == 0:
                 write_prompt_logprobs(result, spans, prompt_logits, self.readback)
             if self.states.any_pooling and self.tp.rank == 0:
-                pool_prompt_rows(flat.ordered, hidden, result)
+                pool_prompt_rows(flat.ordered, hidden, result, self.classify_head)
             token_ids = None
             if flat.sample_states and self.tp.rank == 0:
                 with traced(_tracer, "sample"):

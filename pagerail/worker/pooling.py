@@ -7,16 +7,24 @@ and the step that computes the prompt's last position answers the vector ("last"
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pagerail.proto import step_pb2
 from pagerail.worker.request_state import RequestState
 
 
-def pool_prompt_rows(ordered: list[RequestState], hidden: torch.Tensor, result: step_pb2.StepResult) -> None:
+def pool_prompt_rows(
+    ordered: list[RequestState],
+    hidden: torch.Tensor,
+    result: step_pb2.StepResult,
+    classify: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> None:
     """Pool this step's prompt rows of every embedding request (rows follow `ordered`, each request owning
     num_scheduled_tokens consecutive rows); a request whose prompt ends in this step gets its vector in `result`.
-    Call before the step advances the states."""
+    `classify` (a classifier's head): the vector is instead its logits over the first row. Call before the step
+    advances the states."""
     row = 0
     for state in ordered:
         count = state.num_scheduled_tokens
@@ -24,7 +32,11 @@ def pool_prompt_rows(ordered: list[RequestState], hidden: torch.Tensor, result: 
             first = state.num_computed_tokens
             end = state.num_prompt_tokens
             stop = min(first + count, end)
-            if stop > first:
+            if stop > first and classify is not None:
+                if first == 0:  # an encoder's prompt is whole in one step
+                    logits = classify(hidden[row : row + 1]).float()[0]
+                    result.pooled.add(handle=state.handle, values=logits.tolist())
+            elif stop > first:
                 rows = hidden[row : row + stop - first].float()
                 if first == 0:  # the prompt starts over (first chunk, or recomputed after preemption)
                     state.pooled = rows[0].clone() if state.pooling == "cls" else None

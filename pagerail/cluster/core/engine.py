@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -104,6 +105,8 @@ class EngineCore:
         self.max_model_len = effective_max_model_len(config, max_model_len, executor.num_blocks)
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Generation requests are refused (an encoder, or --runner pooling); set by for_model.
+        self.pooling_only = False
         # Block events for a router that follows what this replica's caches hold (cluster/core/kv_events.py).
         self.kv_events = KvEventLog()
         self.block_table = self._new_block_table(executor.num_blocks)
@@ -136,8 +139,15 @@ class EngineCore:
     def for_model(cls, config: EngineConfig, executor: Executor, info: ModelInfo) -> EngineCore:
         """The engine of one replica of the model `info` describes: what every entry point (`LLM`, the head actor)
         builds, so a model stops at the same tokens (its EOS ids) within the same context whichever serves it."""
+        if info.pooling.encoder:
+            # An encoder's prompt is attended as a whole: it runs in one step, never in chunks.
+            config = dataclasses.replace(
+                config, scheduler=dataclasses.replace(config.scheduler, enable_chunked_prefill=False)
+            )
         limit = config.scheduler.context_limit(info.max_position_embeddings)
-        return cls(config, executor, limit, info.vocab_size, info.eos_token_ids, info.sliding_window)
+        engine = cls(config, executor, limit, info.vocab_size, info.eos_token_ids, info.sliding_window)
+        engine.pooling_only = info.pooling.pooling_only
+        return engine
 
     def _new_block_table(self, num_blocks: int) -> BlockTable:
         cache = self.config.cache
@@ -158,6 +168,10 @@ class EngineCore:
         recomputed with the prompt, and sampling continues after them.
         """
         prompt, resumed = request.prompt_token_ids, request.resumed_output_token_ids
+        if self.pooling_only and request.pooling is None:
+            raise ValueError(
+                "this model serves pooling requests only (embeddings, classification, scores); it does not generate"
+            )
         # The envelope holds ints >= 0 already: only the vocabulary bound is left to check.
         if max(prompt) >= self.vocab_size:
             self._check_tokens(prompt)

@@ -9,6 +9,8 @@ from pathlib import Path
 from pagerail.common.attention_windows import uniform_sliding_window
 from pagerail.common.engine_config import EngineConfig
 from pagerail.common.expert_parallel import check_expert_parallel, num_routed_experts
+from pagerail.common.pooling_config import PoolingConfig, read_pooling_config
+from pagerail.common.special_tokens import tokenizer_special_id
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,8 @@ class ModelInfo:
     sliding_window: int | None = None
     model_type: str | None = None
     num_routed_experts: int = 0  # experts per MoE layer; 0 for a dense model
+    # Whether it only pools (an encoder, or --runner pooling), its labels, its default pooling.
+    pooling: PoolingConfig = PoolingConfig()
 
     def check_engine(self, config: EngineConfig) -> None:
         """Refuse, before any rank starts, engine settings this model cannot run (expert parallelism without
@@ -38,26 +42,7 @@ def _as_ids(value: object) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _tokenizer_eos_ids(model_dir: Path) -> tuple[int, ...]:
-    """The id of the tokenizer's own end-of-sequence token (tokenizer_config.json's eos_token, looked up in
-    tokenizer.json), or () when the model ships no such tokenizer."""
-    config_file, tokenizer_file = model_dir / "tokenizer_config.json", model_dir / "tokenizer.json"
-    if not config_file.exists() or not tokenizer_file.exists():
-        return ()
-    eos = json.loads(config_file.read_text()).get("eos_token")
-    if isinstance(eos, dict):  # the AddedToken form
-        eos = eos.get("content")
-    if not isinstance(eos, str):
-        return ()
-    tokenizer = json.loads(tokenizer_file.read_text())
-    for added in tokenizer.get("added_tokens", []):
-        if added.get("content") == eos:
-            return (int(added["id"]),)
-    token_id = tokenizer.get("model", {}).get("vocab", {}).get(eos)
-    return (int(token_id),) if isinstance(token_id, int) else ()
-
-
-def read_model_info(model_dir: Path) -> ModelInfo:
+def read_model_info(model_dir: Path, runner: str = "auto", convert: str = "auto") -> ModelInfo:
     """Read config.json without loading weights. The end-of-sequence ids: generation_config.json's list wins over
     config.json's, and a model naming none in either stops at its tokenizer's eos token, so the same model stops
     at the same token whichever entry point serves it."""
@@ -68,12 +53,17 @@ def read_model_info(model_dir: Path) -> ModelInfo:
     if generation.exists():
         eos = _as_ids(json.loads(generation.read_text()).get("eos_token_id")) or eos
     if not eos:
-        eos = _tokenizer_eos_ids(model_dir)
+        eos = _as_ids(tokenizer_special_id(model_dir, "eos_token"))
+    pooling = read_pooling_config(model_dir, runner, convert)
+    positions = int(text_config.get("max_position_embeddings", 2048))
+    if text_config.get("model_type") in ("roberta", "xlm-roberta"):
+        positions -= int(text_config.get("pad_token_id", 1)) + 1  # RoBERTa's positions start after its padding id
     return ModelInfo(
-        max_position_embeddings=int(text_config.get("max_position_embeddings", 2048)),
+        max_position_embeddings=positions,
         vocab_size=int(text_config["vocab_size"]),
         eos_token_ids=eos,
         sliding_window=uniform_sliding_window(text_config),
         model_type=text_config.get("model_type"),
         num_routed_experts=num_routed_experts(text_config),
+        pooling=pooling,
     )

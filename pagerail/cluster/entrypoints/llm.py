@@ -57,7 +57,7 @@ class LLM:
         process, or on Ray (`tensor_parallel_size` > 1, `data_parallel_size` > 1 or a `ray_address`)."""
         self.config = engine_config(engine_args, model=model)
         self.model_dir = resolve_model_dir(self.config.model)
-        info = read_model_info(self.model_dir)
+        info = read_model_info(self.model_dir, self.config.runner, self.config.convert)
         info.check_engine(self.config)
         self._vocab_size = info.vocab_size
         self.tokenizer = _load_tokenizer(self.config.tokenizer or self.model_dir)

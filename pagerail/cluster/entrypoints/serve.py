@@ -16,6 +16,7 @@ from pagerail.cluster.routing.routed_client import ROUTING_INDEXES
 from pagerail.cluster.routing.router import POLICIES
 from pagerail.common.engine_args import add_engine_arguments, engine_config_from_args
 from pagerail.common.logs import LOG_FORMAT_ENV, configure_logging
+from pagerail.common.pooling_config import read_pooling_config
 
 
 def _positive_float(text: str) -> float:
@@ -305,6 +306,7 @@ def serve(args: argparse.Namespace) -> int:
         trace_respect_client_sampling=args.trace_respect_client_sampling,
         grpc_tls=grpc_tls,
         tool_call_parser=args.tool_call_parser,
+        pooling=read_pooling_config(model_dir, config.runner, config.convert),
     )
     frontend = (
         ray.remote(FrontendActor)

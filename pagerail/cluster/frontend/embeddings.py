@@ -16,18 +16,15 @@ from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.frontend.chat import encode_prompt
 from pagerail.cluster.frontend.errors import bad_request, from_value_error, not_found_model, unavailable
 from pagerail.cluster.frontend.protocol import LenientModel, is_token_id
+from pagerail.common.pooling_config import GENERATION_MODEL, PoolingConfig
 
 
-class EmbeddingRequest(LenientModel):
-    """POST /v1/embeddings, as the openai client sends it; `pooling` is this server's own (default "last")."""
+class TextInputs(LenientModel):
+    """A request over inputs, each a text or token ids (embeddings, pooling, classification)."""
 
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
-    pooling: Literal["last", "mean", "cls"] = "last"
-    normalize: bool = True
 
     @field_validator("input", mode="before")
     @classmethod
@@ -52,6 +49,28 @@ class EmbeddingRequest(LenientModel):
         return list(self.input)  # type: ignore[arg-type]
 
 
+class EmbeddingRequest(TextInputs):
+    """POST /v1/embeddings, as the openai client sends it; `pooling` and `normalize` are this server's own (default:
+    the model's, from its sentence-transformers files: "cls" for an encoder, "last" for a causal LM)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    pooling: Literal["last", "mean", "cls"] | None = None
+    normalize: bool | None = None
+
+
+async def pooled(engine: EngineClient, prompts: list[list[int]], pooling: str, request_id: str) -> list[list[float]]:
+    """Each prompt's pooled vector (a classifier's logits) from the engine; a prompt past the context is a 400
+    naming `input`, a failed engine request a 503."""
+    longest = max(len(prompt) for prompt in prompts)
+    if longest >= engine.max_model_len:
+        raise bad_request(f"input holds {longest} tokens; the model takes at most {engine.max_model_len - 1}", "input")
+    try:
+        return await pooled_vectors(engine, prompts, pooling, request_id)
+    except EmbeddingFailed as error:
+        raise unavailable(str(error), retry_after_s=1) from None
+
+
 def as_base64(vector: Sequence[float]) -> str:
     """Little-endian float32, base64: what the openai client decodes with numpy.frombuffer(..., dtype=float32)."""
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
@@ -65,22 +84,20 @@ async def embeddings(
     request_id: str,
     label: str | None = None,
     on_stream_end: Callable[[], None] = lambda: None,
+    pooling: PoolingConfig = GENERATION_MODEL,
 ):
-    """`request_id` is the server's own id for the engine."""
+    """`request_id` is the server's own id for the engine; `pooling` the model's defaults."""
     if body.model and body.model != served:
         raise not_found_model(body.model)
+    if pooling.classifies:
+        raise bad_request("this model is a classifier: use /classify, /score or /rerank", "model")
     prompts = [encode_prompt(tokenizer, prompt, engine.vocab_size) for prompt in body.inputs()]
-    longest = max(len(prompt) for prompt in prompts)
-    if longest >= engine.max_model_len:
-        raise bad_request(f"input holds {longest} tokens; the model takes at most {engine.max_model_len - 1}", "input")
-    try:
-        vectors = await pooled_vectors(engine, prompts, body.pooling, f"embd-{request_id}")
-    except EmbeddingFailed as error:
-        raise unavailable(str(error), retry_after_s=1) from None
+    vectors = await pooled(engine, prompts, body.pooling or pooling.default_pooling, f"embd-{request_id}")
+    normalize = pooling.normalize if body.normalize is None else body.normalize
     data = []
     for index, vector in enumerate(vectors):
         try:
-            values = finish_vector(vector, body.dimensions, body.normalize)
+            values = finish_vector(vector, body.dimensions, normalize)
         except ValueError as error:
             raise from_value_error(error) from None
         encoded = as_base64(values) if body.encoding_format == "base64" else values

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.core.errors import QueueFullError
-from pagerail.cluster.frontend import anthropic_messages, embeddings, openai_routes, responses_api
+from pagerail.cluster.frontend import anthropic_messages, embeddings, openai_routes, responses_api, scoring
 from pagerail.cluster.frontend.anthropic_messages import MessagesRequest
 from pagerail.cluster.frontend.chat import encode_prompt, render_chat
 from pagerail.cluster.frontend.embeddings import EmbeddingRequest
@@ -42,6 +42,7 @@ from pagerail.cluster.frontend.protocol import (
     TokenizeRequest,
 )
 from pagerail.cluster.frontend.responses_api import ResponsesRequest, ResponseStore, not_found_response
+from pagerail.cluster.frontend.scoring import ClassifyRequest, PoolingRequest, RerankRequest, ScoreRequest
 from pagerail.cluster.frontend.settings import FrontendSettings
 from pagerail.cluster.frontend.tracing import traced_http
 from pagerail.common.auth import bearer_matches
@@ -78,6 +79,12 @@ _BODIES = {
     "/v1/messages": MessagesRequest,
     "/v1/responses": ResponsesRequest,
     "/v1/embeddings": EmbeddingRequest,
+    "/pooling": PoolingRequest,
+    "/classify": ClassifyRequest,
+    "/score": ScoreRequest,
+    "/v1/score": ScoreRequest,
+    "/rerank": RerankRequest,
+    "/v1/rerank": RerankRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
 }
@@ -228,7 +235,27 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/embeddings")
     async def embeddings_route(request: Request):
-        return await generation(request, EmbeddingRequest, embeddings.embeddings)
+        return await generation(request, EmbeddingRequest, embeddings.embeddings, pooling=state.settings.pooling)
+
+    pooling = state.settings.pooling
+
+    @app.post("/pooling")
+    async def pooling_route(request: Request):
+        return await generation(request, PoolingRequest, scoring.pooling_route, pooling=pooling)
+
+    @app.post("/classify")
+    async def classify_route(request: Request):
+        return await generation(request, ClassifyRequest, scoring.classify_route, pooling=pooling)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score_route(request: Request):
+        return await generation(request, ScoreRequest, scoring.score_route, pooling=pooling)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    async def rerank_route(request: Request):
+        return await generation(request, RerankRequest, scoring.rerank_route, pooling=pooling)
 
     @app.post("/v1/responses")
     async def responses_route(request: Request):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagerail.cluster.frontend.tool_calls import TOOL_CALL_PARSERS
+from pagerail.common.pooling_config import PoolingConfig
 from pagerail.common.tls import ServerTls
 
 
@@ -31,6 +32,9 @@ class FrontendSettings:
     grpc_tls: ServerTls | None = None
     # How tool calls are read from generated text ("hermes", "llama3_json"); None: chosen from the chat template.
     tool_call_parser: str | None = None
+    # What the model serves as a pooling model: its default pooling, its labels (a classifier's), whether it only
+    # pools (the generation routes then answer 400).
+    pooling: PoolingConfig = PoolingConfig()
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:

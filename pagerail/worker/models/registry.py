@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from pagerail.worker.models.bert import BertEncoder
 from pagerail.worker.models.gemma import GemmaForCausalLM
 from pagerail.worker.models.gpt_oss import GptOssForCausalLM
 from pagerail.worker.models.llama import LlamaForCausalLM
@@ -25,6 +26,13 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    # Encoders, served as pooling models (embeddings; the classification heads for /classify, /score, /rerank).
+    "BertModel": BertEncoder,
+    "XLMRobertaModel": BertEncoder,
+    "RobertaModel": BertEncoder,
+    "BertForSequenceClassification": BertEncoder,
+    "XLMRobertaForSequenceClassification": BertEncoder,
+    "RobertaForSequenceClassification": BertEncoder,
 }
 
 # Configs converted from GGUF or written by hand may lack `architectures`; their model_type still identifies them.
@@ -40,6 +48,9 @@ _MODEL_TYPES: dict[str, type[nn.Module]] = {
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "bert": BertEncoder,
+    "xlm-roberta": BertEncoder,
+    "roberta": BertEncoder,
 }
 
 
