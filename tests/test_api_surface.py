@@ -669,3 +669,38 @@ def test_bad_best_of_and_beam_requests_are_400_naming_the_field(api, fields, par
     with pytest.raises(openai.BadRequestError) as info:
         api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, **fields)
     assert info.value.body["param"] == param
+
+
+def test_a_background_response_is_polled_to_the_foreground_answer_and_can_be_cancelled(api, llm):
+    import asyncio
+    import time
+
+    fields = {"model": MODEL, "input": "hello there", "max_output_tokens": 10, "temperature": 0}
+    foreground = api.responses.create(**fields)
+    started = api.responses.create(background=True, **fields)
+    assert started.status == "queued" and started.background
+    deadline = time.monotonic() + 30
+    while (polled := api.responses.retrieve(started.id)).status in (
+        "queued",
+        "in_progress",
+    ) and time.monotonic() < deadline:
+        time.sleep(0.02)  # a client polls; the engine finishes ten tokens in well under a second
+    assert polled.status == "incomplete" and polled.output_text == foreground.output_text
+
+    engine = llm.engine_client
+    asyncio.run(engine.pause("all"))  # held by the engine: the cancel below finds it running
+    try:
+        held = api.responses.create(background=True, **fields)
+        cancelled = api.responses.cancel(held.id)
+        assert cancelled.status == "cancelled" and api.responses.retrieve(held.id).status == "cancelled"
+        with pytest.raises(openai.BadRequestError):
+            api.responses.cancel(held.id)  # nothing left to cancel
+    finally:
+        asyncio.run(engine.resume())
+    deadline = time.monotonic() + 30
+    while asyncio.run(engine.stats())["num_unfinished"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert asyncio.run(engine.stats())["num_unfinished"] == 0  # the engine request was aborted, not left running
+    with pytest.raises(openai.BadRequestError) as info:
+        api.responses.create(background=True, stream=True, **fields)
+    assert info.value.body["param"] == "background"

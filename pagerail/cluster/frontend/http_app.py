@@ -274,6 +274,10 @@ def create_app(state: ServerState) -> FastAPI:
             raise not_found_response(response_id)
         return kept.body
 
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return state.responses.cancel(response_id).body
+
     @app.post("/v1/messages")
     async def anthropic_messages_route(request: Request):
         return await generation(

@@ -4,11 +4,13 @@ A request's `instructions` and `input` (text, or messages and function-call item
 mean; with `previous_response_id` the stored conversation comes first, so a continuation sends only its new turn
 and finds the earlier turns in the prefix cache. Answers are Response objects (a message item with output_text,
 function_call items, usage), whole or as the streamed events the openai SDK reads. Responses are kept (`store`,
-on by default) in a bounded store, evicted by age and by count.
+on by default) in a bounded store, evicted by age and by count. A `background` response answers at once (status
+in_progress) and runs on; GET polls it, and cancelling it aborts its engine request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -22,7 +24,7 @@ from pydantic import Field, ValidationError
 
 from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.frontend.errors import APIError, bad_request, from_validation_error
-from pagerail.cluster.frontend.openai_routes import start_chat
+from pagerail.cluster.frontend.openai_routes import ChatRun, start_chat
 from pagerail.cluster.frontend.protocol import ChatCompletionRequest, LenientModel
 
 # How many responses the store keeps, and for how long (seconds), whichever ends first.
@@ -56,6 +58,7 @@ class ResponsesRequest(LenientModel):
     text: TextSettings | None = None
     stream: bool | None = False
     store: bool | None = True
+    background: bool | None = False
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -66,7 +69,7 @@ class StoredResponse:
     """A kept response: what it answered, and the whole conversation up to and including its own output."""
 
     body: dict[str, Any]
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] | None  # None while a background response runs
     stored_at: float
 
 
@@ -77,6 +80,7 @@ class ResponseStore:
         self.max_responses = max_responses
         self.max_age_s = max_age_s
         self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._running: dict[str, asyncio.Task] = {}  # background responses under way
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -85,6 +89,26 @@ class ResponseStore:
         self._kept[response_id] = StoredResponse(body, messages, time.monotonic())
         while len(self._kept) > self.max_responses:
             self._kept.popitem(last=False)
+
+    def run_in_background(self, response_id: str, task: asyncio.Task) -> None:
+        self._running[response_id] = task
+        task.add_done_callback(lambda _: self._running.pop(response_id, None))
+
+    def cancel(self, response_id: str) -> StoredResponse:
+        """Cancel a background response under way (its engine request is aborted); 404 for an unknown id, 400 for
+        one that is not running."""
+        kept = self.get(response_id)
+        if kept is None:
+            raise not_found_response(response_id)
+        task = self._running.pop(response_id, None)
+        if task is None:
+            raise bad_request(
+                f"response {response_id!r} is {kept.body['status']}: only one running in the background can be",
+                "response_id",
+            )
+        task.cancel()
+        kept.body["status"] = "cancelled"
+        return kept
 
     def get(self, response_id: str) -> StoredResponse | None:
         kept = self._kept.get(response_id)
@@ -277,17 +301,17 @@ async def responses(
         previous = store.get(body.previous_response_id) if store is not None else None
         if previous is None:
             raise not_found_response(body.previous_response_id, "previous_response_id")
+        if previous.messages is None:
+            raise bad_request(f"response {body.previous_response_id!r} is still in progress", "previous_response_id")
         history = previous.messages
     conversation = [*history, *input_messages(body)]
     chat = chat_request(body, conversation)
     if body.model and body.model != served:
         chat.model = body.model  # the chat path answers 404 for another model, naming it
     response_id = f"resp_{uuid.uuid4().hex}"
-    run = await start_chat(chat, engine, tokenizer, served, request_id, response_id, tool_call_parser)
-    out = run.output(0)
     created = time.time()
 
-    def finished(message: dict[str, Any], reason: str | None) -> dict[str, Any]:
+    def finished(run: ChatRun, message: dict[str, Any], reason: str | None) -> dict[str, Any]:
         incomplete = reason == "length"
         status = "incomplete" if incomplete else "completed"
         usage = _usage(run.usage.prompt_tokens, run.usage.completion_tokens, run.usage.cached_tokens)
@@ -303,6 +327,31 @@ async def responses(
             }
             store.put(response_id, answer, [*conversation, turn])
         return answer
+
+    if body.background:
+        if body.stream or body.store is False or store is None:
+            raise bad_request("a background response is stored and polled: leave stream and store out", "background")
+        queued = _response(response_id, body, served, created, status="queued", background=True)
+        store.put(response_id, queued, None)
+
+        async def run_on() -> None:
+            # Queued until the engine admits it; what the engine refuses (or a failure later) makes it "failed".
+            try:
+                run = await start_chat(chat, engine, tokenizer, served, request_id, response_id, tool_call_parser)
+                queued["status"] = "in_progress"
+                message, reason = await run.whole_message()
+                finished(run, message, reason)["background"] = True
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                message = getattr(error, "message", None) or str(error)
+                queued.update(status="failed", error={"code": "server_error", "message": message})
+
+        store.run_in_background(response_id, asyncio.get_running_loop().create_task(run_on()))
+        return JSONResponse(queued)
+
+    run = await start_chat(chat, engine, tokenizer, served, request_id, response_id, tool_call_parser)
+    out = run.output(0)
 
     if body.stream:
 
@@ -390,7 +439,7 @@ async def responses(
                         }
                         for c in calls.values()
                     ]
-                answer = finished(message, reason)
+                answer = finished(run, message, reason)
                 # The items as the whole answer has them, under the ids the stream announced.
                 items = answer["output"]
                 for item in items:
@@ -422,4 +471,4 @@ async def responses(
         return StreamingResponse(events(), media_type="text/event-stream")
 
     message, reason = await run.whole_message()
-    return JSONResponse(finished(message, reason))
+    return JSONResponse(finished(run, message, reason))
