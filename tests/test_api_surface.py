@@ -704,3 +704,36 @@ def test_a_background_response_is_polled_to_the_foreground_answer_and_can_be_can
     with pytest.raises(openai.BadRequestError) as info:
         api.responses.create(background=True, stream=True, **fields)
     assert info.value.body["param"] == "background"
+
+
+def test_grpc_beam_search_answers_the_beams_llm_beam_search_finds(llm):
+    import asyncio
+
+    import grpc
+
+    from pagerail import BeamSearchParams
+    from pagerail.cluster.frontend.grpc_api import build_grpc_server
+    from pagerail.proto import api_pb2, api_pb2_grpc
+
+    async def generate(sampling: api_pb2.SamplingParams) -> list[api_pb2.GenerateResponse]:
+        server, port = build_grpc_server(llm.engine_client, llm.tokenizer, host="127.0.0.1", port=0)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                beams = api_pb2.BeamSearch(beam_width=3, length_penalty=0.5)
+                request = api_pb2.GenerateRequest(
+                    token_ids=api_pb2.TokenIds(ids=PROMPT), sampling_params=sampling, beam_search=beams
+                )
+                return [m async for m in api_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30)]
+        finally:
+            await server.stop(None)
+
+    (offline,) = llm.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5))
+    messages = asyncio.run(generate(api_pb2.SamplingParams(max_tokens=6)))
+    assert [list(m.token_ids) for m in messages] == [s.token_ids for s in offline.sequences]
+    assert [m.index for m in messages] == [0, 1, 2] and [m.text for m in messages] == [
+        s.text for s in offline.sequences
+    ]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        asyncio.run(generate(api_pb2.SamplingParams(max_tokens=6, temperature=0.8)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in info.value.details()

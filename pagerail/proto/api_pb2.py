@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pagerail/proto/api.proto\x12\x0cpagerail.api\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xd3\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x07\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x11 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x13 \x01(\x0b\x32\x15.pagerail.api.ChoicesH\x00\x12\x11\n\x07grammar\x18\x14 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x15 \x01(\x08H\x00\x12\x0e\n\x01n\x18\x16 \x01(\x05H\x08\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x17 \x01(\x08H\t\x88\x01\x01\x12?\n\nlogit_bias\x18\x18 \x03(\x0b\x32+.pagerail.api.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x19 \x03(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x1a \x01(\x05H\n\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x1b \x01(\x05H\x0b\x88\x01\x01\x12\x11\n\tbad_words\x18\x1c \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\x0e\n\x0c_speculativeB\x12\n\x10_prompt_logprobsB\x19\n\x17_truncate_prompt_tokens\"\xbb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.pagerail.api.TokenIdsH\x00\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.pagerail.api.SamplingParams\x12\x17\n\x0fskip_detokenize\x18\x05 \x01(\x08\x42\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"a\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.pagerail.api.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xf4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.pagerail.api.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.pagerail.api.Usage\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.pagerail.api.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"J\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\"\x13\n\x11ServerInfoRequest\"\x97\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x02 \x01(\x01\x12\x32\n\x05stats\x18\x03 \x03(\x0b\x32#.pagerail.api.ServerInfo.StatsEntry\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xc9\x01\n\x0eSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.pagerail.api.TokenIdsH\x00\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.pagerail.api.SamplingParams\x12\x17\n\x0fskip_detokenize\x18\x05 \x01(\x08\x12\r\n\x05\x66inal\x18\x06 \x01(\x08\x42\x07\n\x05input2\xfd\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.pagerail.api.GenerateRequest\x1a\x1e.pagerail.api.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pagerail.api.AbortRequest\x1a\x1b.pagerail.api.AbortResponse\x12G\n\x0cGetModelInfo\x12\x1e.pagerail.api.ModelInfoRequest\x1a\x17.pagerail.api.ModelInfo\x12J\n\rGetServerInfo\x12\x1f.pagerail.api.ServerInfoRequest\x1a\x18.pagerail.api.ServerInfo\x12K\n\x07Session\x12\x1c.pagerail.api.SessionRequest\x1a\x1e.pagerail.api.GenerateResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pagerail/proto/api.proto\x12\x0cpagerail.api\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xd3\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\x07\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x11 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x13 \x01(\x0b\x32\x15.pagerail.api.ChoicesH\x00\x12\x11\n\x07grammar\x18\x14 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x15 \x01(\x08H\x00\x12\x0e\n\x01n\x18\x16 \x01(\x05H\x08\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x17 \x01(\x08H\t\x88\x01\x01\x12?\n\nlogit_bias\x18\x18 \x03(\x0b\x32+.pagerail.api.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x19 \x03(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x1a \x01(\x05H\n\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x1b \x01(\x05H\x0b\x88\x01\x01\x12\x11\n\tbad_words\x18\x1c \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0c\n\nconstraintB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\x0e\n\x0c_speculativeB\x12\n\x10_prompt_logprobsB\x19\n\x17_truncate_prompt_tokens\"\xea\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.pagerail.api.TokenIdsH\x00\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.pagerail.api.SamplingParams\x12\x17\n\x0fskip_detokenize\x18\x05 \x01(\x08\x12-\n\x0b\x62\x65\x61m_search\x18\x06 \x01(\x0b\x32\x18.pagerail.api.BeamSearchB\x07\n\x05input\"P\n\nBeamSearch\x12\x12\n\nbeam_width\x18\x01 \x01(\x05\x12\x1b\n\x0elength_penalty\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x11\n\x0f_length_penalty\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"a\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x18.pagerail.api.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xf4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.pagerail.api.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.pagerail.api.Usage\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.pagerail.api.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x12\n\x10ModelInfoRequest\"J\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\"\x13\n\x11ServerInfoRequest\"\x97\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x16\n\x0euptime_seconds\x18\x02 \x01(\x01\x12\x32\n\x05stats\x18\x03 \x03(\x0b\x32#.pagerail.api.ServerInfo.StatsEntry\x1a,\n\nStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xc9\x01\n\x0eSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.pagerail.api.TokenIdsH\x00\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.pagerail.api.SamplingParams\x12\x17\n\x0fskip_detokenize\x18\x05 \x01(\x08\x12\r\n\x05\x66inal\x18\x06 \x01(\x08\x42\x07\n\x05input2\xfd\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.pagerail.api.GenerateRequest\x1a\x1e.pagerail.api.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pagerail.api.AbortRequest\x1a\x1b.pagerail.api.AbortResponse\x12G\n\x0cGetModelInfo\x12\x1e.pagerail.api.ModelInfoRequest\x1a\x17.pagerail.api.ModelInfo\x12J\n\rGetServerInfo\x12\x1f.pagerail.api.ServerInfoRequest\x1a\x18.pagerail.api.ServerInfo\x12K\n\x07Session\x12\x1c.pagerail.api.SessionRequest\x1a\x1e.pagerail.api.GenerateResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,31 +44,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=834
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=882
   _globals['_GENERATEREQUEST']._serialized_start=1078
-  _globals['_GENERATEREQUEST']._serialized_end=1265
-  _globals['_TOPLOGPROB']._serialized_start=1267
-  _globals['_TOPLOGPROB']._serialized_end=1314
-  _globals['_TOKENLOGPROB']._serialized_start=1316
-  _globals['_TOKENLOGPROB']._serialized_end=1413
-  _globals['_USAGE']._serialized_start=1415
-  _globals['_USAGE']._serialized_end=1495
-  _globals['_GENERATERESPONSE']._serialized_start=1498
-  _globals['_GENERATERESPONSE']._serialized_end=1742
-  _globals['_ABORTREQUEST']._serialized_start=1744
-  _globals['_ABORTREQUEST']._serialized_end=1778
-  _globals['_ABORTRESPONSE']._serialized_start=1780
-  _globals['_ABORTRESPONSE']._serialized_end=1810
-  _globals['_MODELINFOREQUEST']._serialized_start=1812
-  _globals['_MODELINFOREQUEST']._serialized_end=1830
-  _globals['_MODELINFO']._serialized_start=1832
-  _globals['_MODELINFO']._serialized_end=1906
-  _globals['_SERVERINFOREQUEST']._serialized_start=1908
-  _globals['_SERVERINFOREQUEST']._serialized_end=1927
-  _globals['_SERVERINFO']._serialized_start=1930
-  _globals['_SERVERINFO']._serialized_end=2081
-  _globals['_SERVERINFO_STATSENTRY']._serialized_start=2037
-  _globals['_SERVERINFO_STATSENTRY']._serialized_end=2081
-  _globals['_SESSIONREQUEST']._serialized_start=2084
-  _globals['_SESSIONREQUEST']._serialized_end=2285
-  _globals['_GENERATION']._serialized_start=2288
-  _globals['_GENERATION']._serialized_end=2669
+  _globals['_GENERATEREQUEST']._serialized_end=1312
+  _globals['_BEAMSEARCH']._serialized_start=1314
+  _globals['_BEAMSEARCH']._serialized_end=1394
+  _globals['_TOPLOGPROB']._serialized_start=1396
+  _globals['_TOPLOGPROB']._serialized_end=1443
+  _globals['_TOKENLOGPROB']._serialized_start=1445
+  _globals['_TOKENLOGPROB']._serialized_end=1542
+  _globals['_USAGE']._serialized_start=1544
+  _globals['_USAGE']._serialized_end=1624
+  _globals['_GENERATERESPONSE']._serialized_start=1627
+  _globals['_GENERATERESPONSE']._serialized_end=1871
+  _globals['_ABORTREQUEST']._serialized_start=1873
+  _globals['_ABORTREQUEST']._serialized_end=1907
+  _globals['_ABORTRESPONSE']._serialized_start=1909
+  _globals['_ABORTRESPONSE']._serialized_end=1939
+  _globals['_MODELINFOREQUEST']._serialized_start=1941
+  _globals['_MODELINFOREQUEST']._serialized_end=1959
+  _globals['_MODELINFO']._serialized_start=1961
+  _globals['_MODELINFO']._serialized_end=2035
+  _globals['_SERVERINFOREQUEST']._serialized_start=2037
+  _globals['_SERVERINFOREQUEST']._serialized_end=2056
+  _globals['_SERVERINFO']._serialized_start=2059
+  _globals['_SERVERINFO']._serialized_end=2210
+  _globals['_SERVERINFO_STATSENTRY']._serialized_start=2166
+  _globals['_SERVERINFO_STATSENTRY']._serialized_end=2210
+  _globals['_SESSIONREQUEST']._serialized_start=2213
+  _globals['_SESSIONREQUEST']._serialized_end=2414
+  _globals['_GENERATION']._serialized_start=2417
+  _globals['_GENERATION']._serialized_end=2798
 # @@protoc_insertion_point(module_scope)

@@ -17,6 +17,7 @@ from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
+from pagerail.cluster.core.beam_search import BeamSearchParams, beam_search
 from pagerail.cluster.core.engine_client import EngineClient, RequestDelta
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.frontend import tracing
@@ -103,6 +104,10 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             async with status_on_error(context):
                 if request.WhichOneof("input") is None:
                     raise ValueError("input: set text or token_ids")
+                if request.HasField("beam_search"):
+                    async for response in self._beam_search(request, context):
+                        yield response
+                    return
                 stream = self._new_stream(request)
                 # Compiled against the tokenizer before anything is queued: a bad constraint never reaches the engine.
                 await check_constraint_of(
@@ -114,6 +119,45 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                     yield response
         finally:
             tracing.end_grpc_span(span, context.code())
+
+    async def _beam_search(self, request: api_pb2.GenerateRequest, context) -> AsyncIterator[api_pb2.GenerateResponse]:
+        """The best beams of a Generate with beam_search, one whole message each, best first."""
+        sent = request.sampling_params
+        refused = {
+            "temperature": sent.HasField("temperature") and sent.temperature > 0,
+            "stop": bool(sent.stop) or bool(sent.stop_token_ids),
+            "logprobs": sent.HasField("logprobs") or sent.HasField("prompt_logprobs"),
+            "constraint": sent.WhichOneof("constraint") is not None,
+            "n": sent.HasField("n") and sent.n != request.beam_search.beam_width,
+        }
+        for name, value in refused.items():
+            if value:
+                raise ValueError(f"sampling_params.{name} is not supported with beam_search; leave it out")
+        stream = self._new_stream(request)
+        width = request.beam_search.beam_width
+        penalty = request.beam_search.length_penalty if request.beam_search.HasField("length_penalty") else 1.0
+        limit = self.engine.max_model_len - len(stream.prompt_ids)
+        try:
+            params = BeamSearchParams(
+                width, stream.params.max_tokens or max(1, limit), stream.params.ignore_eos, penalty
+            )
+        except ValueError as error:
+            raise ValueError(f"beam_search.{error}") from None
+        await context.send_initial_metadata((("request-id", stream.request_id),))
+        beams = await beam_search(self.engine, stream.prompt_ids, params, stream.engine_id, self.engine.eos_token_ids)
+        for rank, beam in enumerate(beams):
+            text = ""
+            if stream.send_text and self.tokenizer is not None:
+                text = self.tokenizer.decode(beam.token_ids, skip_special_tokens=stream.params.skip_special_tokens)
+            usage = api_pb2.Usage(prompt_tokens=len(stream.prompt_ids), completion_tokens=len(beam.token_ids))
+            yield api_pb2.GenerateResponse(
+                request_id=stream.request_id,
+                token_ids=beam.token_ids,
+                text=text,
+                finish_reason=beam.finish_reason,
+                usage=usage,
+                index=rank,
+            )
 
     async def Session(self, request_iterator: AsyncIterator[api_pb2.SessionRequest], context):  # noqa: N802
         async with status_on_error(context):
