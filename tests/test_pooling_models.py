@@ -206,16 +206,24 @@ def test_pooling_settings_come_from_the_checkpoint_and_bad_flags_name_themselves
         read_pooling_config(path, convert="classify")
     with pytest.raises(ValueError, match="runner must be one of"):
         read_pooling_config(path, runner="fast")
+    overridden = read_pooling_config(path, pooler_config='{"pooling_type": "MEAN", "normalize": false}')
+    assert (overridden.default_pooling, overridden.normalize) == ("mean", False)
+    for bad, named in [('{"pooling_type": "MAX"}', "pooling_type"), ('{"step": 1}', "pooler_config"), ("[", "JSON")]:
+        with pytest.raises(ValueError, match=named):
+            read_pooling_config(path, pooler_config=bad)
 
 
 def test_a_causal_lm_under_runner_pooling_embeds_and_refuses_generation(tmp_path):
     from pagerail.cluster.bench.tiny_llama import write_tiny_llama
 
     path = write_tiny_llama(tmp_path / "llama")
-    llm = LLM(str(path), runner="pooling", convert="embed", kv_cache_memory_bytes=4 << 20)
+    pooler = '{"pooling_type": "MEAN", "normalize": false}'
+    llm = LLM(str(path), runner="pooling", convert="embed", pooler_config=pooler, kv_cache_memory_bytes=4 << 20)
     try:
         (vector,) = llm.embed([[5, 6, 7]])
         assert len(vector) == 128
+        assert vector == llm.embed([[5, 6, 7]], pooling="mean", normalize=False)[0]  # the server's default
+        assert vector != llm.embed([[5, 6, 7]], pooling="last", normalize=False)[0]
         with pytest.raises(ValueError, match="pooling requests only"):
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
     finally:

@@ -80,6 +80,12 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
     ),
     EngineArg("runner", "", str, "pooling: embeddings, classification and scores only (auto: by the model)", RUNNERS),
     EngineArg("convert", "", str, "embed: a causal LM as an embedder; classify: its classification head", CONVERSIONS),
+    EngineArg(
+        "pooler_config",
+        "",
+        str,
+        'the default pooling as JSON, e.g. {"pooling_type": "MEAN", "normalize": true} (default: the checkpoint\'s)',
+    ),
     EngineArg("enforce_eager", "", bool, "run every step eagerly: no CUDA graphs for decode steps on GPU ranks"),
     EngineArg("block_size", "cache", int, "tokens per KV-cache block (a power of two <= 128)"),
     EngineArg("kv_cache_memory_bytes", "cache", int, "bytes of KV cache per rank (default: from free memory on GPUs)"),

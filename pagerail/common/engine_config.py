@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagerail.common.pooling_config import pooler_overrides
 from pagerail.common.speculative_config import SpeculativeConfig, speculative_config_from
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -139,6 +140,9 @@ class EngineConfig:
     # embedder, "classify" a checkpoint with a classification head as a classifier.
     runner: str = "auto"
     convert: str = "auto"
+    # vLLM's --pooler-config: a JSON object {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} that
+    # overrides the checkpoint's default pooling for /v1/embeddings and the pooling routes; None: the checkpoint's.
+    pooler_config: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
@@ -158,6 +162,7 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         object.__setattr__(self, "speculative_config", speculative_config_from(self.speculative_config))
+        pooler_overrides(self.pooler_config)  # a bad flag fails here, before anything starts
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or unset, got {self.quantization!r}")
         if not self.tensor_parallel_size >= 1:

@@ -50,9 +50,42 @@ class PoolingConfig:
 GENERATION_MODEL = PoolingConfig()
 
 
-def read_pooling_config(model_dir: Path | None, runner: str = "auto", convert: str = "auto") -> PoolingConfig:
-    """The pooling facts of the model in `model_dir` (None: a generation model's defaults) under --runner and
-    --convert; ValueError naming the flag for a combination the model cannot serve."""
+def pooler_overrides(text: str | None) -> dict[str, object]:
+    """vLLM's --pooler-config, a JSON object such as {"pooling_type": "MEAN", "normalize": false}, as PoolingConfig
+    fields; ValueError naming the flag and the key for anything else."""
+    if text is None:
+        return {}
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"pooler_config must be a JSON object: {error}") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"pooler_config must be a JSON object, got {type(settings).__name__}")
+    unknown = set(settings) - {"pooling_type", "normalize"}
+    if unknown:
+        raise ValueError(f"pooler_config takes pooling_type and normalize, got {', '.join(sorted(unknown))}")
+    overrides: dict[str, object] = {}
+    if "pooling_type" in settings:
+        kind = str(settings["pooling_type"]).lower()
+        if kind not in POOLING_TYPES:
+            raise ValueError(
+                f"pooler_config.pooling_type must be one of LAST, MEAN, CLS, got {settings['pooling_type']!r}"
+            )
+        overrides["default_pooling"] = kind
+    if "normalize" in settings:
+        if not isinstance(settings["normalize"], bool):
+            raise ValueError(f"pooler_config.normalize must be true or false, got {settings['normalize']!r}")
+        overrides["normalize"] = settings["normalize"]
+    return overrides
+
+
+def read_pooling_config(
+    model_dir: Path | None, runner: str = "auto", convert: str = "auto", pooler_config: str | None = None
+) -> PoolingConfig:
+    """The pooling facts of the model in `model_dir` (None: a generation model's defaults) under --runner,
+    --convert and --pooler-config (which overrides the checkpoint's pooling and normalisation); ValueError naming
+    the flag for a combination the model cannot serve."""
+    overrides = pooler_overrides(pooler_config)
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
     if convert not in CONVERSIONS:
@@ -60,7 +93,7 @@ def read_pooling_config(model_dir: Path | None, runner: str = "auto", convert: s
     if model_dir is None or not (Path(model_dir) / "config.json").is_file():
         if runner == "pooling" or convert != "auto":
             raise ValueError("runner pooling and convert need a model directory with a config.json")
-        return PoolingConfig()
+        return PoolingConfig(**overrides)
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     architecture = (config.get("architectures") or [""])[0]
@@ -85,12 +118,9 @@ def read_pooling_config(model_dir: Path | None, runner: str = "auto", convert: s
     pooling, normalize = _sentence_transformers_pooling(model_dir)
     if pooling is None:
         pooling = "cls" if encoder else "last"
+    settings = {"default_pooling": pooling, "normalize": normalize, **overrides}
     return PoolingConfig(
-        pooling_only=encoder or runner == "pooling" or convert != "auto",
-        encoder=encoder,
-        default_pooling=pooling,
-        normalize=normalize,
-        labels=labels,
+        pooling_only=encoder or runner == "pooling" or convert != "auto", encoder=encoder, labels=labels, **settings
     )
 
 

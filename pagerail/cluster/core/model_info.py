@@ -42,7 +42,9 @@ def _as_ids(value: object) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def read_model_info(model_dir: Path, runner: str = "auto", convert: str = "auto") -> ModelInfo:
+def read_model_info(
+    model_dir: Path, runner: str = "auto", convert: str = "auto", pooler_config: str | None = None
+) -> ModelInfo:
     """Read config.json without loading weights. The end-of-sequence ids: generation_config.json's list wins over
     config.json's, and a model naming none in either stops at its tokenizer's eos token, so the same model stops
     at the same token whichever entry point serves it."""
@@ -54,7 +56,7 @@ def read_model_info(model_dir: Path, runner: str = "auto", convert: str = "auto"
         eos = _as_ids(json.loads(generation.read_text()).get("eos_token_id")) or eos
     if not eos:
         eos = _as_ids(tokenizer_special_id(model_dir, "eos_token"))
-    pooling = read_pooling_config(model_dir, runner, convert)
+    pooling = read_pooling_config(model_dir, runner, convert, pooler_config)
     positions = int(text_config.get("max_position_embeddings", 2048))
     if text_config.get("model_type") in ("roberta", "xlm-roberta"):
         positions -= int(text_config.get("pad_token_id", 1)) + 1  # RoBERTa's positions start after its padding id

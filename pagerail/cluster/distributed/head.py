@@ -34,7 +34,7 @@ class HeadActor:
             "head", endpoint=observability.otlp_traces_endpoint, sampling_ratio=observability.trace_sampling_ratio
         )
         model_dir = resolve_model_dir(config.model)
-        info = read_model_info(model_dir, config.runner, config.convert)
+        info = read_model_info(model_dir, config.runner, config.convert, config.pooler_config)
         info.check_engine(config)
         self.group = WorkerGroup(
             worker_config(config, model_dir),

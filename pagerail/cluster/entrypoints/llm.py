@@ -57,7 +57,8 @@ class LLM:
         process, or on Ray (`tensor_parallel_size` > 1, `data_parallel_size` > 1 or a `ray_address`)."""
         self.config = engine_config(engine_args, model=model)
         self.model_dir = resolve_model_dir(self.config.model)
-        info = read_model_info(self.model_dir, self.config.runner, self.config.convert)
+        info = read_model_info(self.model_dir, self.config.runner, self.config.convert, self.config.pooler_config)
+        self._pooling = info.pooling
         info.check_engine(self.config)
         self._vocab_size = info.vocab_size
         self.tokenizer = _load_tokenizer(self.config.tokenizer or self.model_dir)
@@ -130,10 +131,13 @@ class LLM:
         return outputs
 
     def embed(
-        self, prompts: Prompt | Sequence[Prompt], pooling: str = "last", normalize: bool = True
+        self, prompts: Prompt | Sequence[Prompt], pooling: str | None = None, normalize: bool | None = None
     ) -> list[list[float]]:
         """Each prompt's embedding: its final hidden states pooled ("last" token, "mean", or "cls", the first),
-        scaled to unit length unless `normalize` is False; in prompt order, the prompts batched together."""
+        scaled to unit length unless `normalize` is False; in prompt order, the prompts batched together. None: the
+        model's own (--pooler-config, else its sentence-transformers files, else "cls" for an encoder and "last")."""
+        pooling = pooling or self._pooling.default_pooling
+        normalize = self._pooling.normalize if normalize is None else normalize
         prompts = _as_prompt_list(prompts)
         if self._shut_down:
             raise RuntimeError("this LLM was shut down; create a new one")

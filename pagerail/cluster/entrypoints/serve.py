@@ -306,7 +306,7 @@ def serve(args: argparse.Namespace) -> int:
         trace_respect_client_sampling=args.trace_respect_client_sampling,
         grpc_tls=grpc_tls,
         tool_call_parser=args.tool_call_parser,
-        pooling=read_pooling_config(model_dir, config.runner, config.convert),
+        pooling=read_pooling_config(model_dir, config.runner, config.convert, config.pooler_config),
     )
     frontend = (
         ray.remote(FrontendActor)
