@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pagerail.common.json_flags import json_object
+
 RUNNERS = ("auto", "generate", "pooling")
 CONVERSIONS = ("auto", "embed", "classify")
 POOLING_TYPES = ("last", "mean", "cls")
@@ -55,12 +57,7 @@ def pooler_overrides(text: str | None) -> dict[str, object]:
     fields; ValueError naming the flag and the key for anything else."""
     if text is None:
         return {}
-    try:
-        settings = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"pooler_config must be a JSON object: {error}") from None
-    if not isinstance(settings, dict):
-        raise ValueError(f"pooler_config must be a JSON object, got {type(settings).__name__}")
+    settings = json_object("pooler_config", text)
     unknown = set(settings) - {"pooling_type", "normalize"}
     if unknown:
         raise ValueError(f"pooler_config takes pooling_type and normalize, got {', '.join(sorted(unknown))}")

@@ -3,9 +3,10 @@ outside its limits is refused naming the field and why."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from pagerail.common.json_flags import json_object
 
 METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16
@@ -63,13 +64,7 @@ def speculative_config_from(value: Any) -> SpeculativeConfig | None:
     """A SpeculativeConfig from a dict, a JSON object's text (the `--speculative-config` flag) or itself."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"speculative_config must be a JSON object: {error}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"speculative_config must be a JSON object (a dict), got {type(value).__name__}")
+    value = json_object("speculative_config", value)
     unknown = sorted(set(value) - _FIELDS)
     if unknown:
         raise ValueError(f"speculative_config has unknown fields {unknown}; known: {sorted(_FIELDS)}")

@@ -27,25 +27,28 @@ def pool_prompt_rows(
     advances the states."""
     row = 0
     for state in ordered:
-        count = state.num_scheduled_tokens
-        if state.pooling:
-            first = state.num_computed_tokens
-            end = state.num_prompt_tokens
-            stop = min(first + count, end)
-            if stop > first and classify is not None:
-                if first == 0:  # an encoder's prompt is whole in one step
-                    logits = classify(hidden[row : row + 1]).float()[0]
-                    result.pooled.add(handle=state.handle, values=logits.tolist())
-            elif stop > first:
-                rows = hidden[row : row + stop - first].float()
-                if first == 0:  # the prompt starts over (first chunk, or recomputed after preemption)
-                    state.pooled = rows[0].clone() if state.pooling == "cls" else None
-                if state.pooling == "mean":
-                    total = rows.sum(dim=0)
-                    state.pooled = total if state.pooled is None or first == 0 else state.pooled + total
-                if stop == end:
-                    vector = rows[-1] if state.pooling == "last" else state.pooled
-                    if state.pooling == "mean":
-                        vector = vector / end
-                    result.pooled.add(handle=state.handle, values=vector.tolist())
+        first, count = state.num_computed_tokens, state.num_scheduled_tokens
+        stop = min(first + count, state.num_prompt_tokens)
+        if state.pooling and stop > first:
+            _pool(state, hidden[row : row + stop - first], first, result, classify)
         row += count
+
+
+def _pool(state: RequestState, rows: torch.Tensor, first: int, result: step_pb2.StepResult, classify) -> None:
+    """One request's prompt rows of this step (positions `first` on); its vector into `result` once they end it."""
+    end = state.num_prompt_tokens
+    if classify is not None:
+        if first == 0:  # an encoder's prompt is whole in one step
+            result.pooled.add(handle=state.handle, values=classify(rows[:1]).float()[0].tolist())
+        return
+    rows = rows.float()
+    if first == 0:  # the prompt starts over (first chunk, or recomputed after preemption)
+        state.pooled = rows[0].clone() if state.pooling == "cls" else None
+    if state.pooling == "mean":
+        total = rows.sum(dim=0)
+        state.pooled = total if state.pooled is None else state.pooled + total
+    if first + rows.shape[0] == end:
+        vector = rows[-1] if state.pooling == "last" else state.pooled
+        if state.pooling == "mean":
+            vector = vector / end
+        result.pooled.add(handle=state.handle, values=vector.tolist())

@@ -141,7 +141,7 @@ async def _next_logprobs(engine: EngineClient, request_id: str, sequence: list[i
     """The engine's top logprobs for the token after `sequence`."""
     last = None
     async for delta in engine.generate(EngineRequest(request_id, sequence, params, stream=False)):
-        last = delta if last is None or delta.top_logprobs else last
+        last = delta
         if delta.top_logprobs:
             return delta.top_logprobs[0]
     reason = (last.error if last is not None else None) or "the engine ended the step without logprobs"

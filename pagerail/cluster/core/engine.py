@@ -95,7 +95,9 @@ class EngineCore:
         vocab_size: int,
         eos_token_ids: Sequence[int],
         sliding_window: int | None = None,
+        pooling_only: bool = False,
     ) -> None:
+        """`pooling_only`: generation requests are refused (an encoder, or --runner pooling)."""
         self.config = config
         self.sliding_window = sliding_window
         self.executor = executor
@@ -105,8 +107,7 @@ class EngineCore:
         self.max_model_len = effective_max_model_len(config, max_model_len, executor.num_blocks)
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        # Generation requests are refused (an encoder, or --runner pooling); set by for_model.
-        self.pooling_only = False
+        self.pooling_only = pooling_only
         # Block events for a router that follows what this replica's caches hold (cluster/core/kv_events.py).
         self.kv_events = KvEventLog()
         self.block_table = self._new_block_table(executor.num_blocks)
@@ -145,9 +146,15 @@ class EngineCore:
                 config, scheduler=dataclasses.replace(config.scheduler, enable_chunked_prefill=False)
             )
         limit = config.scheduler.context_limit(info.max_position_embeddings)
-        engine = cls(config, executor, limit, info.vocab_size, info.eos_token_ids, info.sliding_window)
-        engine.pooling_only = info.pooling.pooling_only
-        return engine
+        return cls(
+            config,
+            executor,
+            limit,
+            info.vocab_size,
+            info.eos_token_ids,
+            info.sliding_window,
+            pooling_only=info.pooling.pooling_only,
+        )
 
     def _new_block_table(self, num_blocks: int) -> BlockTable:
         cache = self.config.cache

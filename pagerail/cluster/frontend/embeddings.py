@@ -14,8 +14,8 @@ from pydantic import Field, field_validator
 from pagerail.cluster.core.embedding import EmbeddingFailed, finish_vector, pooled_vectors
 from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.frontend.chat import encode_prompt
-from pagerail.cluster.frontend.errors import bad_request, from_value_error, not_found_model, unavailable
-from pagerail.cluster.frontend.protocol import LenientModel, is_token_id
+from pagerail.cluster.frontend.errors import bad_request, check_model, from_value_error, unavailable
+from pagerail.cluster.frontend.protocol import LenientModel, check_prompt_batch, prompt_batch
 from pagerail.common.pooling_config import GENERATION_MODEL, PoolingConfig
 
 
@@ -29,24 +29,10 @@ class TextInputs(LenientModel):
     @field_validator("input", mode="before")
     @classmethod
     def _check_input(cls, value):
-        if isinstance(value, str) or (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
-            return value
-        if isinstance(value, list) and value and all(is_token_id(t) for t in value):
-            return value
-        if (
-            isinstance(value, list)
-            and value
-            and all(isinstance(v, list) and v and all(is_token_id(t) for t in v) for v in value)
-        ):
-            return value
-        raise ValueError("input must be a string, a list of strings, a list of token ids or a list of token-id lists")
+        return check_prompt_batch("input", value)
 
     def inputs(self) -> list[str | list[int]]:
-        if isinstance(self.input, str):
-            return [self.input]
-        if all(isinstance(v, int) for v in self.input):
-            return [list(self.input)]  # type: ignore[arg-type]
-        return list(self.input)  # type: ignore[arg-type]
+        return prompt_batch(self.input)
 
 
 class EmbeddingRequest(TextInputs):
@@ -87,8 +73,7 @@ async def embeddings(
     pooling: PoolingConfig = GENERATION_MODEL,
 ):
     """`request_id` is the server's own id for the engine; `pooling` the model's defaults."""
-    if body.model and body.model != served:
-        raise not_found_model(body.model)
+    check_model(body.model, served)
     if pooling.classifies:
         raise bad_request("this model is a classifier: use /classify, /score or /rerank", "model")
     prompts = [encode_prompt(tokenizer, prompt, engine.vocab_size) for prompt in body.inputs()]

@@ -70,6 +70,12 @@ def not_found_model(name: str) -> APIError:
     )
 
 
+def check_model(requested: str | None, served: str) -> None:
+    """404 naming `requested` when a request names another model than the one served (None: the served one)."""
+    if requested and requested != served:
+        raise not_found_model(requested)
+
+
 def payload_too_large(limit: int) -> APIError:
     return APIError(413, f"Request body exceeds the limit of {limit} bytes", INVALID_REQUEST, code="request_too_large")
 

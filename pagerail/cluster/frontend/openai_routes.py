@@ -16,7 +16,7 @@ from pagerail.cluster.frontend.beam_choices import beam_choices
 from pagerail.cluster.frontend.chat import encode_prompt, render_chat
 from pagerail.cluster.frontend.chat_output import ChoiceOutput
 from pagerail.cluster.frontend.constraints import check_output_constraint
-from pagerail.cluster.frontend.errors import from_value_error, not_found_model
+from pagerail.cluster.frontend.errors import check_model, from_value_error
 from pagerail.cluster.frontend.generation import ChoiceDelta, Usage, logprob_entries, stream_choices
 from pagerail.cluster.frontend.prompt_echo import Echo, completion_logprobs, prompt_logprobs_json
 from pagerail.cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
@@ -25,11 +25,6 @@ from pagerail.cluster.frontend.tool_calls import choose_parser
 from pagerail.cluster.frontend.tool_choice import output_parser
 from pagerail.cluster.frontend.tracing import annotate_request
 from pagerail.common.sampling_params import SamplingParams, truncate_prompt
-
-
-def _check_model(requested: str | None, served: str) -> None:
-    if requested and requested != served:
-        raise not_found_model(requested)
 
 
 def _sampling(request, engine: EngineClient, prompt_len: int, tokenizer) -> SamplingParams:
@@ -132,7 +127,7 @@ async def completions(
 ):
     """`request_id` is the server's own id for the engine; `label` (the client's X-Request-Id) names the response;
     `on_stream_end` runs once a streamed response's last event was sent (or its client left)."""
-    _check_model(body.model, served)
+    check_model(body.model, served)
     prompts = body.prompt_list()
     keep = _truncation(body)
     whole = [encode_prompt(tokenizer, prompt, engine.vocab_size) for prompt in prompts]
@@ -292,7 +287,7 @@ async def start_chat(
 ) -> ChatRun:
     """Render the conversation, check the settings and start its choices: the chat path every chat-shaped API
     (OpenAI's chat completions, Anthropic's messages) formats its answer from."""
-    _check_model(body.model, served)
+    check_model(body.model, served)
     prompt_ids = render_chat(tokenizer, body.messages, body.tool_dicts())
     prompt_ids = truncate_prompt(prompt_ids, _truncation(body), engine.max_model_len)
     params = _sampling(body, engine, len(prompt_ids), tokenizer)
@@ -330,7 +325,7 @@ async def chat_completions(
     created = int(time.time())
     chat_id = f"chatcmpl-{label or request_id}"
     if body.use_beam_search:
-        _check_model(body.model, served)
+        check_model(body.model, served)
         prompt_ids = render_chat(tokenizer, body.messages, None)
         prompt_ids = truncate_prompt(prompt_ids, _truncation(body), engine.max_model_len)
         usage = Usage()

@@ -195,16 +195,7 @@ class CompletionRequest(_SamplingRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _check_prompt(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return value
-        shape = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
-        if not isinstance(value, list) or not value:
-            raise ValueError(shape + (" (got an empty list)" if value == [] else ""))
-        if all(isinstance(p, str) for p in value) or all(is_token_id(t) for t in value):
-            return value
-        if all(isinstance(p, list) and p and all(is_token_id(t) for t in p) for p in value):
-            return value
-        raise ValueError(shape)
+        return check_prompt_batch("prompt", value)
 
     @field_validator("best_of")
     @classmethod
@@ -221,11 +212,7 @@ class CompletionRequest(_SamplingRequest):
 
     def prompt_list(self) -> list[str | list[int]]:
         """The prompt as a batch: one entry per choice group, each a string or a list of token ids."""
-        if isinstance(self.prompt, str):
-            return [self.prompt]
-        if all(isinstance(t, int) for t in self.prompt):
-            return [list(self.prompt)]  # type: ignore[arg-type]
-        return list(self.prompt)  # type: ignore[arg-type]
+        return prompt_batch(self.prompt)
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """SamplingParams for this request; raises APIError (400) naming the offending field. With echo, max_tokens
@@ -331,6 +318,30 @@ class ChatCompletionRequest(_SamplingRequest):
 
 def is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_prompt_batch(field: str, value: Any) -> Any:
+    """`value` when it is a string, a list of strings, a list of token ids or a list of token-id lists (the prompt
+    shapes of completions and embeddings); ValueError naming `field` otherwise."""
+    if isinstance(value, str):
+        return value
+    shape = f"{field} must be a string, a list of strings, a list of token ids or a list of token-id lists"
+    if not isinstance(value, list) or not value:
+        raise ValueError(shape + (" (got an empty list)" if value == [] else ""))
+    if all(isinstance(p, str) for p in value) or all(is_token_id(t) for t in value):
+        return value
+    if all(isinstance(p, list) and p and all(is_token_id(t) for t in p) for p in value):
+        return value
+    raise ValueError(shape)
+
+
+def prompt_batch(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """A checked prompt (check_prompt_batch) as a batch: each entry a string or a list of token ids."""
+    if isinstance(value, str):
+        return [value]
+    if all(isinstance(t, int) for t in value):
+        return [list(value)]  # type: ignore[arg-type]
+    return list(value)  # type: ignore[arg-type]
 
 
 class TokenizeRequest(LenientModel):

@@ -15,7 +15,7 @@ from pagerail.cluster.core.embedding import finish_vector
 from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.frontend.chat import encode_prompt
 from pagerail.cluster.frontend.embeddings import EmbeddingRequest, TextInputs, as_base64, pooled
-from pagerail.cluster.frontend.errors import bad_request, not_found_model
+from pagerail.cluster.frontend.errors import bad_request, check_model
 from pagerail.cluster.frontend.protocol import LenientModel
 from pagerail.common.pooling_config import PoolingConfig
 
@@ -77,7 +77,7 @@ async def pooling_route(
     body: PoolingRequest, engine: EngineClient, tokenizer, served: str, request_id: str, label=None, **options
 ):
     pooling: PoolingConfig = options["pooling"]
-    _check_model(body.model, served)
+    check_model(body.model, served)
     prompts = [encode_prompt(tokenizer, prompt, engine.vocab_size) for prompt in body.inputs()]
     vectors = await pooled(engine, prompts, body.pooling or pooling.default_pooling, f"pool-{request_id}")
     data = []
@@ -92,7 +92,7 @@ async def classify_route(
     body: ClassifyRequest, engine: EngineClient, tokenizer, served: str, request_id: str, label=None, **options
 ):
     pooling: PoolingConfig = options["pooling"]
-    _check_model(body.model, served)
+    check_model(body.model, served)
     if not pooling.classifies:
         raise bad_request("this model has no classification head; /classify needs a *ForSequenceClassification model")
     prompts = [encode_prompt(tokenizer, prompt, engine.vocab_size) for prompt in body.inputs()]
@@ -108,7 +108,7 @@ async def classify_route(
 async def score_route(
     body: ScoreRequest, engine: EngineClient, tokenizer, served: str, request_id: str, label=None, **options
 ):
-    _check_model(body.model, served)
+    check_model(body.model, served)
     try:
         pairs = body.pairs()
     except ValueError as error:
@@ -125,7 +125,7 @@ async def score_route(
 async def rerank_route(
     body: RerankRequest, engine: EngineClient, tokenizer, served: str, request_id: str, label=None, **options
 ):
-    _check_model(body.model, served)
+    check_model(body.model, served)
     texts = body.texts()
     scores, tokens = await _scores(
         engine, tokenizer, options["pooling"], [(body.query, t) for t in texts], f"rerank-{request_id}"
@@ -174,11 +174,6 @@ def _probabilities(logits: list[float]) -> list[float]:
     weights = [math.exp(x - top) for x in logits]
     total = math.fsum(weights)
     return [w / total for w in weights]
-
-
-def _check_model(requested: str | None, served: str) -> None:
-    if requested and requested != served:
-        raise not_found_model(requested)
 
 
 def _listed(response_id: str, served: str, data: list, prompts: list[list[int]]) -> JSONResponse:

@@ -22,7 +22,7 @@ from pagerail.worker.layers.linear import ReplicatedLinear
 from pagerail.worker.models.causal_lm import CausalLM
 from pagerail.worker.parallel_state import TensorParallelGroup
 
-_ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
 
 def weight_with_loader(initial: torch.Tensor) -> nn.Parameter:
@@ -128,10 +128,6 @@ class BertEncoder(CausalLM):
             else:  # BERT's pooler (dense + tanh on the first token), then the classifier
                 self.pooler = ReplicatedLinear(hidden, hidden, True, dtype)
             self.classifier = ReplicatedLinear(hidden, self.num_labels, True, dtype)
-
-    @property
-    def max_positions(self) -> int:
-        return self.config.max_position_embeddings - self.position_offset
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = F.embedding(input_ids, self.word_embeddings)

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from pagerail.common.pooling_config import ENCODER_ARCHITECTURES, ENCODER_MODEL_TYPES
 from pagerail.worker.models.bert import BertEncoder
 from pagerail.worker.models.gemma import GemmaForCausalLM
 from pagerail.worker.models.gpt_oss import GptOssForCausalLM
@@ -27,12 +28,7 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     # Encoders, served as pooling models (embeddings; the classification heads for /classify, /score, /rerank).
-    "BertModel": BertEncoder,
-    "XLMRobertaModel": BertEncoder,
-    "RobertaModel": BertEncoder,
-    "BertForSequenceClassification": BertEncoder,
-    "XLMRobertaForSequenceClassification": BertEncoder,
-    "RobertaForSequenceClassification": BertEncoder,
+    **dict.fromkeys(ENCODER_ARCHITECTURES, BertEncoder),
 }
 
 # Configs converted from GGUF or written by hand may lack `architectures`; their model_type still identifies them.
@@ -48,9 +44,7 @@ _MODEL_TYPES: dict[str, type[nn.Module]] = {
     "qwen2_moe": Qwen2MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
-    "bert": BertEncoder,
-    "xlm-roberta": BertEncoder,
-    "roberta": BertEncoder,
+    **dict.fromkeys(ENCODER_MODEL_TYPES, BertEncoder),
 }
 
 
