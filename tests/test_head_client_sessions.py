@@ -95,3 +95,38 @@ def test_a_chunk_of_an_admitted_session_goes_out_at_once():
         "append s2 [3] final=False",
         "append other [9] final=True",
     ]
+
+
+def test_requests_submitted_in_one_turn_go_in_one_call_and_a_refusal_reaches_only_its_caller():
+    class _RefusingHead(_Head):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[list[str]] = []
+            self.admit.set()
+
+        def _submit_many(self, submissions):
+            self.calls.append([request.request_id for _, request in submissions])
+
+            async def answered() -> list:
+                return [ValueError("bad one") if r.request_id == "bad" else None for _, r in submissions]
+
+            return answered()
+
+    async def scenario():
+        head = _RefusingHead()
+        client = HeadEngineClient(head, "tiny", {"max_model_len": 64, "vocab_size": 100, "eos_token_ids": []})
+        streams = [client.generate(EngineRequest(i, [1, 2], SamplingParams(max_tokens=2))) for i in ("ok", "bad")]
+        firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        refused = firsts[1].exception() if firsts[1].done() else None
+        still_waiting = not firsts[0].done()  # admitted: waits for its deltas, which this head never sends
+        firsts[0].cancel()
+        await asyncio.gather(*firsts, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+        return head.calls, refused, still_waiting
+
+    calls, refused, still_waiting = asyncio.run(scenario())
+    assert calls == [["ok", "bad"]]  # one actor call for both
+    assert isinstance(refused, ValueError) and still_waiting
