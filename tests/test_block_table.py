@@ -61,7 +61,7 @@ def check_lookups(table: EngineBlockTable) -> None:
     window = table._sliding_window
     expected = {}
     for rid, r in table._requests.items():
-        due = [(r.num_hashed + 1) * bs] if table._enable_prefix_caching else []
+        due = [(r.num_hashed + 1) * bs] if table._enable_prefix_caching and r.cacheable else []
         if window is not None:
             due.append((r.num_released + 1) * bs + window)
             # Released entries lead the list, and nothing but them is RELEASED.

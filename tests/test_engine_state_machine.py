@@ -103,6 +103,20 @@ class EngineMachine(RuleBasedStateMachine):
             return
         self.all_requests.append(request)
 
+    @rule(base=st.integers(0, len(BASES) - 1), length=st.integers(1, 24), tail=st.lists(st.integers(0, 48), max_size=6))
+    def embed(self, base: int, length: int, tail: list[int]) -> None:
+        """An embedding request: its prompt computed (in chunks under the budget), one unshown token sampled."""
+        request_id = f"r{self.next_id}"
+        self.next_id += 1
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        try:
+            request = self.engine.add_request(
+                EngineRequest(request_id, self._prompt(base, length, tail), params, pooling="last", stream=False)
+            )
+        except (ValueError, QueueFullError):
+            return
+        self.all_requests.append(request)
+
     def _sessions(self):
         return [r for r in self.engine.scheduler.requests.values() if r.input_open]
 
@@ -220,6 +234,16 @@ class EngineMachine(RuleBasedStateMachine):
         assert len(running) <= scheduler.config.max_num_seqs
         # The offline loop skips its look at a step's requests when this counter says none of them ended.
         assert scheduler.stats.num_finished == sum(1 for r in self.all_requests if r.finished)
+
+    @invariant()
+    def pooling_requests_are_never_preempted(self) -> None:
+        """They hold their whole prompt's blocks from admission; others are preempted around them."""
+        for request in self.all_requests:
+            if request.pooling:
+                assert request.num_preemptions == 0, f"{request.request_id}: a pooling request was preempted"
+                if request.status is RequestStatus.RUNNING:
+                    owned = self.engine.block_table.slots_owned.get(request.request_id, 0)
+                    assert owned >= request.num_prompt_tokens, "a running pooling request lacks its prompt's blocks"
 
     @invariant()
     def outputs_follow_from_their_sequences_and_no_step_read_garbage(self) -> None:

@@ -291,3 +291,36 @@ def test_the_mixed_step_count_sees_a_partial_chunk_beside_plain_decodes():
     out = run_step(scheduler)
     assert out.has_partial_prefill and any(item.plain for item in out.scheduled)
     assert scheduler.stats.num_mixed_steps == 1
+
+
+def test_a_pooling_request_is_never_preempted_while_decodes_run_out_of_blocks():
+    """Its whole prompt's blocks are reserved on admission; the decodes beside it preempt each other instead."""
+
+    def workload():
+        decodes = [make_request(f"d{i}", 8, 16) for i in range(2)]
+        embedding = Request(
+            EngineRequest("e", list(range(100, 124)), SamplingParams(max_tokens=1, ignore_eos=True), pooling="last"),
+            handle=77,
+            stop_token_ids=frozenset(),
+        )
+        return decodes, embedding
+
+    def run(scheduler, decodes, embedding):
+        for request in decodes:
+            scheduler.add_request(request)
+        run_step(scheduler)  # the decodes are admitted and decoding before the pooling request arrives
+        scheduler.add_request(embedding)
+        run_all(scheduler)
+
+    roomy = make_scheduler(num_blocks=64, budget=4, caching=False)
+    reference = workload()
+    run(roomy, *reference)
+
+    tight = make_scheduler(num_blocks=11, budget=4, caching=False)
+    decodes, embedding = workload()
+    run(tight, decodes, embedding)
+    assert tight.stats.num_preemptions > 0, "the cache was meant to run out"
+    assert embedding.num_preemptions == 0
+    assert sum(r.num_preemptions for r in decodes) == tight.stats.num_preemptions
+    assert outputs_of([*decodes, embedding]) == outputs_of([*reference[0], reference[1]])
+    assert tight.block_table.num_free_blocks == tight.block_table.num_blocks

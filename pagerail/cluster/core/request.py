@@ -91,17 +91,22 @@ class Request:
     last_token_time: float | None = None
     num_reported_tokens: int = 0
     metrics_done: bool = False
+    # Times it lost its KV blocks to another request's need (a pooling request never does).
+    num_preemptions: int = 0
 
     # Read from the envelope on every step, so kept at hand: the same objects, not copies.
     request_id: str = field(init=False)
     sampling_params: SamplingParams = field(init=False)
     max_tokens: int | None = field(init=False)  # None: up to the context limit
+    # A pooling (embedding, classification) request: its whole prompt's blocks are reserved when it is admitted.
+    pooling: bool = field(init=False)
 
     def __post_init__(self) -> None:
         envelope = self.envelope
         self.request_id = envelope.request_id
         self.sampling_params = envelope.params
         self.max_tokens = envelope.params.max_tokens
+        self.pooling = envelope.pooling is not None
         self.all_token_ids = [*envelope.prompt_token_ids, *self.output_token_ids]
         self.num_prompt_tokens = len(envelope.prompt_token_ids)
 

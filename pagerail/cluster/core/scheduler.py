@@ -194,7 +194,7 @@ class Scheduler:
             else:
                 new_blocks = self._allocate_or_preempt(request, reach, out)
                 if new_blocks is None:
-                    break  # the request itself was preempted: it was the last running one
+                    break  # the request itself was preempted: only pooling requests (or none) ran after it
             if lookahead:
                 # Its drafts' KV slots are allocated; the ranks report how many of them it keeps.
                 item = ScheduledRequest(request, 1, new_blocks, epoch=request.epoch, lookahead=lookahead)
@@ -250,11 +250,24 @@ class Scheduler:
             # the queue; recomputed from the prefix cache later), then the most recently admitted running request's.
             if self._release_parked_blocks(out):
                 continue
-            victim = self.running.pop()
+            victim = self._pop_victim(request)
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is request:
                 return None
+
+    def _pop_victim(self, request: Request) -> Request:
+        """Take the most recently admitted running request that is not a pooling one, or `request` itself.
+
+        Pooling requests hold every block of their prompt from admission and are never chosen, so they never
+        recompute. Only requests after `request` are candidates: this step has not scheduled them yet.
+        """
+        running = self.running
+        for index in range(len(running) - 1, -1, -1):
+            candidate = running[index]
+            if candidate is request or not candidate.pooling:
+                return running.pop(index)
+        raise RuntimeError(f"request {request.request_id} needs blocks but is not running")
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and self._has_sequence_slot(out):
@@ -268,7 +281,7 @@ class Scheduler:
             # the logprobs come from its rows' logits, which a prefix-cache hit would skip.
             # So is an embedding request's, whose vector pools its prompt rows' hidden states.
             scores_prompt = not request.output_token_ids and (
-                request.sampling_params.prompt_logprobs is not None or request.envelope.pooling is not None
+                request.sampling_params.prompt_logprobs is not None or request.pooling
             )
             if admitted:
                 if not scores_prompt:
@@ -279,13 +292,11 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
+            # A pooling request reserves its whole prompt now: once running it never asks for a block, so it is
+            # never out of memory mid-prompt (and never a victim, see _pop_victim).
+            reserve = request.num_tokens if request.pooling else request.num_computed_tokens + num_new
             new_blocks = self.block_table.allocate_slots(
-                request.request_id,
-                request.all_token_ids,
-                request.num_computed_tokens + num_new,
-                cached,
-                hosted,
-                cacheable=request.envelope.pooling is None,
+                request.request_id, request.all_token_ids, reserve, cached, hosted, cacheable=not request.pooling
             )
             if new_blocks is None:
                 if cached or hosted:
@@ -503,6 +514,7 @@ class Scheduler:
             extra={"request_id": request.request_id},
         )
         self._take_blocks(request)
+        request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
 
