@@ -30,3 +30,43 @@ class BackgroundServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+class BackgroundFrontend:
+    """`with BackgroundFrontend(engine, tokenizer, settings) as (base_url, grpc_target):` serves the HTTP and gRPC
+    APIs of one FrontendServer (one shared state, as `pagerail serve` runs them) until the block ends."""
+
+    def __init__(self, engine, tokenizer, settings) -> None:
+        import dataclasses
+
+        from pagerail.cluster.frontend.server import FrontendServer
+
+        self.frontend = FrontendServer(engine, tokenizer, dataclasses.replace(settings, port=0, grpc_port=0))
+        self.ports: dict | None = None
+        self.error: BaseException | None = None
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+
+    async def _serve(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        try:
+            self.ports = await self.frontend.start()
+        except BaseException as error:
+            self.error = error
+            return
+        await self._stop.wait()
+        await self.frontend.stop()
+
+    def __enter__(self) -> tuple[str, str]:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while self.ports is None:
+            if self.error is not None or time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"the test frontend did not start: {self.error!r}")
+            time.sleep(0.01)
+        return f"http://127.0.0.1:{self.ports['http_port']}", f"127.0.0.1:{self.ports['grpc_port']}"
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self.thread.join(timeout=30)

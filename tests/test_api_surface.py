@@ -1,11 +1,13 @@
 """The API surface as clients reach it, through the official openai and anthropic clients against the HTTP server on
 a tiny random Llama: sampling fields (logit_bias, allowed_token_ids, bad_words, truncation), scored prompts (echo,
-prompt_logprobs), routes and errors, Anthropic's Messages API and OpenAI's Responses API."""
+prompt_logprobs), routes and errors, Anthropic's Messages API and OpenAI's Responses API (also on gRPC, from the
+same frontend)."""
 
 from __future__ import annotations
 
 import json
 
+import grpc
 import openai
 import pytest
 
@@ -14,7 +16,8 @@ from pagerail.cluster.bench.tiny_llama import write_tiny_llama
 from pagerail.cluster.frontend.generation import token_text
 from pagerail.cluster.frontend.http_app import ServerState, create_app
 from pagerail.cluster.frontend.settings import FrontendSettings
-from tests.http_server import BackgroundServer
+from pagerail.proto import api_pb2, api_pb2_grpc
+from tests.http_server import BackgroundFrontend, BackgroundServer
 
 MODEL = "tiny"
 PROMPT = [5, 17, 42, 99, 7, 300, 12]
@@ -37,11 +40,21 @@ def greedy(llm):
 
 
 @pytest.fixture(scope="module")
-def api(llm, greedy):
-    engine = llm.engine_client
-    app = create_app(ServerState(engine, llm.tokenizer, FrontendSettings(MODEL)))
-    with BackgroundServer(app) as base_url:
-        yield openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
+def frontend(llm, greedy):
+    """The HTTP and gRPC APIs of one frontend: (base URL, gRPC target)."""
+    with BackgroundFrontend(llm.engine_client, llm.tokenizer, FrontendSettings(MODEL)) as addresses:
+        yield addresses
+
+
+@pytest.fixture(scope="module")
+def api(frontend):
+    return openai.OpenAI(base_url=frontend[0] + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def rpc(frontend):
+    with grpc.insecure_channel(frontend[1]) as channel:
+        yield api_pb2_grpc.GenerationStub(channel)
 
 
 @pytest.fixture(scope="module")
@@ -529,6 +542,65 @@ def test_bad_responses_requests_name_the_field(api, fields, error, param):
     assert info.value.body["param"] == param
     with pytest.raises(openai.NotFoundError):
         api.responses.retrieve("resp_nothing")
+
+
+def test_responses_on_grpc_answer_as_http_does_and_share_its_store(api, rpc):
+    """CreateResponse gives the HTTP API's text and usage; a response made on either API continues on the other."""
+    over_http = api.responses.create(model=MODEL, input="hello there", max_output_tokens=10, temperature=0)
+    over_grpc = rpc.CreateResponse(
+        api_pb2.ResponseRequest(input_text="hello there", max_output_tokens=10, temperature=0.0)
+    )
+    assert over_grpc.output_text == over_http.output_text and over_grpc.status == over_http.status
+    assert over_grpc.usage.prompt_tokens == over_http.usage.input_tokens
+    assert over_grpc.usage.completion_tokens == over_http.usage.output_tokens
+    assert over_grpc.id.startswith("resp_") and over_grpc.model == MODEL
+    # Continued over gRPC from the HTTP response, and fetched over HTTP: the same as continuing over HTTP.
+    follow = dict(input="and the second one", previous_response_id=over_http.id, max_output_tokens=6, temperature=0)
+    expected = api.responses.create(model=MODEL, **follow)
+    continued = rpc.CreateResponse(
+        api_pb2.ResponseRequest(
+            input_text="and the second one", previous_response_id=over_http.id, max_output_tokens=6, temperature=0.0
+        )
+    )
+    assert continued.output_text == expected.output_text and continued.usage.cached_tokens > 0
+    assert api.responses.retrieve(continued.id).output_text == continued.output_text
+    assert rpc.GetResponse(api_pb2.GetResponseRequest(response_id=expected.id)).output_text == expected.output_text
+
+
+def test_a_function_call_on_grpc_comes_back_as_a_function_call_item(rpc):
+    tool = api_pb2.FunctionTool(
+        name="get_weather", description="The weather in a city", parameters=json.dumps(WEATHER["input_schema"])
+    )
+    items = [api_pb2.ResponseItem(message=api_pb2.ResponseMessage(role="user", text="weather?"))]
+    response = rpc.CreateResponse(
+        api_pb2.ResponseRequest(
+            input=items, tools=[tool], tool_choice="get_weather", max_output_tokens=64, temperature=0.0
+        )
+    )
+    (call,) = [item.function_call for item in response.output if item.HasField("function_call")]
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Oslo", "Paris") and call.call_id
+
+
+@pytest.mark.parametrize(
+    "fields, code, field",
+    [
+        ({"max_output_tokens": -1}, grpc.StatusCode.INVALID_ARGUMENT, "max_output_tokens"),
+        ({"previous_response_id": "resp_nothing"}, grpc.StatusCode.NOT_FOUND, "previous_response_id"),
+        ({"json_schema": "{not json"}, grpc.StatusCode.INVALID_ARGUMENT, "json_schema"),
+        ({"input": [api_pb2.ResponseItem()]}, grpc.StatusCode.INVALID_ARGUMENT, "input[0]"),
+    ],
+)
+def test_bad_responses_on_grpc_name_the_field(rpc, fields, code, field):
+    with pytest.raises(grpc.RpcError) as info:
+        rpc.CreateResponse(
+            api_pb2.ResponseRequest(**{"input_text": "hi", **fields})
+            if "input" not in fields
+            else api_pb2.ResponseRequest(**fields)
+        )
+    assert info.value.code() == code and field in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        rpc.GetResponse(api_pb2.GetResponseRequest(response_id="resp_nothing"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_the_response_store_is_bounded_by_count_and_age():

@@ -219,3 +219,116 @@ class SessionRequest(_message.Message):
     skip_detokenize: bool
     final: bool
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., skip_detokenize: _Optional[bool] = ..., final: _Optional[bool] = ...) -> None: ...
+
+class ResponseRequest(_message.Message):
+    __slots__ = ("model", "input_text", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice", "parallel_tool_calls", "json_schema", "store", "previous_response_id", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    input_text: str
+    input: _containers.RepeatedCompositeFieldContainer[ResponseItem]
+    instructions: str
+    max_output_tokens: int
+    temperature: float
+    top_p: float
+    tools: _containers.RepeatedCompositeFieldContainer[FunctionTool]
+    tool_choice: str
+    parallel_tool_calls: bool
+    json_schema: str
+    store: bool
+    previous_response_id: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, model: _Optional[str] = ..., input_text: _Optional[str] = ..., input: _Optional[_Iterable[_Union[ResponseItem, _Mapping]]] = ..., instructions: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., tools: _Optional[_Iterable[_Union[FunctionTool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., json_schema: _Optional[str] = ..., store: _Optional[bool] = ..., previous_response_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ResponseItem(_message.Message):
+    __slots__ = ("message", "function_call", "function_call_output")
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_CALL_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_CALL_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    message: ResponseMessage
+    function_call: FunctionCall
+    function_call_output: FunctionCallOutput
+    def __init__(self, message: _Optional[_Union[ResponseMessage, _Mapping]] = ..., function_call: _Optional[_Union[FunctionCall, _Mapping]] = ..., function_call_output: _Optional[_Union[FunctionCallOutput, _Mapping]] = ...) -> None: ...
+
+class ResponseMessage(_message.Message):
+    __slots__ = ("role", "text")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    text: str
+    def __init__(self, role: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+
+class FunctionCall(_message.Message):
+    __slots__ = ("call_id", "name", "arguments")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    name: str
+    arguments: str
+    def __init__(self, call_id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class FunctionCallOutput(_message.Message):
+    __slots__ = ("call_id", "output")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    output: str
+    def __init__(self, call_id: _Optional[str] = ..., output: _Optional[str] = ...) -> None: ...
+
+class FunctionTool(_message.Message):
+    __slots__ = ("name", "description", "parameters")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[str] = ...) -> None: ...
+
+class Response(_message.Message):
+    __slots__ = ("id", "status", "output", "output_text", "usage", "previous_response_id", "created_at", "model", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    status: str
+    output: _containers.RepeatedCompositeFieldContainer[ResponseItem]
+    output_text: str
+    usage: Usage
+    previous_response_id: str
+    created_at: float
+    model: str
+    error: str
+    def __init__(self, id: _Optional[str] = ..., status: _Optional[str] = ..., output: _Optional[_Iterable[_Union[ResponseItem, _Mapping]]] = ..., output_text: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., previous_response_id: _Optional[str] = ..., created_at: _Optional[float] = ..., model: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class GetResponseRequest(_message.Message):
+    __slots__ = ("response_id",)
+    RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
+    response_id: str
+    def __init__(self, response_id: _Optional[str] = ...) -> None: ...

@@ -59,6 +59,16 @@ class GenerationStub:
                 request_serializer=pagerail_dot_proto_dot_api__pb2.SessionRequest.SerializeToString,
                 response_deserializer=pagerail_dot_proto_dot_api__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.CreateResponse = channel.unary_unary(
+                '/pagerail.api.Generation/CreateResponse',
+                request_serializer=pagerail_dot_proto_dot_api__pb2.ResponseRequest.SerializeToString,
+                response_deserializer=pagerail_dot_proto_dot_api__pb2.Response.FromString,
+                _registered_method=True)
+        self.GetResponse = channel.unary_unary(
+                '/pagerail.api.Generation/GetResponse',
+                request_serializer=pagerail_dot_proto_dot_api__pb2.GetResponseRequest.SerializeToString,
+                response_deserializer=pagerail_dot_proto_dot_api__pb2.Response.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -97,6 +107,20 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateResponse(self, request, context):
+        """A Responses API response, whole; NOT_FOUND for an unknown previous_response_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetResponse(self, request, context):
+        """A stored response by id; NOT_FOUND when it is not (or no longer) kept.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +148,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=pagerail_dot_proto_dot_api__pb2.SessionRequest.FromString,
                     response_serializer=pagerail_dot_proto_dot_api__pb2.GenerateResponse.SerializeToString,
+            ),
+            'CreateResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateResponse,
+                    request_deserializer=pagerail_dot_proto_dot_api__pb2.ResponseRequest.FromString,
+                    response_serializer=pagerail_dot_proto_dot_api__pb2.Response.SerializeToString,
+            ),
+            'GetResponse': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetResponse,
+                    request_deserializer=pagerail_dot_proto_dot_api__pb2.GetResponseRequest.FromString,
+                    response_serializer=pagerail_dot_proto_dot_api__pb2.Response.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +295,60 @@ class Generation:
             '/pagerail.api.Generation/Session',
             pagerail_dot_proto_dot_api__pb2.SessionRequest.SerializeToString,
             pagerail_dot_proto_dot_api__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagerail.api.Generation/CreateResponse',
+            pagerail_dot_proto_dot_api__pb2.ResponseRequest.SerializeToString,
+            pagerail_dot_proto_dot_api__pb2.Response.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetResponse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagerail.api.Generation/GetResponse',
+            pagerail_dot_proto_dot_api__pb2.GetResponseRequest.SerializeToString,
+            pagerail_dot_proto_dot_api__pb2.Response.FromString,
             options,
             channel_credentials,
             insecure,

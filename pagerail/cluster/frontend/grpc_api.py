@@ -34,7 +34,9 @@ from pagerail.cluster.frontend.grpc_convert import (
     usage,
 )
 from pagerail.cluster.frontend.grpc_guards import ApiKeyInterceptor, EngineHealth
+from pagerail.cluster.frontend.grpc_responses import response_message, responses_request
 from pagerail.cluster.frontend.output_processor import ChoiceState, fan_out
+from pagerail.cluster.frontend.responses_api import ResponseStore, not_found_response, respond_whole
 from pagerail.common.sampling_params import SamplingParams, truncate_prompt
 from pagerail.common.tls import ServerTls
 from pagerail.proto import api_pb2, api_pb2_grpc
@@ -90,9 +92,18 @@ class _Stream:
 class GenerationServicer(api_pb2_grpc.GenerationServicer):
     """pagerail.api.Generation over one engine replica; tokenization, detokenization and stop strings live here."""
 
-    def __init__(self, engine: EngineClient, tokenizer: Any | None) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Any | None,
+        responses: ResponseStore | None = None,
+        tool_call_parser: str | None = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        # Kept Responses API responses: the HTTP API's store when both serve one frontend.
+        self.responses = responses if responses is not None else ResponseStore()
+        self.tool_call_parser = tool_call_parser
         # Keyed by (connection, the caller's request_id): a request_id is unique on its connection only.
         self._streams: dict[tuple[str, str], _Stream] = {}
         self._started = time.monotonic()
@@ -119,6 +130,33 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                     yield response
         finally:
             tracing.end_grpc_span(span, context.code())
+
+    async def CreateResponse(self, request: api_pb2.ResponseRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        span = tracing.start_grpc_span("CreateResponse", context.invocation_metadata())
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                async with status_on_error(context):
+                    if self.tokenizer is None:
+                        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "this server has no tokenizer for chats")
+                    answer = await respond_whole(
+                        responses_request(request),
+                        self.engine,
+                        self.tokenizer,
+                        self.engine.model_name,
+                        uuid.uuid4().hex,
+                        self.tool_call_parser,
+                        self.responses,
+                    )
+                    return response_message(answer)
+        finally:
+            tracing.end_grpc_span(span, context.code())
+
+    async def GetResponse(self, request: api_pb2.GetResponseRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        async with status_on_error(context):
+            kept = self.responses.get(request.response_id)
+            if kept is None:
+                raise not_found_response(request.response_id, "response_id")
+            return response_message(kept.body)
 
     async def _beam_search(self, request: api_pb2.GenerateRequest, context) -> AsyncIterator[api_pb2.GenerateResponse]:
         """The best beams of a Generate with beam_search, one whole message each, best first."""
@@ -361,16 +399,20 @@ def build_grpc_server(
     api_key: str | None = None,
     health: EngineHealth | None = None,
     tls: ServerTls | None = None,
+    responses: ResponseStore | None = None,
+    tool_call_parser: str | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """An unstarted grpc.aio server with Generation, Health and reflection, and the port it bound (port=0: any).
 
-    Health follows engine.is_ready; pass your own `health` to flip it with set_serving().
+    Health follows engine.is_ready; pass your own `health` to flip it with set_serving(). `responses` is the
+    store of kept Responses API responses (share the HTTP API's; a new one when None).
     With `tls` the port speaks TLS only (and asks for client certificates when tls.client_ca is set).
     Call from inside the event loop that will run the server.
     """
     interceptors = [ApiKeyInterceptor(api_key)] if api_key is not None else []
     server = grpc.aio.server(interceptors=interceptors)
-    api_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine, tokenizer), server)
+    servicer = GenerationServicer(engine, tokenizer, responses, tool_call_parser)
+    api_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health = health or EngineHealth(engine.is_ready, (GENERATION_SERVICE,))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)

@@ -12,6 +12,7 @@ import grpc
 
 from pagerail.cluster.core.engine_client import RequestDelta
 from pagerail.cluster.core.errors import QueueFullError
+from pagerail.cluster.frontend.errors import APIError
 from pagerail.cluster.frontend.output_processor import ChoiceDelta
 from pagerail.cluster.routing.failover import is_replica_failure
 from pagerail.common.sampling_params import SamplingParams
@@ -19,6 +20,15 @@ from pagerail.common.structured_outputs import StructuredOutputs
 from pagerail.proto import api_pb2
 
 logger = logging.getLogger(__name__)
+
+# The gRPC status of an HTTP API error, by its HTTP status.
+_HTTP_STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
 
 # Each member of the `constraint` oneof and the StructuredOutputs field it fills.
 _CONSTRAINT_KINDS = {"json_schema": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
@@ -151,6 +161,10 @@ async def status_on_error(context: grpc.aio.ServicerContext) -> AsyncIterator[No
         )
     except RpcError as exc:
         await context.abort(exc.code, exc.details)
+    except APIError as exc:  # from the HTTP API's code paths that gRPC shares (the Responses API)
+        code = _HTTP_STATUS_CODES.get(exc.status, grpc.StatusCode.INTERNAL)
+        details = f"{exc.param}: {exc.message}" if exc.param and exc.param not in exc.message else exc.message
+        await context.abort(code, details)
     except Exception as exc:
         if is_replica_failure(exc):  # e.g. a streaming-input session whose replica died: retriable elsewhere
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))

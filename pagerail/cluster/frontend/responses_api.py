@@ -16,7 +16,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -284,6 +284,74 @@ def _response(response_id: str, body: ResponsesRequest, served: str, created: fl
     }
 
 
+@dataclass
+class ResponseTurn:
+    """One response being made: its id, the conversation it answers (stored turns first), and the chat request."""
+
+    body: ResponsesRequest
+    served: str
+    store: ResponseStore | None
+    conversation: list[dict[str, Any]]
+    chat: ChatCompletionRequest
+    response_id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    created: float = field(default_factory=time.time)
+
+    @classmethod
+    def begin(cls, body: ResponsesRequest, served: str, store: ResponseStore | None) -> ResponseTurn:
+        """The turn `body` asks for; APIError (404) for an unknown previous_response_id, (400) for bad input."""
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            previous = store.get(body.previous_response_id) if store is not None else None
+            if previous is None:
+                raise not_found_response(body.previous_response_id, "previous_response_id")
+            if previous.messages is None:
+                raise bad_request(
+                    f"response {body.previous_response_id!r} is still in progress", "previous_response_id"
+                )
+            history = previous.messages
+        conversation = [*history, *input_messages(body)]
+        chat = chat_request(body, conversation)
+        if body.model and body.model != served:
+            chat.model = body.model  # the chat path answers 404 for another model, naming it
+        return cls(body, served, store, conversation, chat)
+
+    def response(self, **fields: Any) -> dict[str, Any]:
+        return _response(self.response_id, self.body, self.served, self.created, **fields)
+
+    def finished(self, run: ChatRun, message: dict[str, Any], reason: str | None) -> dict[str, Any]:
+        """The finished Response object for the assistant's `message`, stored unless the request said not to."""
+        incomplete = reason == "length"
+        status = "incomplete" if incomplete else "completed"
+        answer = self.response(status=status, output=_output_items(message, status))
+        answer["usage"] = _usage(run.usage.prompt_tokens, run.usage.completion_tokens, run.usage.cached_tokens)
+        if incomplete:
+            answer["incomplete_details"] = {"reason": "max_output_tokens"}
+        if self.store is not None and self.body.store is not False:
+            turn = {
+                "role": "assistant",
+                "content": message.get("content"),
+                **({"tool_calls": message["tool_calls"]} if message.get("tool_calls") else {}),
+            }
+            self.store.put(self.response_id, answer, [*self.conversation, turn])
+        return answer
+
+
+async def respond_whole(
+    body: ResponsesRequest,
+    engine: EngineClient,
+    tokenizer,
+    served: str,
+    request_id: str,
+    tool_call_parser: str | None = None,
+    store: ResponseStore | None = None,
+) -> dict[str, Any]:
+    """The finished Response object for `body` (neither streamed nor in the background)."""
+    turn = ResponseTurn.begin(body, served, store)
+    run = await start_chat(turn.chat, engine, tokenizer, served, request_id, turn.response_id, tool_call_parser)
+    message, reason = await run.whole_message()
+    return turn.finished(run, message, reason)
+
+
 async def responses(
     body: ResponsesRequest,
     engine: EngineClient,
@@ -296,42 +364,16 @@ async def responses(
     on_stream_end: Callable[[], None] = lambda: None,
 ):
     """`request_id` is the server's own id for the engine; `store` keeps stored responses between requests."""
-    history: list[dict[str, Any]] = []
-    if body.previous_response_id is not None:
-        previous = store.get(body.previous_response_id) if store is not None else None
-        if previous is None:
-            raise not_found_response(body.previous_response_id, "previous_response_id")
-        if previous.messages is None:
-            raise bad_request(f"response {body.previous_response_id!r} is still in progress", "previous_response_id")
-        history = previous.messages
-    conversation = [*history, *input_messages(body)]
-    chat = chat_request(body, conversation)
-    if body.model and body.model != served:
-        chat.model = body.model  # the chat path answers 404 for another model, naming it
-    response_id = f"resp_{uuid.uuid4().hex}"
-    created = time.time()
-
-    def finished(run: ChatRun, message: dict[str, Any], reason: str | None) -> dict[str, Any]:
-        incomplete = reason == "length"
-        status = "incomplete" if incomplete else "completed"
-        usage = _usage(run.usage.prompt_tokens, run.usage.completion_tokens, run.usage.cached_tokens)
-        answer = _response(response_id, body, served, created, status=status, output=_output_items(message, status))
-        answer["usage"] = usage
-        if incomplete:
-            answer["incomplete_details"] = {"reason": "max_output_tokens"}
-        if store is not None and body.store is not False:
-            turn = {
-                "role": "assistant",
-                "content": message.get("content"),
-                **({"tool_calls": message["tool_calls"]} if message.get("tool_calls") else {}),
-            }
-            store.put(response_id, answer, [*conversation, turn])
-        return answer
+    if not body.background and not body.stream:
+        return JSONResponse(await respond_whole(body, engine, tokenizer, served, request_id, tool_call_parser, store))
+    turn = ResponseTurn.begin(body, served, store)
+    chat, response_id = turn.chat, turn.response_id
+    finished = turn.finished
 
     if body.background:
         if body.stream or body.store is False or store is None:
             raise bad_request("a background response is stored and polled: leave stream and store out", "background")
-        queued = _response(response_id, body, served, created, status="queued", background=True)
+        queued = turn.response(status="queued", background=True)
         store.put(response_id, queued, None)
 
         async def run_on() -> None:
@@ -366,7 +408,7 @@ async def responses(
                 )
 
             try:
-                started = _response(response_id, body, served, created)
+                started = turn.response()
                 yield event("response.created", response=started)
                 yield event("response.in_progress", response=started)
                 content, reason, message_id, text_open = "", None, f"msg_{uuid.uuid4().hex}", False
@@ -468,7 +510,4 @@ async def responses(
                 await run.stream.stream.aclose()  # a client that hung up: its engine request is aborted now
                 on_stream_end()
 
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    message, reason = await run.whole_message()
-    return JSONResponse(finished(run, message, reason))
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -58,6 +58,8 @@ class FrontendServer:
             api_key=self.settings.api_key,
             health=self._health,
             tls=self.settings.grpc_tls,
+            responses=self.state.responses,
+            tool_call_parser=self.settings.tool_call_parser,
         )
         await self._grpc.start()
         return {"http_port": http_port, "grpc_port": grpc_port}
