@@ -726,6 +726,26 @@ def test_best_of_answers_the_choices_with_the_highest_summed_logprob(api):
     assert best.usage.completion_tokens == every.usage.completion_tokens  # all four ran
 
 
+def test_best_of_on_grpc_answers_as_on_http(api, rpc):
+    """The same seeded request over both APIs: the same two best choices, best first, each whole."""
+    fields = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    over_http = api.completions.create(n=2, best_of=4, logprobs=0, extra_body={"ignore_eos": True}, **fields)
+    params = api_pb2.SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=11, ignore_eos=True)
+    request = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=PROMPT), sampling_params=params, best_of=4)
+    over_grpc = list(rpc.Generate(request))
+    assert [m.index for m in over_grpc] == [0, 1] and all(m.finish_reason == "length" for m in over_grpc)
+    assert [m.text for m in over_grpc] == [c.text for c in over_http.choices]
+    assert not over_grpc[0].logprobs  # ranked by them, not asked for
+    request.sampling_params.logprobs = 0
+    shown = list(rpc.Generate(request))
+    for message, choice in zip(shown, over_http.choices, strict=True):
+        assert [e.logprob for e in message.logprobs] == pytest.approx(choice.logprobs.token_logprobs, abs=1e-5)
+    request.best_of = 1
+    with pytest.raises(grpc.RpcError) as info:
+        list(rpc.Generate(request))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "best_of" in info.value.details()
+
+
 @pytest.mark.parametrize(
     "fields, param",
     [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import importlib.metadata
 import time
@@ -37,7 +38,7 @@ from pagerail.cluster.frontend.grpc_guards import ApiKeyInterceptor, EngineHealt
 from pagerail.cluster.frontend.grpc_responses import response_message, responses_request
 from pagerail.cluster.frontend.output_processor import ChoiceState, fan_out
 from pagerail.cluster.frontend.responses_api import ResponseStore, not_found_response, respond_whole
-from pagerail.common.sampling_params import SamplingParams, truncate_prompt
+from pagerail.common.sampling_params import MAX_N, SamplingParams, truncate_prompt
 from pagerail.common.tls import ServerTls
 from pagerail.proto import api_pb2, api_pb2_grpc
 
@@ -120,12 +121,17 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                         yield response
                     return
                 stream = self._new_stream(request)
+                best_of = self._best_of(request, stream)
                 # Compiled against the tokenizer before anything is queued: a bad constraint never reaches the engine.
                 await check_constraint_of(
                     stream.params, self.tokenizer, self.engine.vocab_size, constraint_field(request.sampling_params)
                 )
                 stream.span = span
                 tracing.annotate_request(span, stream.request_id, self.engine.model_name, stream.params)
+                if best_of is not None:
+                    for response in await self._best_n(stream, context, *best_of):
+                        yield response
+                    return
                 async for response in self._run(stream, context):
                     yield response
         finally:
@@ -158,6 +164,37 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 raise not_found_response(request.response_id, "response_id")
             return response_message(kept.body)
 
+    @staticmethod
+    def _best_of(request: api_pb2.GenerateRequest, stream: _Stream) -> tuple[int, bool] | None:
+        """(n, whether the caller asked for logprobs) when best_of asks for more choices than n; the stream then
+        runs best_of choices with logprobs, to rank them. None when best_of is off."""
+        if not request.HasField("best_of"):
+            return None
+        n = stream.params.n
+        if not n <= request.best_of <= MAX_N:
+            raise ValueError(f"best_of must be between n ({n}) and {MAX_N}, got {request.best_of}")
+        if request.best_of == n:
+            return None
+        asked = stream.params.logprobs is not None
+        logprobs = stream.params.logprobs if asked else 0
+        stream.params = dataclasses.replace(stream.params, n=request.best_of, logprobs=logprobs)
+        return n, asked
+
+    async def _best_n(
+        self, stream: _Stream, context: grpc.aio.ServicerContext, n: int, keep_logprobs: bool
+    ) -> list[api_pb2.GenerateResponse]:
+        """The n choices of the stream whose tokens have the highest summed logprob, one message each, best first."""
+        messages: dict[int, list[api_pb2.GenerateResponse]] = {}
+        async for response in self._run(stream, context):
+            messages.setdefault(response.index, []).append(response)
+        whole = [_merged(parts) for _, parts in sorted(messages.items())]
+        whole.sort(key=lambda response: -sum(entry.logprob for entry in response.logprobs))
+        for rank, response in enumerate(whole[:n]):
+            response.index = rank
+            if not keep_logprobs:
+                del response.logprobs[:]
+        return whole[:n]
+
     async def _beam_search(self, request: api_pb2.GenerateRequest, context) -> AsyncIterator[api_pb2.GenerateResponse]:
         """The best beams of a Generate with beam_search, one whole message each, best first."""
         sent = request.sampling_params
@@ -171,6 +208,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         for name, value in refused.items():
             if value:
                 raise ValueError(f"sampling_params.{name} is not supported with beam_search; leave it out")
+        if request.HasField("best_of"):
+            raise ValueError("best_of is not supported with beam_search; leave it out")
         stream = self._new_stream(request)
         width = request.beam_search.beam_width
         penalty = request.beam_search.length_penalty if request.beam_search.HasField("length_penalty") else 1.0
@@ -380,6 +419,19 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             tracing.record_finished(stream.span, choice.engine_id, out.finish_reason, num_outputs)
             tracing.record_usage(stream.span, delta.num_prompt_tokens, num_outputs, delta.num_cached_tokens)
         return response
+
+
+def _merged(parts: list[api_pb2.GenerateResponse]) -> api_pb2.GenerateResponse:
+    """One choice's messages as one: its tokens, text and logprobs in order, its first prompt logprobs, its end."""
+    whole = api_pb2.GenerateResponse(request_id=parts[0].request_id, index=parts[0].index)
+    whole.prompt_logprobs.extend(parts[0].prompt_logprobs)
+    for part in parts:
+        whole.token_ids.extend(part.token_ids)
+        whole.logprobs.extend(part.logprobs)
+    whole.text = "".join(part.text for part in parts)
+    whole.finish_reason = parts[-1].finish_reason
+    whole.usage.CopyFrom(parts[-1].usage)
+    return whole
 
 
 @functools.cache
