@@ -11,12 +11,14 @@ __all__ = [
     "CompletionOutput",
     "BeamSearchParams",
     "BeamSearchOutput",
+    "LoRARequest",
 ]
 
 if TYPE_CHECKING:
     from pagerail.cluster.core.beam_search import BeamSearchOutput, BeamSearchParams
     from pagerail.cluster.core.outputs import CompletionOutput, RequestOutput
     from pagerail.cluster.entrypoints.llm import LLM
+    from pagerail.common.lora import LoRARequest
     from pagerail.common.sampling_params import SamplingParams
     from pagerail.common.structured_outputs import StructuredOutputs
 
@@ -29,6 +31,7 @@ _HOMES = {
     "StructuredOutputs": "pagerail.common.structured_outputs",
     "BeamSearchParams": "pagerail.cluster.core.beam_search",
     "BeamSearchOutput": "pagerail.cluster.core.beam_search",
+    "LoRARequest": "pagerail.common.lora",
 }
 
 

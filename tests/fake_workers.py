@@ -16,9 +16,11 @@ from pagerail.worker.request_state import RequestStates
 from pagerail.worker.spec_decode.verify import accepted_tokens
 
 
-def fingerprint(token_ids: list[int], position: int) -> int:
-    """What the KV at `position` depends on: every token up to and including it."""
-    return hash(tuple(token_ids[: position + 1]))
+def fingerprint(token_ids: list[int], position: int, lora_id: int = 0) -> int:
+    """What the KV at `position` depends on: every token up to and including it, and the LoRA adapter (if any)
+    whose projections computed it."""
+    tokens = tuple(token_ids[: position + 1])
+    return hash((lora_id, tokens)) if lora_id else hash(tokens)
 
 
 def next_token(token_ids: list[int], vocab_size: int) -> int:
@@ -85,7 +87,7 @@ class FakeKVWorkers:
             # A rank that fails part-way has written some of the step's KV; the rest of the slots keep whatever
             # they held before (another sequence's KV, or nothing).
             for state, pos in writes[: len(writes) // 2]:
-                self.kv[self._slot(state.block_ids, pos)] = fingerprint(state.token_ids, pos)
+                self.kv[self._slot(state.block_ids, pos)] = fingerprint(state.token_ids, pos, state.lora_id)
             if failure == "worker":
                 raise WorkerGroupError("a rank died during the step")
             raise RuntimeError("the forward pass failed")
@@ -97,13 +99,13 @@ class FakeKVWorkers:
                 continue
             end = state.num_computed_tokens + state.num_scheduled_tokens
             for pos in range(state.num_computed_tokens, end):
-                self.kv[self._slot(state.block_ids, pos)] = fingerprint(state.token_ids, pos)
+                self.kv[self._slot(state.block_ids, pos)] = fingerprint(state.token_ids, pos, state.lora_id)
             # Attention reads every slot of the context, or with a window every slot some query of the step sees.
             first_read = (
                 0 if self.sliding_window is None else max(0, state.num_computed_tokens - self.sliding_window + 1)
             )
             for pos in range(first_read, end):
-                if self.kv.get(self._slot(state.block_ids, pos)) != fingerprint(state.token_ids, pos):
+                if self.kv.get(self._slot(state.block_ids, pos)) != fingerprint(state.token_ids, pos, state.lora_id):
                     self.corrupt_reads.append((state.handle, pos))
                     break
             if state.drafts:

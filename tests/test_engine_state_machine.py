@@ -7,18 +7,22 @@ After every rule the invariants below must hold; at the end every request finish
 
 from __future__ import annotations
 
+import json
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 import hypothesis.strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagerail.cluster.core.block_table import RELEASED, ROOT_PARENT_HASH, BlockTable
+from pagerail.cluster.core.block_table import RELEASED, BlockTable, root_hash
 from pagerail.cluster.core.engine import EngineCore
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.core.errors import QueueFullError
 from pagerail.cluster.core.request import RequestStatus
 from pagerail.cluster.core.scheduler_output import PauseMode
-from pagerail.common.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from pagerail.common.engine_config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
+from pagerail.common.lora import LoRARequest
 from pagerail.common.sampling_params import SamplingParams
 from tests.fake_workers import FakeKVWorkers, fingerprint, next_token
 from tests.test_block_table import check_lookups
@@ -29,6 +33,22 @@ BLOCK_SIZE = 4
 MAX_MODEL_LEN = 64
 # Shared prompt starts, so prefix-cache hits happen often.
 BASES = [[1] * 24, list(range(2, 26)), [3, 4] * 12]
+
+
+def _adapter_dirs() -> dict[int, str]:
+    """Three LoRA adapter directories; the engine reads their configs (the fake workers never load weights)."""
+    root = Path(tempfile.mkdtemp(prefix="state-machine-loras-"))
+    paths = {}
+    for lora_id in (1, 2, 3):
+        path = root / f"adapter-{lora_id}"
+        path.mkdir()
+        (path / "adapter_config.json").write_text(json.dumps({"r": 4, "target_modules": ["q_proj"]}))
+        (path / "adapter_model.safetensors").write_bytes(b"")
+        paths[lora_id] = str(path)
+    return paths
+
+
+ADAPTERS = _adapter_dirs()
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -50,6 +70,7 @@ class EngineMachine(RuleBasedStateMachine):
         sliding_window=st.one_of(st.none(), st.integers(min_value=1, max_value=13)),
         # Speculative decoding's lookahead (0: off): drafts kept whole, in part or not at all, their KV left behind.
         speculate=st.sampled_from([0, 0, 1, 3]),
+        max_loras=st.integers(min_value=1, max_value=3),
     )
     def start(
         self,
@@ -60,6 +81,7 @@ class EngineMachine(RuleBasedStateMachine):
         async_scheduling: bool,
         sliding_window: int | None,
         speculate: int,
+        max_loras: int,
     ) -> None:
         self.workers = FakeKVWorkers(num_blocks, BLOCK_SIZE, VOCAB, sliding_window=sliding_window)
         config = EngineConfig(
@@ -72,6 +94,7 @@ class EngineMachine(RuleBasedStateMachine):
                 async_scheduling=async_scheduling,
             ),
             speculative_config={"method": "ngram", "num_speculative_tokens": speculate} if speculate else None,
+            lora=LoRAConfig(enable_lora=True, max_loras=max_loras),
         )
         self.engine = EngineCore(
             config, self.workers, MAX_MODEL_LEN, VOCAB, eos_token_ids=[EOS], sliding_window=sliding_window
@@ -91,14 +114,18 @@ class EngineMachine(RuleBasedStateMachine):
         tail=st.lists(st.integers(0, VOCAB - 2), max_size=6),
         max_tokens=st.one_of(st.none(), st.integers(1, 8)),
         session=st.booleans(),
+        # The base model, or one of three LoRA adapters: the same prompts must never share KV across them.
+        lora_id=st.sampled_from([0, 0, 1, 2, 3]),
     )
-    def add(self, base: int, length: int, tail: list[int], max_tokens: int | None, session: bool) -> None:
+    def add(self, base: int, length: int, tail: list[int], max_tokens: int | None, session: bool, lora_id: int) -> None:
         request_id = f"r{self.next_id}"
         self.next_id += 1
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=self.next_id % 3 != 0)
+        lora = LoRARequest(f"adapter-{lora_id}", lora_id, ADAPTERS[lora_id]) if lora_id else None
         try:
             prompt = self._prompt(base, length, tail)
-            request = self.engine.add_request(EngineRequest(request_id, prompt, params, final=not session))
+            envelope = EngineRequest(request_id, prompt, params, final=not session, lora=lora)
+            request = self.engine.add_request(envelope)
         except (ValueError, QueueFullError):
             return
         self.all_requests.append(request)
@@ -204,18 +231,19 @@ class EngineMachine(RuleBasedStateMachine):
         children: dict[int, list] = {}
         for h, entry in table._cached.items():
             children.setdefault(entry.parent_hash, []).append((h, entry))
-        frontier = [(ROOT_PARENT_HASH, [])]
+        # Each adapter's chain starts at its own root: a block found from it holds KV that adapter computed.
+        frontier = [(root_hash(lora_id), [], lora_id) for lora_id in (0, *ADAPTERS)]
         while frontier:
-            parent, prefix = frontier.pop()
+            parent, prefix, lora_id = frontier.pop()
             for h, entry in children.get(parent, []):
                 tokens = prefix + list(entry.token_ids)
                 for offset in range(BLOCK_SIZE):
                     position = len(prefix) + offset
                     slot = entry.block_id * BLOCK_SIZE + offset
-                    assert self.workers.kv.get(slot) == fingerprint(tokens, position), (
+                    assert self.workers.kv.get(slot) == fingerprint(tokens, position, lora_id), (
                         f"block {entry.block_id} is findable but its KV at position {position} was never written"
                     )
-                frontier.append((h, tokens))
+                frontier.append((h, tokens, lora_id))
 
     @invariant()
     def requests_are_where_their_status_says(self) -> None:
@@ -232,6 +260,8 @@ class EngineMachine(RuleBasedStateMachine):
         for request in idle.values():
             assert request.status is RequestStatus.AWAITING_INPUT and request.input_open
         assert len(running) <= scheduler.config.max_num_seqs
+        # No step may need more adapters than the ranks have slots for.
+        assert len({r.lora_id for r in running if r.lora_id}) <= scheduler.max_loras
         # The offline loop skips its look at a step's requests when this counter says none of them ended.
         assert scheduler.stats.num_finished == sum(1 for r in self.all_requests if r.finished)
 

@@ -17,13 +17,19 @@ from pagerail.common.engine_config import (
     QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ObservabilityConfig,
     SchedulerConfig,
 )
 from pagerail.common.pooling_config import CONVERSIONS, RUNNERS
 
 # The sub-configurations of EngineConfig by field name; an argument's `section` names one, or "" for the top level.
-_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "observability": ObservabilityConfig}
+_SECTIONS = {
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "observability": ObservabilityConfig,
+    "lora": LoRAConfig,
+}
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,10 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); default: tracing off",
     ),
     EngineArg("trace_sampling_ratio", "observability", float, "share of traces kept, in [0, 1]"),
+    EngineArg("enable_lora", "lora", bool, "serve LoRA adapters (PEFT checkpoints) beside the base model"),
+    EngineArg("max_loras", "lora", int, "distinct LoRA adapters in one step (device slots per adapted layer)"),
+    EngineArg("max_lora_rank", "lora", int, "largest LoRA rank served"),
+    EngineArg("max_cpu_loras", "lora", int, "LoRA adapters kept parsed in host memory (default: max-loras)"),
 )
 ENGINE_ARG_NAMES = frozenset(arg.name for arg in ENGINE_ARGS)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagerail.common.pooling_config import pooler_overrides
+from pagerail.common.sampling_params import check_int
 from pagerail.common.speculative_config import SpeculativeConfig, speculative_config_from
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -114,6 +115,27 @@ class ObservabilityConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (vLLM's flags): whether they are served, how many share a step, their largest rank, and how
+    many the ranks keep parsed in host memory beyond the device slots."""
+
+    enable_lora: bool = False
+    max_loras: int = 1  # distinct adapters in one step: the device slots each adapted layer holds
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: as many as max_loras
+
+    def __post_init__(self) -> None:
+        check_int("max_loras", self.max_loras, low=1)
+        check_int("max_lora_rank", self.max_lora_rank, low=1, high=512)
+        if self.max_cpu_loras is not None:
+            check_int("max_cpu_loras", self.max_cpu_loras, low=self.max_loras)
+
+    @property
+    def host_cache_size(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything one model replica needs: model, devices, cache and scheduler settings."""
 
@@ -146,6 +168,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @property
     def model_name(self) -> str:

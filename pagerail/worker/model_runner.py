@@ -24,6 +24,7 @@ from pagerail.worker.input_batch import FlatBatch
 from pagerail.worker.input_buffers import InputBuffers
 from pagerail.worker.layers.attention import decode_path
 from pagerail.worker.layers.moe import moe_comm_bytes
+from pagerail.worker.lora import LoRASlots
 from pagerail.worker.parallel_state import TensorParallelGroup
 from pagerail.worker.penalty_state import PenaltyState
 from pagerail.worker.pooling import pool_prompt_rows
@@ -73,6 +74,7 @@ class ModelRunner:
         warm_up: bool | None = None,
         proposer=None,
         host_kv=None,
+        lora: LoRASlots | None = None,
     ) -> None:
         self.model = model
         # A classifier (cross-encoder) answers its head's logits over the first row in place of a pooled vector.
@@ -113,6 +115,9 @@ class ModelRunner:
         )
         # The host KV tier's slots (worker/kv_offload.py): each step's copies run before its forward.
         self.host_kv = host_kv
+        # LoRA adapters' device slots (worker/lora.py); None without --enable-lora.
+        self.lora = lora
+        self._lora_step = False  # whether this step's forward runs rows with adapters
         # Speculative decoding: proposes the drafts the head made room for; the requests that got some this step.
         self.proposer = proposer
         self._drafted: list[RequestState] = []
@@ -189,13 +194,20 @@ class ModelRunner:
     def prepare(self, batch: step_pb2.StepBatch) -> FlatBatch | None:
         """Apply the step's deltas to the request states and the input buffers; the model's inputs, if any."""
         scheduled = self.states.apply(batch)
+        if self.lora is not None:
+            for new in batch.new_requests:
+                if new.lora_id:
+                    self.lora.register(new.lora_id, new.lora_path)
         if self.proposer is not None:
             self._drafted = self.proposer.propose(scheduled)
             if self._drafted and self.constraints is not None and self.tp.size == 1:
                 # Drafts a grammar refuses cannot be kept: cut them before the forward computes their rows.
                 self.constraints.cut_drafts(self._drafted)
                 self._drafted = [state for state in self._drafted if state.drafts]
-        return prepare_step(self.inputs, self.attention, scheduled)
+        flat = prepare_step(self.inputs, self.attention, scheduled)
+        if self.lora is not None and flat is not None:
+            self._lora_step = self.lora.prepare(flat.ordered)
+        return flat
 
     @torch.inference_mode()
     def execute(self, batch: step_pb2.StepBatch) -> step_pb2.StepResult:
@@ -256,7 +268,7 @@ class ModelRunner:
 
     def _forward(self, flat: FlatBatch) -> torch.Tensor:
         """Final hidden states of the step's rows: a graph replay for a decode-only step that fits one, else eager."""
-        if self.graphs is not None:
+        if self.graphs is not None and not self._lora_step:  # a captured graph runs the base model only
             hidden = self.graphs.run(flat)
             if hidden is not None:
                 self.num_replayed_steps += 1

@@ -44,6 +44,8 @@ class RequestState:
     # has pooled so far (a running sum for "mean", the first row for "cls").
     pooling: str = ""
     pooled: torch.Tensor | None = None
+    # The LoRA adapter it runs with (0: the base model).
+    lora_id: int = 0
 
     def seeded_generator(self, ahead: int = 0) -> torch.Generator | None:
         """The generator for this request's next token (or the one `ahead` positions after it, for a draft's
@@ -171,6 +173,7 @@ class RequestStates:
                 skip_sampling=new.skip_sampling,
                 argmax_only=argmax_only(sampling),
                 pooling=new.pooling,
+                lora_id=new.lora_id,
             )
             self._drop(states.get(new.handle))
             states[new.handle] = state

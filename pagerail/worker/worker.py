@@ -17,6 +17,7 @@ from pagerail.worker.kv_cache import allocate_kv_caches, bytes_per_block, memory
 from pagerail.worker.kv_offload import HostKvPool, available_host_memory, host_slots_for
 from pagerail.worker.kv_transfer import kv_heads_of_rank, read_blocks
 from pagerail.worker.layers.quantization.summary import weight_bytes, weight_format
+from pagerail.worker.lora import LoRASlots
 from pagerail.worker.memory_profile import KvCacheProfile, memory_probe, profile_kv_cache
 from pagerail.worker.model_loader import load_model
 from pagerail.worker.model_runner import ModelRunner
@@ -108,6 +109,13 @@ class Worker:
             target=self.model,
             target_dir=model_dir,
         )
+        # LoRA adapters' device slots, allocated before the cache is sized around them.
+        lora = engine.lora
+        self.lora = (
+            LoRASlots(self.model, lora.max_loras, lora.max_lora_rank, lora.host_cache_size)
+            if lora.enable_lora
+            else None
+        )
         max_model_len = scheduler.context_limit(self.model.config.max_position_embeddings)
         # Every number behind the cache size when a profiling forward chose it.
         self.kv_profile: KvCacheProfile | None = None
@@ -158,6 +166,7 @@ class Worker:
             scratch_block=self.num_blocks,
             proposer=self.proposer,
             host_kv=self.host_kv,
+            lora=self.lora,
         )
         torch.manual_seed(engine.seed)
 

@@ -19,6 +19,13 @@ RELEASED = -1
 RELEASED_PLACEHOLDER = 0
 
 
+def root_hash(lora_id: int = 0) -> int:
+    """Where a request's hash chain starts: the same for every base-model request, its own for each LoRA adapter,
+    so that two adapters (or an adapter and the base model) never share KV."""
+    # Ints only: a tuple of ints hashes the same in every process (a str would not: its hash is salted).
+    return ROOT_PARENT_HASH if not lora_id else hash((ROOT_PARENT_HASH, 0x10FA, lora_id))
+
+
 def hash_block(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     """Chained hash of one full block: the same tokens after a different prefix give a different hash."""
     # Python hashes ints and tuples of ints deterministically (no per-process salt), so the value is
@@ -186,8 +193,9 @@ class BlockTable:
         num_owned = len(req.block_ids) if req is not None else 0
         return max(0, self._blocks_for(num_tokens) - num_owned)
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Block ids of the longest cached run of full blocks matching the start of token_ids.
+    def find_cached_prefix(self, token_ids: Sequence[int], root: int = ROOT_PARENT_HASH) -> list[int]:
+        """Block ids of the longest cached run of full blocks matching the start of token_ids, in the hash chain
+        that starts at `root` (root_hash: the base model's or an adapter's).
 
         Never covers the last token: it must be recomputed to produce logits for the next one. Changes nothing.
         """
@@ -195,7 +203,7 @@ class BlockTable:
             return []
         bs = self._block_size
         found: list[int] = []
-        parent = ROOT_PARENT_HASH
+        parent = root
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = hash_block(parent, tokens)
@@ -207,11 +215,13 @@ class BlockTable:
             parent = h
         return found
 
-    def find_host_prefix(self, token_ids: Sequence[int], cached_block_ids: Sequence[int]) -> list[HostBlock]:
+    def find_host_prefix(
+        self, token_ids: Sequence[int], cached_block_ids: Sequence[int], root: int = ROOT_PARENT_HASH
+    ) -> list[HostBlock]:
         """The host-tier blocks that continue the device hit `cached_block_ids` (from find_cached_prefix)."""
         if self.host_tier is None or not token_ids:
             return []
-        parent = self._block_hashes[cached_block_ids[-1]] if cached_block_ids else ROOT_PARENT_HASH
+        parent = self._block_hashes[cached_block_ids[-1]] if cached_block_ids else root
         return self.host_tier.match(token_ids, len(cached_block_ids), parent, self._block_size, hash_block)
 
     def take_host_transfers(self) -> tuple[list[tuple[int, int, bool]], list[tuple[int, int]]]:
@@ -228,24 +238,26 @@ class BlockTable:
         cached_block_ids: Sequence[int] = (),
         host_blocks: Sequence[HostBlock] = (),
         cacheable: bool = True,
+        root: int = ROOT_PARENT_HASH,
     ) -> list[int] | None:
         """Make the request own blocks for its first num_tokens tokens; None (and no change) if they don't fit.
 
         cached_block_ids (from find_cached_prefix, only for a request without blocks) are attached first; the
         first new blocks are then filled from `host_blocks` (from find_host_prefix) in this step.
         Returns only the newly allocated block ids, in sequence order. `cacheable` False (for a request without
-        blocks): its blocks are never hashed, and go back to be reused first when it ends.
+        blocks): its blocks are never hashed, and go back to be reused first when it ends. `root` (for a request
+        without blocks) starts its hash chain (root_hash).
         """
         if host_blocks:
             # Pinned first: evictions this allocation makes must not take the slots it loads from.
             self.host_tier.pin(host_blocks)
-            new_ids = self._allocate(request_id, token_ids, num_tokens, cached_block_ids, cacheable)
+            new_ids = self._allocate(request_id, token_ids, num_tokens, cached_block_ids, cacheable, root)
             if new_ids is None:
                 self.host_tier.unpin(host_blocks)
             else:
                 self.host_tier.load(host_blocks, new_ids[: len(host_blocks)])
             return new_ids
-        return self._allocate(request_id, token_ids, num_tokens, cached_block_ids, cacheable)
+        return self._allocate(request_id, token_ids, num_tokens, cached_block_ids, cacheable, root)
 
     def _allocate(
         self,
@@ -254,6 +266,7 @@ class BlockTable:
         num_tokens: int,
         cached_block_ids: Sequence[int],
         cacheable: bool = True,
+        root: int = ROOT_PARENT_HASH,
     ) -> list[int] | None:
         req = self._requests.get(request_id)
         num_owned = len(req.block_ids) if req is not None else 0
@@ -262,7 +275,7 @@ class BlockTable:
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         if cached_block_ids:
-            self._check_cached_ids(num_owned, token_ids, cached_block_ids)
+            self._check_cached_ids(num_owned, token_ids, cached_block_ids, root)
 
         num_new = max(0, self._blocks_for(num_tokens) - num_owned - len(cached_block_ids))
         # An evictable cached block sits in the free queue: attaching it takes one free block away.
@@ -271,7 +284,7 @@ class BlockTable:
             return None
 
         if req is None:
-            req = self._requests[request_id] = _RequestBlocks(cacheable=cacheable)
+            req = self._requests[request_id] = _RequestBlocks(last_hash=root, cacheable=cacheable)
         for block_id in cached_block_ids:
             if self._ref_counts[block_id] == 0:
                 del self._free_queue[block_id]
@@ -359,7 +372,9 @@ class BlockTable:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
 
-    def _check_cached_ids(self, num_owned: int, token_ids: Sequence[int], cached_block_ids: Sequence[int]) -> None:
+    def _check_cached_ids(
+        self, num_owned: int, token_ids: Sequence[int], cached_block_ids: Sequence[int], root: int
+    ) -> None:
         # Attaching a block that was evicted and reused since the lookup would silently serve another
         # sequence's KV; refuse loudly instead. Walking the stored chain costs no more than the lookup did.
         if num_owned:
@@ -367,7 +382,7 @@ class BlockTable:
         if not self._enable_prefix_caching:
             raise ValueError("cached_block_ids given but prefix caching is disabled")
         bs = self._block_size
-        parent = ROOT_PARENT_HASH
+        parent = root
         for i, block_id in enumerate(cached_block_ids):
             h = self._block_hashes[block_id] if 0 <= block_id < self._num_blocks else None
             entry = self._cached.get(h) if h is not None else None

@@ -17,6 +17,7 @@ from pagerail.cluster.core.errors import QueueFullError
 from pagerail.cluster.core.executor import Executor, PendingStep, WorkerGroupError
 from pagerail.cluster.core.host_kv_tier import HostKvTier
 from pagerail.cluster.core.kv_events import KvEventLog
+from pagerail.cluster.core.lora_adapters import LoRAAdapters
 from pagerail.cluster.core.model_info import ModelInfo
 from pagerail.cluster.core.quarantine import Quarantine
 from pagerail.cluster.core.request import Request, RequestStatus
@@ -96,8 +97,10 @@ class EngineCore:
         eos_token_ids: Sequence[int],
         sliding_window: int | None = None,
         pooling_only: bool = False,
+        lora_adapters: LoRAAdapters | None = None,
     ) -> None:
-        """`pooling_only`: generation requests are refused (an encoder, or --runner pooling)."""
+        """`pooling_only`: generation requests are refused (an encoder, or --runner pooling). `lora_adapters` checks
+        the adapters requests name (default: by their config files alone)."""
         self.config = config
         self.sliding_window = sliding_window
         self.executor = executor
@@ -111,7 +114,10 @@ class EngineCore:
         # Block events for a router that follows what this replica's caches hold (cluster/core/kv_events.py).
         self.kv_events = KvEventLog()
         self.block_table = self._new_block_table(executor.num_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.block_table, self.max_model_len)
+        lora = config.lora
+        self.lora_adapters = lora_adapters or LoRAAdapters(lora)
+        max_loras = lora.max_loras if lora.enable_lora else 0
+        self.scheduler = Scheduler(config.scheduler, self.block_table, self.max_model_len, max_loras=max_loras)
         self.speculation = SpeculationPolicy(config.speculative_config)
         self.step_builder = StepMessageBuilder()
         self._handles = itertools.count(1)
@@ -154,6 +160,7 @@ class EngineCore:
             info.eos_token_ids,
             info.sliding_window,
             pooling_only=info.pooling.pooling_only,
+            lora_adapters=LoRAAdapters(config.lora, info.projection_shapes, info.num_layers),
         )
 
     def _new_block_table(self, num_blocks: int) -> BlockTable:
@@ -179,6 +186,8 @@ class EngineCore:
             raise ValueError(
                 "this model serves pooling requests only (embeddings, classification, scores); it does not generate"
             )
+        if request.lora is not None:
+            self.lora_adapters.check(request.lora)
         # The envelope holds ints >= 0 already: only the vocabulary bound is left to check.
         if max(prompt) >= self.vocab_size:
             self._check_tokens(prompt)

@@ -6,6 +6,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from pagerail.common.lora import LoRARequest
 from pagerail.common.sampling_params import SamplingParams, check_int
 
 __all__ = ["POOLING_TYPES", "EngineRequest", "SiblingGroup"]
@@ -55,6 +56,8 @@ class EngineRequest:
     # An embedding request: the prompt's final hidden states pooled into one vector ("last" token, "mean" over the
     # prompt, or "cls", its first token), returned with the request's end; None: a generation request.
     pooling: str | None = None
+    # The LoRA adapter it runs with; None: the base model.
+    lora: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -84,6 +87,8 @@ class EngineRequest:
             raise ValueError("resumed_output_token_ids require final=True (a streaming-input session cannot resume)")
         if self.pooling is not None and self.pooling not in POOLING_TYPES:
             raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
+        if self.lora is not None and not isinstance(self.lora, LoRARequest):
+            raise ValueError(f"lora must be a LoRARequest or None, got {type(self.lora).__name__}")
         if self.group is not None and not isinstance(self.group, SiblingGroup):
             raise ValueError(f"group must be a SiblingGroup or None, got {type(self.group).__name__}")
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from pagerail.common.attention_windows import uniform_sliding_window
 from pagerail.common.engine_config import EngineConfig
 from pagerail.common.expert_parallel import check_expert_parallel, num_routed_experts
+from pagerail.common.lora import projection_shapes
 from pagerail.common.pooling_config import PoolingConfig, read_pooling_config
 from pagerail.common.special_tokens import tokenizer_special_id
 
@@ -25,6 +27,10 @@ class ModelInfo:
     num_routed_experts: int = 0  # experts per MoE layer; 0 for a dense model
     # Whether it only pools (an encoder, or --runner pooling), its labels, its default pooling.
     pooling: PoolingConfig = PoolingConfig()
+    # (output, input) features of the projections LoRA adapters may target, and the decoder layers; None when
+    # the config does not describe a Llama-family decoder.
+    projection_shapes: Mapping[str, tuple[int, int]] | None = None
+    num_layers: int = 0
 
     def check_engine(self, config: EngineConfig) -> None:
         """Refuse, before any rank starts, engine settings this model cannot run (expert parallelism without
@@ -68,4 +74,6 @@ def read_model_info(
         model_type=text_config.get("model_type"),
         num_routed_experts=num_routed_experts(text_config),
         pooling=pooling,
+        projection_shapes=projection_shapes(text_config) if "num_attention_heads" in text_config else None,
+        num_layers=int(text_config.get("num_hidden_layers", 0)),
     )

@@ -7,6 +7,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagerail.cluster.core.block_table import root_hash
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.common.sampling_params import SamplingParams
 
@@ -100,6 +101,9 @@ class Request:
     max_tokens: int | None = field(init=False)  # None: up to the context limit
     # A pooling (embedding, classification) request: its whole prompt's blocks are reserved when it is admitted.
     pooling: bool = field(init=False)
+    # Its LoRA adapter's id (0: the base model), and where its blocks' hash chain starts (each adapter its own).
+    lora_id: int = field(init=False)
+    root_hash: int = field(init=False)
 
     def __post_init__(self) -> None:
         envelope = self.envelope
@@ -107,6 +111,8 @@ class Request:
         self.sampling_params = envelope.params
         self.max_tokens = envelope.params.max_tokens
         self.pooling = envelope.pooling is not None
+        self.lora_id = envelope.lora.lora_int_id if envelope.lora is not None else 0
+        self.root_hash = root_hash(self.lora_id)
         self.all_token_ids = [*envelope.prompt_token_ids, *self.output_token_ids]
         self.num_prompt_tokens = len(envelope.prompt_token_ids)
 

@@ -30,8 +30,11 @@ class Scheduler:
         block_table: BlockTable,
         max_model_len: int,
         clock: Callable[[], float] = time.monotonic,
+        max_loras: int = 0,
     ) -> None:
+        """`max_loras`: distinct LoRA adapters that may run at once (the ranks' device slots; 0: no adapters)."""
         self.config = config
+        self.max_loras = max_loras
         self.block_table = block_table
         self.max_model_len = max_model_len
         self.clock = clock
@@ -243,7 +246,9 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> list[int] | None:
         num_tokens = request.next_position + num_new
         while True:
-            new_blocks = self.block_table.allocate_slots(request.request_id, request.all_token_ids, num_tokens)
+            new_blocks = self.block_table.allocate_slots(
+                request.request_id, request.all_token_ids, num_tokens, root=request.root_hash
+            )
             if new_blocks is not None:
                 return new_blocks
             # Out of blocks: parked blocks go first (an idle session's, or a session's whose next chunk waits in
@@ -283,10 +288,13 @@ class Scheduler:
             scores_prompt = not request.output_token_ids and (
                 request.sampling_params.prompt_logprobs is not None or request.pooling
             )
+            if request.lora_id and not self._has_adapter_slot(request.lora_id):
+                break  # its adapter would be one more than the ranks' slots: it waits for one to be free
             if admitted:
                 if not scores_prompt:
-                    cached = self.block_table.find_cached_prefix(request.all_token_ids)
-                    hosted = self.block_table.find_host_prefix(request.all_token_ids, cached)
+                    root = request.root_hash
+                    cached = self.block_table.find_cached_prefix(request.all_token_ids, root)
+                    hosted = self.block_table.find_host_prefix(request.all_token_ids, cached, root)
                 request.num_computed_tokens = (len(cached) + len(hosted)) * self.block_table.block_size
             num_new = request.num_tokens - request.num_computed_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -296,7 +304,13 @@ class Scheduler:
             # never out of memory mid-prompt (and never a victim, see _pop_victim).
             reserve = request.num_tokens if request.pooling else request.num_computed_tokens + num_new
             new_blocks = self.block_table.allocate_slots(
-                request.request_id, request.all_token_ids, reserve, cached, hosted, cacheable=not request.pooling
+                request.request_id,
+                request.all_token_ids,
+                reserve,
+                cached,
+                hosted,
+                cacheable=not request.pooling,
+                root=request.root_hash,
             )
             if new_blocks is None:
                 if cached or hosted:
@@ -328,6 +342,11 @@ class Scheduler:
             )
             budget -= num_new
         return budget
+
+    def _has_adapter_slot(self, lora_id: int) -> bool:
+        """Whether a request with adapter `lora_id` may run: its adapter already runs, or fewer than max_loras do."""
+        running = {r.lora_id for r in self.running if r.lora_id}
+        return lora_id in running or len(running) < self.max_loras
 
     def _has_sequence_slot(self, out: SchedulerOutput) -> bool:
         """Room for one more sequence under max_num_seqs, idle sessions holding blocks included."""

@@ -83,6 +83,10 @@ class StepMessageBuilder:
                         pooling=request.envelope.pooling or "",
                     )
                 )
+                lora = request.envelope.lora
+                if lora is not None:
+                    new = batch.new_requests[-1]
+                    new.lora_id, new.lora_path = lora.lora_int_id, lora.lora_path
             else:
                 delta = batch.cached_requests.add()
                 delta.handle = request.handle

@@ -19,6 +19,7 @@ from pagerail.cluster.frontend.generation import Usage, stream_choices
 from pagerail.cluster.frontend.output_processor import append_choice
 from pagerail.cluster.routing.replica_pool import ReplicaPool, ReplicaSettings
 from pagerail.common.engine_config import EngineConfig
+from pagerail.common.lora import LoRARequest
 from pagerail.common.sampling_params import SamplingParams
 
 
@@ -87,18 +88,31 @@ class ClusterClient:
         """Run `coroutine` (which may use `client`) on the loop the client lives on; its result."""
         return self._loop.run(coroutine)
 
-    def run(self, outputs: Sequence[RequestOutput], params: Sequence[SamplingParams], tokenizer: Any) -> None:
-        """Generate every prompt's choices at once, filling `outputs` in place."""
+    def run(
+        self,
+        outputs: Sequence[RequestOutput],
+        params: Sequence[SamplingParams],
+        tokenizer: Any,
+        loras: Sequence[LoRARequest | None] | None = None,
+    ) -> None:
+        """Generate every prompt's choices at once (prompt i with adapter loras[i]), filling `outputs` in place."""
         try:
-            self._loop.run(self._run(outputs, params, tokenizer))
+            self._loop.run(self._run(outputs, params, tokenizer, loras or [None] * len(outputs)))
         except ray.exceptions.RayActorError as error:
             raise HeadUnavailableError(
                 "the head actor died with requests in flight; it is being restarted, retry the requests"
             ) from error
 
-    async def _run(self, outputs: Sequence[RequestOutput], params: Sequence[SamplingParams], tokenizer: Any) -> None:
-        async def one(output: RequestOutput, sp: SamplingParams) -> None:
-            choices = stream_choices(self.client, tokenizer, output.request_id, output.prompt_token_ids, sp, Usage())
+    async def _run(
+        self,
+        outputs: Sequence[RequestOutput],
+        params: Sequence[SamplingParams],
+        tokenizer: Any,
+        loras: Sequence[LoRARequest | None],
+    ) -> None:
+        async def one(output: RequestOutput, sp: SamplingParams, lora: LoRARequest | None) -> None:
+            prompt = output.prompt_token_ids
+            choices = stream_choices(self.client, tokenizer, output.request_id, prompt, sp, Usage(), lora)
             async for choice in choices:
                 append_choice(output, choice)
 
@@ -106,8 +120,8 @@ class ClusterClient:
         # that failure itself (bad input stays a ValueError), not the group wrapping it.
         try:
             async with asyncio.TaskGroup() as group:
-                for output, sp in zip(outputs, params, strict=True):
-                    group.create_task(one(output, sp))
+                for output, sp, lora in zip(outputs, params, loras, strict=True):
+                    group.create_task(one(output, sp, lora))
         except BaseExceptionGroup as failures:
             raise failures.exceptions[0] from None
 

@@ -26,6 +26,7 @@ from pagerail.cluster.frontend.output_processor import ChoiceState, append_choic
 from pagerail.common import telemetry
 from pagerail.common.engine_args import engine_config
 from pagerail.common.grammar import TOKENIZERS, GrammarError, check_constraint
+from pagerail.common.lora import LoRARequest
 from pagerail.common.model_source import resolve_model_dir
 from pagerail.common.sampling_params import SamplingParams, truncate_prompt
 from pagerail.worker.config import worker_config
@@ -110,13 +111,18 @@ class LLM:
     # -- public API ----------------------------------------------------------------------------
 
     def generate(
-        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched together; outputs come back in prompt order."""
+        """Run every prompt to completion, batched together; outputs come back in prompt order. `lora_request`: the
+        LoRA adapter every prompt runs with, or one per prompt (None: the base model)."""
         prompts = _as_prompt_list(prompts)
         if self._shut_down:
             raise RuntimeError("this LLM was shut down; create a new one")
         params_list = [with_bad_words(sp, self.tokenizer) for sp in _as_params_list(params, len(prompts))]
+        loras = _as_lora_list(lora_request, len(prompts))
         self._check_constraints(params_list)
         outputs: list[RequestOutput] = []
         for prompt, sp in zip(prompts, params_list, strict=True):
@@ -125,9 +131,9 @@ class LLM:
             output.outputs = [CompletionOutput(index, "", [], None) for index in range(sp.n)]
             outputs.append(output)
         if self._cluster is not None:
-            self._cluster.run(outputs, params_list, self.tokenizer)
+            self._cluster.run(outputs, params_list, self.tokenizer, loras)
         else:
-            self._run_in_process(outputs, params_list)
+            self._run_in_process(outputs, params_list, loras)
         return outputs
 
     def embed(
@@ -239,13 +245,19 @@ class LLM:
                 raise GrammarError("structured_outputs", f"{self.model_dir} has no tokenizer to compile with")
             check_constraint(constraint.kind, constraint.spec, TOKENIZERS.for_hf(self.tokenizer, self._vocab_size))
 
-    def _run_in_process(self, outputs: list[RequestOutput], params_list: list[SamplingParams]) -> None:
+    def _run_in_process(
+        self,
+        outputs: list[RequestOutput],
+        params_list: list[SamplingParams],
+        loras: Sequence[LoRARequest | None] | None = None,
+    ) -> None:
         """Submit every choice to the engine loop and fold its deltas in as each step hands them over."""
         sink = _QueueSink()
         choices: dict[int, tuple[str, RequestOutput, ChoiceState]] = {}
-        for output, sp in zip(outputs, params_list, strict=True):
+        for output, sp, lora in zip(outputs, params_list, loras or [None] * len(outputs), strict=True):
             # Only stop strings need the output as it grows; otherwise it is read once, at the end.
-            children = fan_out(output.request_id, output.prompt_token_ids, sp, stream=bool(sp.stop))
+            prompt = output.prompt_token_ids
+            children = fan_out(output.request_id, prompt, sp, stream=bool(sp.stop), lora=lora)
             for index, request in enumerate(children):
                 state = ChoiceState(self.tokenizer, output.prompt_token_ids, sp, index, incremental=False)
                 key = len(choices)
@@ -322,3 +334,15 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, co
     if len(params) != count:
         raise ValueError(f"params must be one SamplingParams or one per prompt ({count}), got {len(params)}")
     return params
+
+
+def _as_lora_list(lora: LoRARequest | Sequence[LoRARequest | None] | None, count: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    loras = list(lora)
+    if len(loras) != count:
+        raise ValueError(f"lora_request must be one LoRARequest or one per prompt ({count}), got {len(loras)}")
+    bad = next((x for x in loras if x is not None and not isinstance(x, LoRARequest)), None)
+    if bad is not None:
+        raise ValueError(f"lora_request entries must be LoRARequest or None, got {type(bad).__name__}")
+    return loras

@@ -10,6 +10,7 @@ import threading
 import time
 
 from pagerail.cluster.distributed.cluster_options import DEFAULT_OPTIONS, PLACEMENT_STRATEGIES
+from pagerail.cluster.frontend.lora_modules import LoRAModule
 from pagerail.cluster.frontend.tool_calls import TOOL_CALL_PARSERS
 from pagerail.cluster.routing.autoscale import ScalingPolicy
 from pagerail.cluster.routing.routed_client import ROUTING_INDEXES
@@ -133,6 +134,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="how tool calls are read from the model's text with tool_choice auto (default: from its chat template)",
     )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=LoRAModule.parse,
+        default=(),
+        metavar="NAME=PATH",
+        help='LoRA adapters served from the start, as name=path or {"name": ..., "path": ..., "base_model_name": ...} '
+        "(needs --enable-lora); a request picks one with its model",
+    )
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
     parser.add_argument(
         "--step-timeout",
@@ -228,7 +238,7 @@ def serve(args: argparse.Namespace) -> int:
     from pagerail.cluster.distributed.cluster_options import ClusterOptions
     from pagerail.cluster.distributed.launcher import HeadLauncher, connect, start_heads, stop_head, uses_gpu
     from pagerail.cluster.frontend.actor import FrontendActor
-    from pagerail.cluster.frontend.settings import FrontendSettings
+    from pagerail.cluster.frontend.settings import FrontendSettings, LoRASettings
     from pagerail.cluster.routing.replica_pool import ReplicaSettings
     from pagerail.common.model_source import resolve_model_dir
     from pagerail.common.sampling_params import SamplingParams
@@ -236,6 +246,8 @@ def serve(args: argparse.Namespace) -> int:
     check_replica_flags(args)
 
     config = engine_config_from_args(args)
+    if args.lora_modules and not config.lora.enable_lora:
+        raise SystemExit("--lora-modules needs --enable-lora")
     grpc_tls = grpc_tls_from_args(args)  # read here: the frontend may run on a node without these files
     # Actors started by this process inherit the environment, so every process logs the same way.
     os.environ[LOG_FORMAT_ENV] = args.log_format
@@ -306,6 +318,7 @@ def serve(args: argparse.Namespace) -> int:
         trace_respect_client_sampling=args.trace_respect_client_sampling,
         grpc_tls=grpc_tls,
         tool_call_parser=args.tool_call_parser,
+        lora=LoRASettings(config.lora.max_lora_rank, tuple(args.lora_modules)) if config.lora.enable_lora else None,
         pooling=read_pooling_config(model_dir, config.runner, config.convert, config.pooler_config),
     )
     frontend = (

@@ -20,6 +20,7 @@ from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.frontend.errors import bad_request, from_validation_error
 from pagerail.cluster.frontend.openai_routes import start_chat
 from pagerail.cluster.frontend.protocol import ChatCompletionRequest, LenientModel
+from pagerail.common.lora import LoRARequest
 
 # Chat finish reasons as Anthropic names them.
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
@@ -177,13 +178,15 @@ async def messages(
     label: str | None = None,
     tool_call_parser: str | None = None,
     on_stream_end: Callable[[], None] = lambda: None,
+    lora: LoRARequest | None = None,
 ):
-    """`request_id` is the server's own id for the engine; `label` (the client's X-Request-Id) names the message."""
+    """`request_id` is the server's own id for the engine; `label` (the client's X-Request-Id) names the message;
+    `lora`: the adapter the request's `model` named."""
     chat = chat_request(body)
     message_id = f"msg_{label or uuid.uuid4().hex}"
     # The model named in the request is Anthropic's to check (an alias); this server answers with its own.
     chat.model = None
-    run = await start_chat(chat, engine, tokenizer, served, request_id, message_id, tool_call_parser)
+    run = await start_chat(chat, engine, tokenizer, served, request_id, message_id, tool_call_parser, lora)
     out = run.output(0)
     opening = {"id": message_id, "type": "message", "role": "assistant", "model": served, "content": []}
 

@@ -12,6 +12,7 @@ from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.frontend import tracing
 from pagerail.cluster.frontend.output_processor import ChoiceDelta, ChoiceState, fan_out
+from pagerail.common.lora import LoRARequest
 from pagerail.common.sampling_params import SamplingParams
 
 
@@ -86,12 +87,19 @@ def token_text(tokenizer, token_id: int) -> str:
 
 
 def stream_choices(
-    engine: EngineClient, tokenizer, request_id: str, prompt_ids: list[int], params: SamplingParams, usage: Usage
+    engine: EngineClient,
+    tokenizer,
+    request_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    usage: Usage,
+    lora: LoRARequest | None = None,
 ) -> AsyncIterator[ChoiceDelta]:
-    """All n choices of one prompt, interleaved as they arrive. Each choice is its own engine request."""
+    """All n choices of one prompt (run with adapter `lora`), interleaved as they arrive. Each choice is its own
+    engine request."""
     usage.prompt_tokens += len(prompt_ids)
     carrier = tracing.engine_carrier(trace.get_current_span())
-    children = fan_out(request_id, prompt_ids, params, trace_context=carrier)
+    children = fan_out(request_id, prompt_ids, params, trace_context=carrier, lora=lora)
     if len(children) == 1:  # the choice's own stream: no generator in between for every chunk to pass
         return stream_choice(engine, tokenizer, children[0], 0, usage)
     return _interleaved_choices(engine, tokenizer, children, usage)

@@ -36,8 +36,10 @@ from pagerail.cluster.frontend.grpc_convert import (
 )
 from pagerail.cluster.frontend.grpc_guards import ApiKeyInterceptor, EngineHealth
 from pagerail.cluster.frontend.grpc_responses import response_message, responses_request
+from pagerail.cluster.frontend.lora_modules import LoRAModules
 from pagerail.cluster.frontend.output_processor import ChoiceState, fan_out
 from pagerail.cluster.frontend.responses_api import ResponseStore, not_found_response, respond_whole
+from pagerail.common.lora import LoRARequest
 from pagerail.common.sampling_params import MAX_N, SamplingParams, truncate_prompt
 from pagerail.common.tls import ServerTls
 from pagerail.proto import api_pb2, api_pb2_grpc
@@ -80,6 +82,7 @@ class _Stream:
     prompt_ids: list[int]  # grows with each chunk of a streaming-input session
     params: SamplingParams
     send_text: bool
+    lora: LoRARequest | None = None  # the adapter its lora_name picked
     choices: list[_Choice] = field(default_factory=list)  # one per `n`, made when the stream starts
     # (choice, RequestDelta), or the exception that ended the call.
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -99,8 +102,10 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         tokenizer: Any | None,
         responses: ResponseStore | None = None,
         tool_call_parser: str | None = None,
+        lora_modules: LoRAModules | None = None,
     ) -> None:
         self.engine = engine
+        self.lora_modules = lora_modules  # the HTTP API's adapters by name; None without --enable-lora
         self.tokenizer = tokenizer
         # Kept Responses API responses: the HTTP API's store when both serve one frontend.
         self.responses = responses if responses is not None else ResponseStore()
@@ -121,6 +126,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                         yield response
                     return
                 stream = self._new_stream(request)
+                stream.lora = self._adapter(request.lora_name)
                 best_of = self._best_of(request, stream)
                 # Compiled against the tokenizer before anything is queued: a bad constraint never reaches the engine.
                 await check_constraint_of(
@@ -163,6 +169,14 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             if kept is None:
                 raise not_found_response(request.response_id, "response_id")
             return response_message(kept.body)
+
+    def _adapter(self, name: str) -> LoRARequest | None:
+        if not name:
+            return None
+        adapter = self.lora_modules.get(name) if self.lora_modules is not None else None
+        if adapter is None:
+            raise RpcError(grpc.StatusCode.NOT_FOUND, f"lora_name: no LoRA adapter {name!r} is served here")
+        return adapter
 
     @staticmethod
     def _best_of(request: api_pb2.GenerateRequest, stream: _Stream) -> tuple[int, bool] | None:
@@ -208,8 +222,9 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         for name, value in refused.items():
             if value:
                 raise ValueError(f"sampling_params.{name} is not supported with beam_search; leave it out")
-        if request.HasField("best_of"):
-            raise ValueError("best_of is not supported with beam_search; leave it out")
+        if request.HasField("best_of") or request.lora_name:
+            field = "best_of" if request.HasField("best_of") else "lora_name"
+            raise ValueError(f"{field} is not supported with beam_search; leave it out")
         stream = self._new_stream(request)
         width = request.beam_search.beam_width
         penalty = request.beam_search.length_penalty if request.beam_search.HasField("length_penalty") else 1.0
@@ -330,7 +345,9 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             )
         carrier = tracing.engine_carrier(stream.span)
         final = feed is None
-        children = fan_out(stream.engine_id, stream.prompt_ids, stream.params, final=final, trace_context=carrier)
+        children = fan_out(
+            stream.engine_id, stream.prompt_ids, stream.params, final=final, trace_context=carrier, lora=stream.lora
+        )
         stream.choices = [_Choice(index, child) for index, child in enumerate(children)]
         self._streams[key] = stream
         tasks = [asyncio.create_task(self._pump(stream, choice)) for choice in stream.choices]
@@ -453,6 +470,7 @@ def build_grpc_server(
     tls: ServerTls | None = None,
     responses: ResponseStore | None = None,
     tool_call_parser: str | None = None,
+    lora_modules: LoRAModules | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """An unstarted grpc.aio server with Generation, Health and reflection, and the port it bound (port=0: any).
 
@@ -463,7 +481,7 @@ def build_grpc_server(
     """
     interceptors = [ApiKeyInterceptor(api_key)] if api_key is not None else []
     server = grpc.aio.server(interceptors=interceptors)
-    servicer = GenerationServicer(engine, tokenizer, responses, tool_call_parser)
+    servicer = GenerationServicer(engine, tokenizer, responses, tool_call_parser, lora_modules)
     api_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health = health or EngineHealth(engine.is_ready, (GENERATION_SERVICE,))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

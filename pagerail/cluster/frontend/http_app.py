@@ -35,6 +35,7 @@ from pagerail.cluster.frontend.errors import (
     unauthorized,
     unavailable,
 )
+from pagerail.cluster.frontend.lora_modules import LoRAModules
 from pagerail.cluster.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,7 +53,18 @@ logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
 _OPEN_PATHS = ("/health", "/ready", "/version", "/metrics")
 # Opened by the admin key alone, never the inference one; without an admin key they do not exist.
-_ADMIN_PATHS = ("/pause", "/resume", "/replicas/drain", "/replicas/undrain")
+_ADMIN_PATHS = (
+    "/pause",
+    "/resume",
+    "/replicas/drain",
+    "/replicas/undrain",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+)
+# The routes a LoRA adapter's name may be the `model` of.
+_ADAPTER_ROUTES = frozenset(
+    (openai_routes.completions, openai_routes.chat_completions, responses_api.responses, anthropic_messages.messages)
+)
 # What a request that its client abandoned is logged with (nobody reads it): nginx's "client closed request".
 CLIENT_CLOSED_REQUEST = 499
 MAX_CLIENT_REQUEST_ID_LEN = 128
@@ -69,6 +81,13 @@ class ServerState:
     in_flight: int = 0
     # Responses kept for previous_response_id and GET /v1/responses/{id}.
     responses: ResponseStore = field(default_factory=ResponseStore)
+    # The LoRA adapters served by name; None when the engine serves none.
+    lora_modules: LoRAModules | None = None
+
+    def __post_init__(self) -> None:
+        lora = self.settings.lora
+        if lora is not None and self.lora_modules is None:
+            self.lora_modules = LoRAModules(self.settings.served_model_name, lora.max_lora_rank, lora.modules)
 
 
 # The routes that read a JSON body through a model of their own (to answer bad input with OpenAI's 400s rather
@@ -182,21 +201,33 @@ def create_app(state: ServerState) -> FastAPI:
             "max_model_len": state.engine.max_model_len,
         }
 
+    def adapter_cards() -> list[dict]:
+        return state.lora_modules.cards("pagerail") if state.lora_modules is not None else []
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *adapter_cards()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != state.settings.served_model_name:
+        if model_id == state.settings.served_model_name:
+            return model_card()
+        card = next((card for card in adapter_cards() if card["id"] == model_id), None)
+        if card is None:
             raise not_found_model(model_id)
-        return model_card()
+        return card
 
     async def generation(request: Request, model, route, **options):
         """Parse the body as `model` and run `route` over it, counted as in flight until its response ends: a
         streamed one when its event stream ends (the route calls `left` there), a whole one when it is made."""
         body = await _parse(request, state, model)
         ids = (request.state.request_id, request.state.client_request_id)
+        served = state.settings.served_model_name
+        adapters = state.lora_modules
+        if adapters is not None and getattr(body, "model", None) in adapters:
+            if route not in _ADAPTER_ROUTES:
+                raise bad_request(f"model {body.model!r} is a LoRA adapter; this route serves the base model", "model")
+            served, options["lora"] = body.model, adapters.get(body.model)
 
         def left() -> None:
             state.in_flight -= 1
@@ -207,7 +238,7 @@ def create_app(state: ServerState) -> FastAPI:
                 body,
                 state.engine,
                 state.tokenizer,
-                state.settings.served_model_name,
+                served,
                 *ids,
                 on_stream_end=left,
                 **options,
@@ -318,6 +349,29 @@ def create_app(state: ServerState) -> FastAPI:
         if any(not 0 <= t < state.engine.vocab_size for t in tokens):
             raise bad_request(f"tokens must be in [0, {state.engine.vocab_size})", "tokens")
         return {"prompt": state.tokenizer.decode(tokens)}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        """vLLM's runtime adapter loading: {"lora_name", "lora_path"}; the name is then a `model` to request."""
+        adapters = _adapters(state)
+        body = await _json(request, state)
+        try:
+            adapters.load(body.get("lora_name"), body.get("lora_path"), body.get("base_model_name"))
+        except ValueError as error:
+            field = str(error).split(":", 1)[0]
+            param = field if field in ("lora_name", "lora_path", "base_model_name") else None
+            raise bad_request(str(error), param) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        """{"lora_name"}: new requests naming it get 404; its running requests finish."""
+        adapters = _adapters(state)
+        name = (await _json(request, state)).get("lora_name")
+        if not isinstance(name, str) or name not in adapters:
+            raise APIError(404, f"No LoRA adapter {name!r} is loaded", param="lora_name", code="not_found")
+        adapters.unload(name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     @app.post("/pause")
     async def pause(mode: str = "all"):
@@ -433,6 +487,12 @@ def client_request_label(value: str | None) -> str | None:
         return None
     cleaned = "".join(c for c in value if 32 < ord(c) < 127)[:MAX_CLIENT_REQUEST_ID_LEN]
     return cleaned or None
+
+
+def _adapters(state: ServerState) -> LoRAModules:
+    if state.lora_modules is None:
+        raise bad_request("this server was started without --enable-lora", "lora_name")
+    return state.lora_modules
 
 
 def _check_key(state: ServerState, path: str, header: str) -> None:

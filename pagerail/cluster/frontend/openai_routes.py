@@ -16,7 +16,7 @@ from pagerail.cluster.frontend.beam_choices import beam_choices
 from pagerail.cluster.frontend.chat import encode_prompt, render_chat
 from pagerail.cluster.frontend.chat_output import ChoiceOutput
 from pagerail.cluster.frontend.constraints import check_output_constraint
-from pagerail.cluster.frontend.errors import check_model, from_value_error
+from pagerail.cluster.frontend.errors import bad_request, check_model, from_value_error
 from pagerail.cluster.frontend.generation import ChoiceDelta, Usage, logprob_entries, stream_choices
 from pagerail.cluster.frontend.prompt_echo import Echo, completion_logprobs, prompt_logprobs_json
 from pagerail.cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
@@ -24,6 +24,7 @@ from pagerail.cluster.frontend.sse_events import ChunkEvents
 from pagerail.cluster.frontend.tool_calls import choose_parser
 from pagerail.cluster.frontend.tool_choice import output_parser
 from pagerail.cluster.frontend.tracing import annotate_request
+from pagerail.common.lora import LoRARequest
 from pagerail.common.sampling_params import SamplingParams, truncate_prompt
 
 
@@ -113,6 +114,11 @@ def _whole_response(
     )
 
 
+def _refuse_beams_with_adapter(body: CompletionRequest | ChatCompletionRequest, lora: LoRARequest | None) -> None:
+    if lora is not None and body.use_beam_search:
+        raise bad_request("use_beam_search is not supported with a LoRA adapter", "use_beam_search")
+
+
 # -- completions -----------------------------------------------------------------------------------
 
 
@@ -124,10 +130,13 @@ async def completions(
     request_id: str,
     label: str | None = None,
     on_stream_end: Callable[[], None] = _nothing,
+    lora: LoRARequest | None = None,
 ):
     """`request_id` is the server's own id for the engine; `label` (the client's X-Request-Id) names the response;
-    `on_stream_end` runs once a streamed response's last event was sent (or its client left)."""
+    `on_stream_end` runs once a streamed response's last event was sent (or its client left); `lora`: the adapter
+    the request's `model` named (`served` is then its name)."""
     check_model(body.model, served)
+    _refuse_beams_with_adapter(body, lora)
     prompts = body.prompt_list()
     keep = _truncation(body)
     whole = [encode_prompt(tokenizer, prompt, engine.vocab_size) for prompt in prompts]
@@ -158,7 +167,7 @@ async def completions(
     usage = Usage()
     streams = []
     for number, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
-        stream = stream_choices(engine, tokenizer, f"{engine_id}-{number}", ids, sp, usage)
+        stream = stream_choices(engine, tokenizer, f"{engine_id}-{number}", ids, sp, usage, lora)
         streams.append(await _started(number * sp.n, stream))
     # With echo, each prompt's text (and its scored tokens) comes first in each of its choices.
     echoes = None
@@ -284,6 +293,7 @@ async def start_chat(
     request_id: str,
     response_id: str,
     tool_call_parser: str | None = None,
+    lora: LoRARequest | None = None,
 ) -> ChatRun:
     """Render the conversation, check the settings and start its choices: the chat path every chat-shaped API
     (OpenAI's chat completions, Anthropic's messages) formats its answer from."""
@@ -305,7 +315,9 @@ async def start_chat(
 
     annotate_request(trace.get_current_span(), response_id, body.model or served, params)
     usage = Usage()
-    stream = await _started(0, stream_choices(engine, tokenizer, f"chatcmpl-{request_id}", prompt_ids, params, usage))
+    stream = await _started(
+        0, stream_choices(engine, tokenizer, f"chatcmpl-{request_id}", prompt_ids, params, usage, lora)
+    )
     return ChatRun(stream, output, usage, prompt_ids)
 
 
@@ -318,10 +330,13 @@ async def chat_completions(
     label: str | None = None,
     tool_call_parser: str | None = None,
     on_stream_end: Callable[[], None] = _nothing,
+    lora: LoRARequest | None = None,
 ):
     """`request_id` is the server's own id for the engine; `label` (the client's X-Request-Id) names the response;
     `tool_call_parser` names the model's tool-call format (None: the one its chat template teaches);
-    `on_stream_end` runs once a streamed response's last event was sent (or its client left)."""
+    `on_stream_end` runs once a streamed response's last event was sent (or its client left); `lora`: the adapter
+    the request's `model` named."""
+    _refuse_beams_with_adapter(body, lora)
     created = int(time.time())
     chat_id = f"chatcmpl-{label or request_id}"
     if body.use_beam_search:
@@ -340,7 +355,7 @@ async def chat_completions(
             for rank, beam in enumerate(beams)
         ]
         return _whole_response(chat_id, "chat.completion", created, served, choices, usage)
-    run = await start_chat(body, engine, tokenizer, served, request_id, chat_id, tool_call_parser)
+    run = await start_chat(body, engine, tokenizer, served, request_id, chat_id, tool_call_parser, lora)
     stream, output, usage, prompt_ids = run.stream, run.output, run.usage, run.prompt_ids
 
     if body.stream:

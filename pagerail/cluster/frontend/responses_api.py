@@ -26,6 +26,7 @@ from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.frontend.errors import APIError, bad_request, from_validation_error
 from pagerail.cluster.frontend.openai_routes import ChatRun, start_chat
 from pagerail.cluster.frontend.protocol import ChatCompletionRequest, LenientModel
+from pagerail.common.lora import LoRARequest
 
 # How many responses the store keeps, and for how long (seconds), whichever ends first.
 STORE_MAX_RESPONSES = 1000
@@ -344,10 +345,11 @@ async def respond_whole(
     request_id: str,
     tool_call_parser: str | None = None,
     store: ResponseStore | None = None,
+    lora: LoRARequest | None = None,
 ) -> dict[str, Any]:
     """The finished Response object for `body` (neither streamed nor in the background)."""
     turn = ResponseTurn.begin(body, served, store)
-    run = await start_chat(turn.chat, engine, tokenizer, served, request_id, turn.response_id, tool_call_parser)
+    run = await start_chat(turn.chat, engine, tokenizer, served, request_id, turn.response_id, tool_call_parser, lora)
     message, reason = await run.whole_message()
     return turn.finished(run, message, reason)
 
@@ -362,10 +364,13 @@ async def responses(
     tool_call_parser: str | None = None,
     store: ResponseStore | None = None,
     on_stream_end: Callable[[], None] = lambda: None,
+    lora: LoRARequest | None = None,
 ):
-    """`request_id` is the server's own id for the engine; `store` keeps stored responses between requests."""
+    """`request_id` is the server's own id for the engine; `store` keeps stored responses between requests; `lora`:
+    the adapter the request's `model` named."""
     if not body.background and not body.stream:
-        return JSONResponse(await respond_whole(body, engine, tokenizer, served, request_id, tool_call_parser, store))
+        answer = await respond_whole(body, engine, tokenizer, served, request_id, tool_call_parser, store, lora)
+        return JSONResponse(answer)
     turn = ResponseTurn.begin(body, served, store)
     chat, response_id = turn.chat, turn.response_id
     finished = turn.finished
@@ -379,7 +384,7 @@ async def responses(
         async def run_on() -> None:
             # Queued until the engine admits it; what the engine refuses (or a failure later) makes it "failed".
             try:
-                run = await start_chat(chat, engine, tokenizer, served, request_id, response_id, tool_call_parser)
+                run = await start_chat(chat, engine, tokenizer, served, request_id, response_id, tool_call_parser, lora)
                 queued["status"] = "in_progress"
                 message, reason = await run.whole_message()
                 finished(run, message, reason)["background"] = True
@@ -392,7 +397,7 @@ async def responses(
         store.run_in_background(response_id, asyncio.get_running_loop().create_task(run_on()))
         return JSONResponse(queued)
 
-    run = await start_chat(chat, engine, tokenizer, served, request_id, response_id, tool_call_parser)
+    run = await start_chat(chat, engine, tokenizer, served, request_id, response_id, tool_call_parser, lora)
     out = run.output(0)
 
     if body.stream:

@@ -60,6 +60,7 @@ class FrontendServer:
             tls=self.settings.grpc_tls,
             responses=self.state.responses,
             tool_call_parser=self.settings.tool_call_parser,
+            lora_modules=self.state.lora_modules,
         )
         await self._grpc.start()
         return {"http_port": http_port, "grpc_port": grpc_port}

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagerail.cluster.frontend.lora_modules import LoRAModule
 from pagerail.cluster.frontend.tool_calls import TOOL_CALL_PARSERS
 from pagerail.common.pooling_config import PoolingConfig
 from pagerail.common.tls import ServerTls
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """What the frontend needs of the engine's LoRA settings, and the adapters to serve from the start."""
+
+    max_lora_rank: int = 16
+    modules: tuple[LoRAModule, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,9 @@ class FrontendSettings:
     # What the model serves as a pooling model: its default pooling, its labels (a classifier's), whether it only
     # pools (the generation routes then answer 400).
     pooling: PoolingConfig = PoolingConfig()
+    # LoRA adapters: None when the engine serves none (--enable-lora off), else the engine's settings and the
+    # adapters served from the start (--lora-modules).
+    lora: LoRASettings | None = None
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:

@@ -136,6 +136,8 @@ class _ParallelLinear(nn.Module):
         self.quant_method: LinearMethod | None = None
         # Copies of the weight for the CPU libraries that run some batch sizes faster, made after loading (cpu_matmul).
         self.cpu_weights: CpuWeights | None = None
+        # LoRA adapter slots (worker/lora.py LoRAProjection) when this projection serves adapters.
+        self.lora = None
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor | LazyTensor, shard_id: object = None) -> None:
         raise NotImplementedError
@@ -170,6 +172,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x)
+        if self.lora is not None:
+            out = self.lora.delta(x, out)
         return out if self.bias is None else out + self.bias
 
 
@@ -212,7 +216,10 @@ class RowParallelLinear(_ParallelLinear):
         store(param, param.data, full.narrow(dim, start, length), 0, "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(self.matmul(x))
+        partial = self.matmul(x)
+        if self.lora is not None:
+            partial = self.lora.delta(x, partial)  # a partial delta of this rank's input slice, reduced with it
+        out = self.tp.all_reduce(partial)
         if self.bias is not None:
             out = out + self.bias
         return out

@@ -1,0 +1,238 @@
+"""LoRA on a rank: device slots of stacked adapter weights in each adapted projection, the adapters loaded into them
+(least recently used out), and each step's rows grouped by slot so one shrink and one expand per group run beside
+the base matmul.
+
+A fused projection (q/k/v, gate/up) holds its parts' adapters stacked: A is [slots, parts × max rank, in] and B is
+block-diagonal [slots, out, parts × max rank], so x A^T B^T adds every part's delta in its own output columns; a
+smaller rank, or a part the adapter leaves alone, is zero padding. The scaling (alpha / r, or alpha / sqrt(r) for
+rsLoRA) is folded into B. Under tensor parallelism each rank keeps the slice its base weight keeps: B's output rows
+for a column-parallel projection, A's input columns for a row-parallel one (whose partial delta joins the partial
+base output before the all-reduce: the sum is linear).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from pagerail.common.lora import TARGET_MODULES, WEIGHTS_FILE, AdapterConfig, read_adapter_config
+from pagerail.worker.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    _ParallelLinear,
+)
+from pagerail.worker.request_state import RequestState
+
+logger = logging.getLogger(__name__)
+
+# The adapted projections of a Llama-family layer, and the PEFT modules each holds in output order.
+_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+_PROJECTION = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(qkv_proj|o_proj|gate_up_proj|down_proj)$")
+
+
+@dataclass
+class StepRows:
+    """This step's rows grouped by adapter slot: (slot, rows) with rows a slice when contiguous, else an index
+    tensor. Empty when no row runs with an adapter. Every adapted projection reads the same object."""
+
+    groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
+
+
+class LoRAProjection:
+    """The adapter slots of one projection, and the delta they add to its output."""
+
+    def __init__(self, layer: _ParallelLinear, parts: Sequence[str], slots: int, max_rank: int, rows: StepRows):
+        self.layer = layer
+        self.parts = tuple(parts)
+        self.max_rank = max_rank
+        self.rows = rows
+        self.row_parallel = isinstance(layer, RowParallelLinear)
+        width = len(self.parts) * max_rank
+        weight = layer.weight
+        dtype = layer.params_dtype or weight.dtype
+        device = weight.device
+        self.a = torch.zeros(slots, width, layer.in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(slots, layer.out_features, width, dtype=dtype, device=device)
+
+    def delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` (the base output of `x`, before any all-reduce) plus each row's adapter delta."""
+        for slot, rows in self.rows.groups:
+            if isinstance(rows, slice):
+                out[rows] += (x[rows] @ self.a[slot].T) @ self.b[slot].T
+            else:
+                out.index_add_(0, rows, (x.index_select(0, rows) @ self.a[slot].T) @ self.b[slot].T)
+        return out
+
+    def _output_span(self, part: int) -> tuple[int, int, int]:
+        """(local offset, size, first row in the full projection) of a part's output rows on this rank."""
+        layer, tp = self.layer, self.layer.tp
+        if isinstance(layer, QKVParallelLinear):
+            if part == 0:
+                return 0, layer.q_size, tp.rank * layer.q_size
+            offset = layer.q_size + (layer.kv_size if part == 2 else 0)
+            return offset, layer.kv_size, layer.kv_head_start * layer.head_dim
+        if isinstance(layer, MergedColumnParallelLinear):
+            size = layer.local_sizes[part]
+            return sum(layer.local_sizes[:part]), size, tp.rank * size
+        return 0, layer.out_features, (0 if self.row_parallel else tp.rank * layer.out_features)
+
+    def load(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
+        """Put an adapter's (A, B) per part (full checkpoint tensors) into `slot`; parts it lacks stay zero."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        rank_of_tp = self.layer.tp.rank
+        for index, part in enumerate(self.parts):
+            if part not in weights:
+                continue
+            a, b = weights[part]
+            rank = a.shape[0]
+            columns = slice(index * self.max_rank, index * self.max_rank + rank)
+            if self.row_parallel:
+                width = self.layer.in_features
+                a = a[:, rank_of_tp * width : (rank_of_tp + 1) * width]
+            offset, size, start = self._output_span(index)
+            self.a[slot, columns].copy_(a)
+            self.b[slot, offset : offset + size, columns].copy_(b[start : start + size] * scaling)
+
+
+class LoRASlots:
+    """Every adapted projection of a model, `max_loras` device slots in each, and which adapter holds which slot.
+
+    Adapters are read from their directory on first use (kept parsed in host memory, `max_cpu_loras` of them,
+    least recently used out) and copied into a slot when a step needs them; a step never needs more adapters than
+    there are slots (the head's scheduler sees to that), and the slots a step uses are not taken by its others.
+    """
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int) -> None:
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.rows = StepRows()
+        # (layer index, PEFT module name) -> projection, for loading.
+        self.projections: list[tuple[int, LoRAProjection]] = []
+        self.module_names: set[str] = set()
+        for name, module in model.named_modules():
+            match = _PROJECTION.search(name)
+            if match is None or not isinstance(module, _ParallelLinear):
+                continue
+            layer_index, parts = int(match[1]), _PARTS[match[2]]
+            projection = LoRAProjection(module, parts, max_loras, max_rank, self.rows)
+            module.lora = projection
+            self.projections.append((layer_index, projection))
+            self.module_names.update(parts)
+        if not self.projections:
+            raise ValueError("enable_lora: this model has no projections LoRA adapters can target")
+        self.paths: dict[int, str] = {}  # adapter id -> its directory, as requests named it
+        self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
+        self._host: OrderedDict[int, tuple[AdapterConfig, dict]] = OrderedDict()
+        self.num_loads = 0
+        self.num_evictions = 0
+        self.load_seconds = 0.0
+
+    def register(self, lora_id: int, path: str) -> None:
+        """A request named adapter `lora_id` at `path` (the head checked it)."""
+        if self.paths.get(lora_id, path) != path:
+            # The same id now names another directory: what was loaded under it is stale.
+            self._host.pop(lora_id, None)
+            self._slot_of.pop(lora_id, None)
+        self.paths[lora_id] = path
+
+    def prepare(self, ordered: Sequence[RequestState]) -> bool:
+        """Group this step's rows (in `ordered`'s row order) by slot, loading adapters the step needs; True when
+        any row runs with an adapter."""
+        groups: list[tuple[int, slice | torch.Tensor]] = []
+        self.rows.groups = groups
+        if not any(state.lora_id for state in ordered):
+            return False
+        needed = {state.lora_id for state in ordered if state.lora_id}
+        slots = {lora_id: self._slot(lora_id, needed) for lora_id in needed}
+        by_slot: dict[int, list[tuple[int, int]]] = {}
+        row = 0
+        for state in ordered:
+            count = state.num_scheduled_tokens
+            if state.lora_id:
+                by_slot.setdefault(slots[state.lora_id], []).append((row, row + count))
+            row += count
+        device = self.projections[0][1].a.device
+        for slot, spans in by_slot.items():
+            if all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1)):
+                groups.append((slot, slice(spans[0][0], spans[-1][1])))
+            else:
+                index = [r for start, end in spans for r in range(start, end)]
+                groups.append((slot, torch.tensor(index, dtype=torch.long, device=device)))
+        return True
+
+    def _slot(self, lora_id: int, needed: set[int]) -> int:
+        slot = self._slot_of.get(lora_id)
+        if slot is not None:
+            self._slot_of.move_to_end(lora_id)
+            return slot
+        if len(self._slot_of) < self.max_loras:
+            used = set(self._slot_of.values())
+            slot = next(s for s in range(self.max_loras) if s not in used)
+        else:
+            victim = next(held for held in self._slot_of if held not in needed)
+            slot = self._slot_of.pop(victim)
+            self.num_evictions += 1
+        started = time.perf_counter()
+        config, weights = self._parsed(lora_id)
+        for layer_index, projection in self.projections:
+            projection.load(slot, weights.get(layer_index, {}), config.scaling)
+        self._slot_of[lora_id] = slot
+        self.num_loads += 1
+        self.load_seconds += time.perf_counter() - started
+        return slot
+
+    def _parsed(self, lora_id: int) -> tuple[AdapterConfig, dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]]:
+        """The adapter's config and its weights by layer and module, from the host cache or its directory."""
+        kept = self._host.get(lora_id)
+        if kept is not None:
+            self._host.move_to_end(lora_id)
+            return kept
+        path = self.paths[lora_id]
+        config = read_adapter_config(path, self.max_rank)
+        missing = [m for m in config.target_modules if m not in self.module_names]
+        if missing:
+            raise ValueError(f"target_modules: this model has no {missing[0]} to adapt")
+        tensors = load_file(str(Path(path) / WEIGHTS_FILE))
+        by_layer: dict[int, dict[str, list]] = {}
+        for name, tensor in tensors.items():
+            layer, module, side = _name_parts(name)
+            by_layer.setdefault(layer, {}).setdefault(module, [None, None])["AB".index(side)] = tensor.float()
+        weights = {}
+        for layer, modules in by_layer.items():
+            weights[layer] = {}
+            for module, (a, b) in modules.items():
+                if a is None or b is None:
+                    raise ValueError(f"{WEIGHTS_FILE}: layer {layer}'s {module} lacks lora_A or lora_B")
+                weights[layer][module] = (a, b)
+        self._host[lora_id] = (config, weights)
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)
+        logger.info("LoRA adapter %d read from %s (rank %d)", lora_id, path, config.rank)
+        return config, weights
+
+
+def _name_parts(name: str) -> tuple[int, str, str]:
+    """(layer, module, "A" or "B") of a PEFT tensor name such as base_model.model.model.layers.3.mlp.up_proj.lora_B
+    .weight."""
+    head, _, rest = name.partition("layers.")
+    pieces = rest.split(".")
+    if not head or len(pieces) < 5 or pieces[2] not in TARGET_MODULES or pieces[3] not in ("lora_A", "lora_B"):
+        raise ValueError(f"{WEIGHTS_FILE}: {name!r} is not a LoRA weight of a projection this server adapts")
+    return int(pieces[0]), pieces[2], pieces[3][-1]

@@ -1,0 +1,301 @@
+"""LoRA adapters: PEFT checkpoints checked and refused naming the field, and requests for the base model and for
+several adapters batched together, each matching transformers on that adapter merged into the base weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pagerail import LLM, LoRARequest, SamplingParams
+from pagerail.cluster.bench.tiny_llama import write_tiny_llama
+from pagerail.common.lora import read_adapter, read_adapter_config
+
+PROMPTS = [[5, 17, 42, 99, 7, 300, 12], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 13], [100, 200, 300]]
+MAX_TOKENS = 12
+# Module -> (sub-layer, output features key, input features key) of the tiny Llama, for the adapters' shapes.
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _shapes(config: dict) -> dict[str, tuple[int, int]]:
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads") or heads
+    inter = config["intermediate_size"]
+    return {
+        "q_proj": (heads * head_dim, hidden),
+        "k_proj": (kv * head_dim, hidden),
+        "v_proj": (kv * head_dim, hidden),
+        "o_proj": (hidden, heads * head_dim),
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
+    }
+
+
+def write_adapter(
+    path: Path, model_dir: Path, rank: int, targets: tuple[str, ...], seed: int, alpha: float = 16.0, **config
+) -> Path:
+    """A random PEFT LoRA adapter (nonzero B, so it changes the output) for the model at `model_dir`."""
+    base = json.loads((model_dir / "config.json").read_text())
+    shapes = _shapes(base)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(base["num_hidden_layers"]):
+        for module in targets:
+            out_features, in_features = shapes[module]
+            block = "self_attn" if module in ATTENTION else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * 0.2
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.2
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    settings = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(targets),
+        "base_model_name_or_path": str(model_dir),
+        **config,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(settings))
+    return path
+
+
+def merged_greedy(model_dir: Path, adapter: Path | None, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy tokens with the adapter's B A × scaling added to each target weight."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        from safetensors.torch import load_file
+
+        settings = json.loads((adapter / "adapter_config.json").read_text())
+        rank = settings["r"]
+        scaling = settings["lora_alpha"] / (rank**0.5 if settings.get("use_rslora") else rank)
+        weights = load_file(str(adapter / "adapter_model.safetensors"))
+        with torch.no_grad():
+            for name, a in weights.items():
+                if ".lora_A." not in name:
+                    continue
+                b = weights[name.replace(".lora_A.", ".lora_B.")]
+                target = name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+                model.get_parameter(target).add_(scaling * (b @ a))
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        generated = model.generate(
+            ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
+        )
+        outputs.append(generated[0, len(prompt) :].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "every": write_adapter(root / "every", model_dir, 8, ATTENTION + MLP, seed=1),
+        "attention": write_adapter(root / "attention", model_dir, 4, ("q_proj", "v_proj"), seed=2, alpha=8.0),
+        "mlp-rs": write_adapter(root / "mlp-rs", model_dir, 16, MLP + ("o_proj",), seed=3, use_rslora=True),
+    }
+
+
+def test_base_and_two_adapters_in_shared_batches_each_match_transformers_merged(model_dir, adapters):
+    every = LoRARequest("every", 1, str(adapters["every"]))
+    attention = LoRARequest("attention", 2, str(adapters["attention"]))
+    # Each prompt three times: base, one adapter, the other, all submitted at once (they share every step).
+    prompts = [prompt for prompt in PROMPTS for _ in range(3)]
+    loras = [lora for _ in PROMPTS for lora in (None, every, attention)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(str(model_dir), enable_lora=True, max_loras=2, kv_cache_memory_bytes=16 << 20) as llm:
+        outputs = llm.generate(prompts, params, lora_request=loras)
+        stats = llm.stats
+    got = [output.outputs[0].token_ids for output in outputs]
+    expected = {
+        name: merged_greedy(model_dir, path, PROMPTS)
+        for name, path in (("base", None), ("every", adapters["every"]), ("attention", adapters["attention"]))
+    }
+    assert expected["every"] != expected["base"] and expected["attention"] != expected["base"]
+    for number in range(len(PROMPTS)):
+        assert got[3 * number] == expected["base"][number]
+        assert got[3 * number + 1] == expected["every"][number]
+        assert got[3 * number + 2] == expected["attention"][number]
+    assert stats.peak_running == len(prompts)  # all of them ran in the same steps
+
+
+def test_a_third_adapter_waits_for_a_slot_and_runs_correctly_after_an_eviction(model_dir, adapters):
+    """max_loras 1: the adapters take turns in the one slot; each still matches transformers."""
+    loras = [
+        LoRARequest("every", 1, str(adapters["every"])),
+        LoRARequest("attention", 2, str(adapters["attention"])),
+        LoRARequest("mlp-rs", 3, str(adapters["mlp-rs"])),
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(str(model_dir), enable_lora=True, max_loras=1, kv_cache_memory_bytes=16 << 20) as llm:
+        outputs = llm.generate([PROMPTS[0]] * 3, params, lora_request=loras)
+        slots = llm.engine.executor.worker.lora
+        assert slots.num_loads == 3 and slots.num_evictions == 2
+        assert llm.engine.scheduler.stats.peak_running == 1  # one adapter at a time: they took turns
+    for output, name in zip(outputs, ("every", "attention", "mlp-rs"), strict=True):
+        assert output.outputs[0].token_ids == merged_greedy(model_dir, adapters[name], [PROMPTS[0]])[0]
+
+
+def test_prefix_blocks_are_never_shared_between_adapters(model_dir, adapters):
+    """The same long prompt, first for the base model, then for an adapter, then for the base again: only the
+    base model's second run finds cached blocks."""
+    every = LoRARequest("every", 1, str(adapters["every"]))
+    prompt = list(range(3, 3 + 40))
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    with LLM(str(model_dir), enable_lora=True, kv_cache_memory_bytes=16 << 20, block_size=8) as llm:
+        llm.generate([prompt], params)
+        hits = llm.stats.num_prefix_hit_tokens
+        llm.generate([prompt], params, lora_request=every)
+        after_adapter = llm.stats.num_prefix_hit_tokens
+        llm.generate([prompt], params, lora_request=every)
+        after_second_adapter = llm.stats.num_prefix_hit_tokens
+    assert after_adapter == hits, "an adapter's request found the base model's blocks"
+    assert after_second_adapter > after_adapter, "the adapter's own blocks were not found again"
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"r": 64}, "r"),
+        ({"use_dora": True}, "use_dora"),
+        ({"target_modules": ["embed_tokens"]}, "target_modules"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"lora_alpha": "big"}, "lora_alpha"),
+    ],
+)
+def test_unsupported_adapter_configs_are_refused_naming_the_field(model_dir, tmp_path, change, field):
+    path = write_adapter(tmp_path / "bad", model_dir, 4, ("q_proj",), seed=5)
+    settings = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**settings, **change}))
+    with pytest.raises(ValueError, match=field):
+        read_adapter_config(str(path), max_rank=16)
+
+
+def test_missing_malformed_and_misshapen_adapters_are_refused(model_dir, tmp_path):
+    config = json.loads((model_dir / "config.json").read_text())
+    shapes = _shapes(config)
+    layers = config["num_hidden_layers"]
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        read_adapter(str(tmp_path / "nowhere"), 16, shapes, layers)
+    broken = write_adapter(tmp_path / "broken", model_dir, 4, ("q_proj",), seed=6)
+    (broken / "adapter_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        read_adapter(str(broken), 16, shapes, layers)
+    other = dict(config, hidden_size=config["hidden_size"] * 2, intermediate_size=config["intermediate_size"] * 2)
+    other_dir = tmp_path / "other-model"
+    other_dir.mkdir()
+    (other_dir / "config.json").write_text(json.dumps(other))
+    wrong = write_adapter(tmp_path / "wrong-shape", other_dir, 4, ("q_proj",), seed=7)
+    with pytest.raises(ValueError, match="shape"):
+        read_adapter(str(wrong), 16, shapes, layers)
+
+
+def test_a_request_for_a_bad_adapter_is_refused_before_it_is_queued(model_dir, adapters, tmp_path):
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with LLM(str(model_dir), kv_cache_memory_bytes=16 << 20) as plain:
+        with pytest.raises(ValueError, match="enable-lora"):
+            plain.generate([PROMPTS[0]], params, lora_request=LoRARequest("every", 1, str(adapters["every"])))
+    with LLM(str(model_dir), enable_lora=True, max_lora_rank=8, kv_cache_memory_bytes=16 << 20) as llm:
+        with pytest.raises(ValueError, match="max-lora-rank"):
+            llm.generate([PROMPTS[0]], params, lora_request=LoRARequest("rs", 3, str(adapters["mlp-rs"])))
+        with pytest.raises(ValueError, match="adapter_config.json"):
+            llm.generate([PROMPTS[0]], params, lora_request=LoRARequest("gone", 4, str(tmp_path / "gone")))
+        # Nothing was lost: the engine serves on, and holds no blocks.
+        assert llm.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+        assert llm.engine.block_table.num_free_blocks == llm.engine.block_table.num_blocks
+
+
+@pytest.mark.slow
+def test_adapters_are_served_by_model_name_over_http_and_grpc_and_load_and_unload_live(model_dir, adapters):
+    import grpc
+    import httpx
+    import openai
+
+    from pagerail.cluster.frontend.lora_modules import LoRAModule
+    from pagerail.cluster.frontend.settings import FrontendSettings, LoRASettings
+    from pagerail.proto import api_pb2, api_pb2_grpc
+    from tests.http_server import BackgroundFrontend
+
+    prompt = PROMPTS[0]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm = LLM(str(model_dir), enable_lora=True, max_loras=2, kv_cache_memory_bytes=16 << 20, served_model_name="base")
+    llm.tokenizer.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    try:
+        # The texts the engine gives offline, before the server's loop thread owns it.
+        names = ("every", "attention", "mlp-rs")
+        offline = {None: llm.generate([prompt], params)[0].outputs[0].text}
+        for lora_id, name in enumerate(names, start=1):
+            request = LoRARequest(name, lora_id, str(adapters[name]))
+            offline[name] = llm.generate([prompt], params, lora_request=request)[0].outputs[0].text
+        assert len(set(offline.values())) == 4, "each adapter must change the text"
+        settings = FrontendSettings(
+            "base",
+            admin_api_key="admin",
+            lora=LoRASettings(
+                16, (LoRAModule("every", str(adapters["every"])), LoRAModule("attention", str(adapters["attention"])))
+            ),
+        )
+        with BackgroundFrontend(llm.engine_client, llm.tokenizer, settings) as (base_url, grpc_target):
+            api = openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
+            cards = {card.id: card for card in api.models.list().data}
+            assert set(cards) == {"base", "every", "attention"} and cards["every"].parent == "base"
+
+            def text(model: str) -> str:
+                fields = {"max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+                return api.completions.create(model=model, prompt=prompt, **fields).choices[0].text
+
+            assert text("base") == offline[None]
+            assert text("every") == offline["every"] and text("attention") == offline["attention"]
+            chat = api.chat.completions.create(
+                model="every", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+            assert chat.model == "every"
+            with grpc.insecure_channel(grpc_target) as channel:
+                stub = api_pb2_grpc.GenerationStub(channel)
+                message = api_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+                request = api_pb2.GenerateRequest(
+                    token_ids=api_pb2.TokenIds(ids=prompt), sampling_params=message, lora_name="attention"
+                )
+                assert "".join(r.text for r in stub.Generate(request)) == offline["attention"]
+                request.lora_name = "nowhere"
+                with pytest.raises(grpc.RpcError) as info:
+                    list(stub.Generate(request))
+                assert info.value.code() == grpc.StatusCode.NOT_FOUND and "lora_name" in info.value.details()
+            admin = {"Authorization": "Bearer admin"}
+            with httpx.Client(base_url=base_url, timeout=30) as http:
+                path = str(adapters["mlp-rs"])
+                loaded = http.post(
+                    "/v1/load_lora_adapter", json={"lora_name": "mlp-rs", "lora_path": path}, headers=admin
+                )
+                assert loaded.status_code == 200, loaded.text
+                assert text("mlp-rs") == offline["mlp-rs"]  # a third adapter with two slots: one was evicted
+                missing = http.post(
+                    "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nowhere"}, headers=admin
+                )
+                assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
+                unauthorised = http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp-rs"})
+                assert unauthorised.status_code == 401
+                assert (
+                    http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp-rs"}, headers=admin).status_code == 200
+                )
+            with pytest.raises(openai.NotFoundError):
+                text("mlp-rs")
+            with pytest.raises(openai.BadRequestError) as refused:
+                api.embeddings.create(model="every", input="hi")
+            assert refused.value.body["param"] == "model"
+    finally:
+        llm.shutdown()
