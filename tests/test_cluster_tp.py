@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -66,6 +67,8 @@ def tp2_llm(local_ray, tmp_path_factory):
         block_size=4,
         num_gpu_blocks=512,
         tensor_parallel_size=2,
+        enable_lora=True,  # for the adapter test; base-model requests pass the adapter slots by untouched
+        max_loras=2,
     )
     yield llm
     llm.shutdown()
@@ -94,6 +97,29 @@ def test_tp2_matches_tp1_and_transformers(tp2_llm):
     for pooling in ("last", "mean"):
         for split, alone in zip(tp2_llm.embed(PROMPTS, pooling), one_rank.embed(PROMPTS, pooling), strict=True):
             assert max(abs(a - b) for a, b in zip(split, alone, strict=True)) < 1e-4
+
+
+def test_tp2_adapters_in_shared_batches_match_transformers_merged(tp2_llm, tmp_path):
+    """Each rank keeps its slice of every adapter (B's output rows for q/k/v and gate/up, A's input columns for o
+    and down, whose partial deltas are summed by the all-reduce): base and adapter requests batched together each
+    equal transformers with that adapter merged into the base weights."""
+    from pagerail import LoRARequest
+    from tests.test_lora import ATTENTION, MAX_TOKENS, MLP, merged_greedy, write_adapter
+
+    model_dir = Path(tp2_llm.model_dir)
+    every = write_adapter(tmp_path / "every", model_dir, 8, ATTENTION + MLP, seed=11)
+    attention = write_adapter(tmp_path / "attention", model_dir, 4, ("k_proj", "o_proj"), seed=12, use_rslora=True)
+    prompts = PROMPTS[:3]
+    loras = [None, LoRARequest("every", 1, str(every)), LoRARequest("attention", 2, str(attention))]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = tp2_llm.generate(
+        [p for p in prompts for _ in loras], params, lora_request=[lora for _ in prompts for lora in loras]
+    )
+    got = [output.outputs[0].token_ids for output in outputs]
+    for index, adapter in enumerate((None, every, attention)):
+        expected = merged_greedy(model_dir, adapter, prompts)
+        assert [got[number * 3 + index] for number in range(len(prompts))] == expected, f"adapter {index}"
+    assert got[1] != got[0] and got[2] != got[0]
 
 
 def test_killed_worker_is_replaced_without_changing_tokens(tp2_llm):
