@@ -146,6 +146,16 @@ def test_a_third_adapter_waits_for_a_slot_and_runs_correctly_after_an_eviction(m
         slots = llm.engine.executor.worker.lora
         assert slots.num_loads == 3 and slots.num_evictions == 2
         assert llm.engine.scheduler.stats.peak_running == 1  # one adapter at a time: they took turns
+        metrics = llm.engine.metrics_text().decode()
+    assert 'pagerail_lora_adapter_loads_total{model_name="' in metrics
+    values = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("pagerail_lora_adapter_")
+    }
+    assert values["pagerail_lora_adapter_loads_total"] == 3 and values["pagerail_lora_adapter_evictions_total"] == 2
+    assert values["pagerail_lora_adapter_load_seconds_total"] > 0
+    assert 'running_lora_adapters=""' in metrics and 'max_lora="1"' in metrics  # all finished by now
     for output, name in zip(outputs, ("every", "attention", "mlp-rs"), strict=True):
         assert output.outputs[0].token_ids == merged_greedy(model_dir, adapters[name], [PROMPTS[0]])[0]
 

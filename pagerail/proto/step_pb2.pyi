@@ -165,7 +165,7 @@ class PromptLogprobs(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., start: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "handles", "token_ids", "logprobs", "top_logprobs", "compute_seconds", "forward_seconds", "constraint_done", "constraint_seconds", "error", "moe_collective_bytes", "spec_handles", "spec_counts", "spec_num_drafts", "spec_token_ids", "spec_logprobs", "spec_top_logprobs", "kv_transfer_seconds", "kv_transfer_bytes", "prompt_logprobs", "pooled")
+    __slots__ = ("step_id", "handles", "token_ids", "logprobs", "top_logprobs", "compute_seconds", "forward_seconds", "constraint_done", "constraint_seconds", "error", "moe_collective_bytes", "spec_handles", "spec_counts", "spec_num_drafts", "spec_token_ids", "spec_logprobs", "spec_top_logprobs", "kv_transfer_seconds", "kv_transfer_bytes", "prompt_logprobs", "pooled", "lora_loads", "lora_evictions", "lora_load_seconds")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,9 @@ class StepResult(_message.Message):
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     POOLED_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
+    LORA_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     handles: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -208,7 +211,10 @@ class StepResult(_message.Message):
     kv_transfer_bytes: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     pooled: _containers.RepeatedCompositeFieldContainer[PooledOutput]
-    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., constraint_done: _Optional[_Iterable[int]] = ..., constraint_seconds: _Optional[float] = ..., error: _Optional[str] = ..., moe_collective_bytes: _Optional[int] = ..., spec_handles: _Optional[_Iterable[int]] = ..., spec_counts: _Optional[_Iterable[int]] = ..., spec_num_drafts: _Optional[_Iterable[int]] = ..., spec_token_ids: _Optional[_Iterable[int]] = ..., spec_logprobs: _Optional[_Iterable[float]] = ..., spec_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ...) -> None: ...
+    lora_loads: int
+    lora_evictions: int
+    lora_load_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., constraint_done: _Optional[_Iterable[int]] = ..., constraint_seconds: _Optional[float] = ..., error: _Optional[str] = ..., moe_collective_bytes: _Optional[int] = ..., spec_handles: _Optional[_Iterable[int]] = ..., spec_counts: _Optional[_Iterable[int]] = ..., spec_num_drafts: _Optional[_Iterable[int]] = ..., spec_token_ids: _Optional[_Iterable[int]] = ..., spec_logprobs: _Optional[_Iterable[float]] = ..., spec_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ..., lora_loads: _Optional[int] = ..., lora_evictions: _Optional[int] = ..., lora_load_seconds: _Optional[float] = ...) -> None: ...
 
 class PooledOutput(_message.Message):
     __slots__ = ("handle", "values")

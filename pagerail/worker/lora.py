@@ -143,6 +143,7 @@ class LoRASlots:
         self.num_loads = 0
         self.num_evictions = 0
         self.load_seconds = 0.0
+        self._reported = (0, 0, 0.0)
 
     def register(self, lora_id: int, path: str) -> None:
         """A request named adapter `lora_id` at `path` (the head checked it)."""
@@ -151,6 +152,15 @@ class LoRASlots:
             self._host.pop(lora_id, None)
             self._slot_of.pop(lora_id, None)
         self.paths[lora_id] = path
+
+    def report(self, result) -> None:
+        """Add the loads, evictions and load time since the last report to a step's result."""
+        now = (self.num_loads, self.num_evictions, self.load_seconds)
+        if now != self._reported:
+            result.lora_loads = now[0] - self._reported[0]
+            result.lora_evictions = now[1] - self._reported[1]
+            result.lora_load_seconds = now[2] - self._reported[2]
+            self._reported = now
 
     def prepare(self, ordered: Sequence[RequestState]) -> bool:
         """Group this step's rows (in `ordered`'s row order) by slot, loading adapters the step needs; True when

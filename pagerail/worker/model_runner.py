@@ -220,6 +220,8 @@ class ModelRunner:
             )
         with traced(_tracer, "prepare_inputs"):
             flat = self.prepare(batch)
+        if self.lora is not None and self.tp.rank == 0:
+            self.lora.report(result)
         if self.constraints is not None and batch.new_requests:
             # Compiled on a background thread while the forward pass runs.
             states = self.states.states

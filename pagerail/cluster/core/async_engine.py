@@ -169,6 +169,7 @@ class AsyncEngine:
             "num_output_deliveries": self.num_deliveries,
             "num_output_handoffs": self.num_handoffs,
             "num_output_deltas": self.num_deltas,
+            "num_lora_loads": engine.metrics.num_lora_loads,
         }
 
     def metrics_text(self) -> str:

@@ -267,7 +267,15 @@ class EngineCore:
             num_host_hit_tokens=stats.num_host_hit_tokens,
             num_restarts=self.num_restarts,
             host_tier_copies=None if tier is None else (tier.num_offloaded, tier.num_loaded),
+            lora_adapters=self._lora_adapters_in_use() if self.config.lora.enable_lora else None,
         )
+
+    def _lora_adapters_in_use(self) -> tuple[tuple[str, ...], tuple[str, ...], int]:
+        def names(requests) -> tuple[str, ...]:
+            return tuple(sorted({r.envelope.lora.lora_name for r in requests if r.envelope.lora is not None}))
+
+        scheduler = self.scheduler
+        return names(scheduler.running), names(scheduler.waiting), self.config.lora.max_loras
 
     def metrics_text(self) -> bytes:
         """The Prometheus text exposition of this engine."""

@@ -68,6 +68,8 @@ class EngineSnapshot:
     num_restarts: int
     # The host KV tier's copies, None without a tier.
     host_tier_copies: tuple[int, int] | None = None  # (offloaded, loaded) blocks
+    # The LoRA adapters of the running and of the waiting requests (names), and the slots; None without LoRA.
+    lora_adapters: tuple[tuple[str, ...], tuple[str, ...], int] | None = None
 
 
 class EngineMetrics:
@@ -126,6 +128,18 @@ class EngineMetrics:
             ("model_name", "weight_format", "kv_cache_dtype"),
             registry=self.registry,
         )
+        self.lora_loads = counter("lora_adapter_loads", "LoRA adapters copied into a device slot.")
+        self.lora_evictions = counter("lora_adapter_evictions", "LoRA adapters a load replaced in their slot.")
+        self.lora_load_seconds = counter("lora_adapter_load_seconds", "Time spent reading and copying LoRA adapters.")
+        self.lora_info = Gauge(
+            PREFIX + "lora_requests_info",
+            "The LoRA adapters of running and waiting requests (comma-separated), and the slots; the value is the "
+            "time of the reading.",
+            ("model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"),
+            registry=self.registry,
+        )
+        # Adapter loads over the engine's life, for its stats (and the routing comparison).
+        self.num_lora_loads = 0
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculating decodes that proposed drafts.")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens the target model kept.")
@@ -217,6 +231,11 @@ class EngineMetrics:
             phases["constrain"].observe(constrain)
         if result.moe_collective_bytes:
             self._moe_bytes.inc(result.moe_collective_bytes)
+        if result.lora_loads:
+            self.num_lora_loads += result.lora_loads
+            self.lora_loads.labels(self.model_name).inc(result.lora_loads)
+            self.lora_evictions.labels(self.model_name).inc(result.lora_evictions)
+            self.lora_load_seconds.labels(self.model_name).inc(result.lora_load_seconds)
         self._observe_tokens(changed, now)
         if dispatch_stats is not None:
             self._observe_dispatch(dispatch_stats)
@@ -318,6 +337,11 @@ class EngineMetrics:
             self._seen_offload = (offloaded, loaded)
         self.restarts.labels(name).inc(snapshot.num_restarts - self._seen_restarts)
         self._seen_restarts = snapshot.num_restarts
+        if snapshot.lora_adapters is not None:
+            running_names, waiting_names, slots = snapshot.lora_adapters
+            self.lora_info.clear()
+            labels = (name, ",".join(running_names), ",".join(waiting_names), str(slots))
+            self.lora_info.labels(*labels).set(time.time())
 
     def render(self, snapshot: EngineSnapshot) -> bytes:
         """The Prometheus text exposition."""

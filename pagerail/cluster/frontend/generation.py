@@ -98,7 +98,9 @@ def stream_choices(
     """All n choices of one prompt (run with adapter `lora`), interleaved as they arrive. Each choice is its own
     engine request."""
     usage.prompt_tokens += len(prompt_ids)
-    carrier = tracing.engine_carrier(trace.get_current_span())
+    span = trace.get_current_span()
+    tracing.annotate_adapter(span, lora)
+    carrier = tracing.engine_carrier(span)
     children = fan_out(request_id, prompt_ids, params, trace_context=carrier, lora=lora)
     if len(children) == 1:  # the choice's own stream: no generator in between for every chunk to pass
         return stream_choice(engine, tokenizer, children[0], 0, usage)

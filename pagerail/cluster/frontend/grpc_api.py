@@ -127,6 +127,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                     return
                 stream = self._new_stream(request)
                 stream.lora = self._adapter(request.lora_name)
+                tracing.annotate_adapter(span, stream.lora)
                 best_of = self._best_of(request, stream)
                 # Compiled against the tokenizer before anything is queued: a bad constraint never reaches the engine.
                 await check_constraint_of(

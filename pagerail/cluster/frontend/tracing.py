@@ -9,6 +9,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, StatusCode
 
 from pagerail.cluster.core.engine_client import RequestDelta
+from pagerail.common.lora import LoRARequest
 from pagerail.common.sampling_params import SamplingParams
 from pagerail.common.telemetry import extract_metadata, get_tracer, inject_carrier, tracing_enabled
 
@@ -110,6 +111,13 @@ def annotate_request(span: trace.Span, request_id: str, model: str, params: Samp
         span.set_attribute("gen_ai.request.max_tokens", params.max_tokens)
     if params.seed is not None:
         span.set_attribute("gen_ai.request.seed", params.seed)
+
+
+def annotate_adapter(span: trace.Span, lora: LoRARequest | None) -> None:
+    """The LoRA adapter a request runs with, on its span."""
+    if lora is not None and span.is_recording():
+        span.set_attribute("pagerail.lora.adapter", lora.lora_name)
+        span.set_attribute("pagerail.lora.id", lora.lora_int_id)
 
 
 def engine_carrier(span: trace.Span) -> dict[str, str] | None:
