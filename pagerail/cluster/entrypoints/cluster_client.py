@@ -76,7 +76,7 @@ class ClusterClient:
         if data_parallel_size == 1:
             self.client = HeadEngineClient(self.heads[0], config.model_name, info)
         else:
-            settings = ReplicaSettings(block_size=config.cache.block_size)
+            settings = ReplicaSettings(block_size=config.cache.block_size, adapter_slots=config.lora.max_loras)
             self.pool = ReplicaPool(names, config.model_name, info, settings)
             self.client = self.pool.engine
             self._loop.run(self._start_pool())

@@ -300,6 +300,7 @@ def serve(args: argparse.Namespace) -> int:
             routing_index=args.routing_index,
             prefill_replicas=tuple(head_names[: args.prefill_replicas or 0]),
             block_size=config.cache.block_size,
+            adapter_slots=config.lora.max_loras,
             min_replicas=min_replicas,
             max_replicas=max_replicas,
             target_waiting_per_replica=args.target_waiting_per_replica,

@@ -29,6 +29,7 @@ class ReplicaSettings:
     # Prefill/decode disaggregation: these replicas prefill, the others decode (empty: every replica does both).
     prefill_replicas: tuple[str, ...] = ()
     block_size: int = 16
+    adapter_slots: int = 1  # each replica's LoRA device slots (--max-loras), for adapter affinity
     refresh_interval_s: float = 1.0  # how often the replicas' load and health are read
     min_replicas: int | None = None  # None: as many as started
     max_replicas: int | None = None
@@ -71,6 +72,7 @@ class ReplicaPool:
             vocab_size=model_info["vocab_size"],
             index=settings.routing_index,
             prefill_replicas=settings.prefill_replicas,
+            adapter_slots=settings.adapter_slots,
         )
         self._next_index = itertools.count(len(head_names))
         self._heads: dict[str, HeadEngineClient] = dict(self.engine.replicas)

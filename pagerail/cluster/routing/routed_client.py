@@ -63,6 +63,7 @@ class RoutedEngineClient:
         vocab_size: int | None = None,
         index: str = "estimate",
         prefill_replicas: Collection[str] = (),
+        adapter_slots: int = 1,
     ) -> None:
         if index not in ROUTING_INDEXES:
             raise ValueError(f"index must be one of {ROUTING_INDEXES}, got {index!r}")
@@ -76,7 +77,10 @@ class RoutedEngineClient:
         # "events": the router follows the replicas' block events (exact); "estimate": the prompts it sent.
         self.follows_events = index == "events"
         self.router = Router(
-            policy, block_size=block_size, index=KvEventIndex(block_size) if self.follows_events else None
+            policy,
+            block_size=block_size,
+            index=KvEventIndex(block_size) if self.follows_events else None,
+            adapter_slots=adapter_slots,
         )
         self.metrics_registry = RouterMetrics(self.model_name)
         # Moving requests with their KV: live migration, and prefill/decode disaggregation over `prefill_replicas`.
@@ -198,7 +202,8 @@ class RoutedEngineClient:
                 finally:
                     await close_stream(stream)
                     # A finished request's whole sequence now sits in that replica's prefix cache.
-                    self.router.end(replica, [*request.prompt_token_ids, *outputs] if completed and final else None)
+                    indexed = completed and final and request.lora is None  # an adapter's KV: not in the index
+                    self.router.end(replica, [*request.prompt_token_ids, *outputs] if indexed else None)
                 if completed:
                     return
                 if isinstance(failure, Moved):
@@ -244,7 +249,8 @@ class RoutedEngineClient:
         # What the replica computes: the prompt, and the outputs a resumed request continues after.
         prompt = [*request.prompt_token_ids, *request.resumed_output_token_ids]
         hashes = self.router.index.block_hashes(prompt)
-        routes = self._routes(entry, prompt, hashes, failed, pin)
+        lora_id = request.lora.lora_int_id if request.lora is not None else 0
+        routes = self._routes(entry, prompt, hashes, failed, pin, lora_id)
         self.metrics_registry.observe_routing(time.perf_counter() - started)
         full: list[QueueFullError] = []
         for route in routes:
@@ -253,7 +259,7 @@ class RoutedEngineClient:
             client = self._clients.get(route.replica)
             if client is None or not self.router.routable(route.replica):
                 continue  # it left or failed while an earlier replica was being tried
-            self.router.begin(route.replica, prompt, hashes)
+            self.router.begin(route.replica, prompt, hashes, lora_id)
             self.metrics_registry.routed(route.replica, route.reason, route.cached_tokens)
             # On the request's span (the caller's current one): where it went and why.
             trace.get_current_span().add_event(
@@ -301,10 +307,17 @@ class RoutedEngineClient:
         self.router.end(replica)
 
     def _routes(
-        self, entry: OpenRequest, prompt: list[int], hashes: list[bytes], failed: set[str], pin: str | None
+        self,
+        entry: OpenRequest,
+        prompt: list[int],
+        hashes: list[bytes],
+        failed: set[str],
+        pin: str | None,
+        lora_id: int = 0,
     ) -> list[Route]:
         """Replicas to try in order; the first carries the reason of the choice, the others are spills."""
-        routes = self.router.rank(prompt, exclude=failed | self.moves.excluded(entry), hashes=hashes)
+        exclude = failed | self.moves.excluded(entry)
+        routes = self.router.rank(prompt, exclude=exclude, hashes=hashes, lora_id=lora_id)
         if entry.move_to is not None:  # where its KV went
             target = [route for route in routes if route.replica == entry.move_to]
             return [*(r._replace(reason="moved") for r in target), *(r for r in routes if r.replica != entry.move_to)]

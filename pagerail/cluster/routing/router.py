@@ -1,10 +1,11 @@
-"""Picks the data-parallel replica for each request: cache affinity (prefix index) against load."""
+"""Picks the data-parallel replica for each request: cache affinity (prefix index, LoRA adapters) against load."""
 
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pagerail.cluster.core.errors import QueueFullError
@@ -42,6 +43,8 @@ class ReplicaState:
     kv_usage: float = 0.0
     in_rotation: bool = True  # the owner's say: False while draining
     healthy: bool = True  # False after a failure, until the replica answers again
+    # The LoRA adapters (ids) most recently sent there, most recent last: those its device slots likely hold.
+    adapters: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
     @property
     def routable(self) -> bool:
@@ -63,6 +66,10 @@ class Router:
     - least-loaded: the least loaded.
     - round-robin: the next replica in turn.
 
+    A request for a LoRA adapter (prefix-aware and least-loaded) goes first to a replica within the balance
+    threshold that likely holds the adapter in a device slot (one of the last `adapter_slots` distinct adapters
+    sent there), so adapters stay where they were loaded instead of being loaded everywhere.
+
     Load = requests open there (this router's own count, plus what the replica's last report of its running and
     waiting requests held beyond that count when it came) plus kv_weight * KV cache usage (0..1): a full cache
     costs like kv_weight more requests, as new work would preempt.
@@ -78,6 +85,7 @@ class Router:
         balance_slack: float = 8.0,
         kv_weight: float = 4.0,
         index: PrefixIndex | KvEventIndex | None = None,
+        adapter_slots: int = 1,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -90,6 +98,9 @@ class Router:
         self.balance_ratio = float(balance_ratio)
         self.balance_slack = float(balance_slack)
         self.kv_weight = float(kv_weight)
+        if isinstance(adapter_slots, bool) or not isinstance(adapter_slots, int) or adapter_slots < 1:
+            raise ValueError(f"adapter_slots must be an integer >= 1, got {adapter_slots!r}")
+        self.adapter_slots = adapter_slots
         self.index = index if index is not None else PrefixIndex(block_size)
         self.block_size = self.index.block_size
         self.replicas: dict[str, ReplicaState] = {}  # insertion order is the round-robin order
@@ -137,14 +148,21 @@ class Router:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def begin(self, name: str, token_ids: Sequence[int], hashes: list[bytes] | None = None) -> None:
-        """A request was sent to `name`: count it, and remember its prompt there."""
+    def begin(self, name: str, token_ids: Sequence[int], hashes: list[bytes] | None = None, lora_id: int = 0) -> None:
+        """A request was sent to `name`: count it, and remember its prompt (and its adapter) there."""
         state = self._state(name)
         state.in_flight += 1
+        if lora_id:
+            state.adapters[lora_id] = None
+            state.adapters.move_to_end(lora_id)
+            while len(state.adapters) > self.adapter_slots:
+                state.adapters.popitem(last=False)
+            return  # an adapter's KV is its own: the prefix index (keyed by tokens alone) does not hold it
         self.index.insert(name, token_ids, hashes)
 
     def end(self, name: str, token_ids: Sequence[int] | None = None) -> None:
-        """A request sent to `name` ended; `token_ids` (prompt and output) are now in that replica's cache."""
+        """A request sent to `name` ended; `token_ids` (prompt and output; None for an adapter's request) are now
+        in that replica's cache."""
         state = self.replicas.get(name)
         if state is None:  # removed while the request was open
             return
@@ -157,10 +175,16 @@ class Router:
     # -- decisions ------------------------------------------------------------------------------
 
     def rank(
-        self, token_ids: Sequence[int], *, exclude: Collection[str] = (), hashes: list[bytes] | None = None
+        self,
+        token_ids: Sequence[int],
+        *,
+        exclude: Collection[str] = (),
+        hashes: list[bytes] | None = None,
+        lora_id: int = 0,
     ) -> list[Route]:
         """Every eligible replica, best first: the first is the decision, the rest are where to spill when it is
-        full (reason "spill"). Raises NoReplicaError when none is eligible."""
+        full (reason "spill"); `lora_id` the request's LoRA adapter (0: the base model). Raises NoReplicaError when
+        none is eligible."""
         names = [name for name, state in self.replicas.items() if state.routable and name not in exclude]
         if not names:
             total = len(self.replicas)
@@ -170,6 +194,10 @@ class Router:
             )
         loads = {name: self.load(name) for name in names}
         matched: dict[str, int] = {}
+        if lora_id and self.policy != "round-robin":
+            order, reason = self._adapter_order(names, loads, lora_id, self._turn_order(names))
+            self._cursor = (list(self.replicas).index(order[0]) + 1) % len(self.replicas)
+            return [Route(order[0], reason, 0), *(Route(name, "spill", 0) for name in order[1:])]
         if self.policy == "prefix-aware":
             limit = self._cacheable(len(token_ids))
             matched = {
@@ -205,6 +233,16 @@ class Router:
             return order, "prefix"
         # Either nothing is cached anywhere (plain load), or the best holder is over the threshold (balance).
         return order, "balance" if best > chosen else "load"
+
+    def _adapter_order(
+        self, names: list[str], loads: dict[str, float], lora_id: int, turn: list[str]
+    ) -> tuple[list[str], str]:
+        threshold = min(loads.values()) * self.balance_ratio + self.balance_slack
+        holds = {name for name in names if lora_id in self.replicas[name].adapters}
+        order = sorted(names, key=lambda n: (loads[n] > threshold, n not in holds, loads[n], turn.index(n)))
+        if order[0] in holds:
+            return order, "adapter"
+        return order, "balance" if holds else "load"
 
     def _turn_order(self, names: list[str]) -> list[str]:
         """`names` starting from the round-robin cursor, in the replicas' order."""
