@@ -104,7 +104,8 @@ def test_tp2_adapters_in_shared_batches_match_transformers_merged(tp2_llm, tmp_p
     and down, whose partial deltas are summed by the all-reduce): base and adapter requests batched together each
     equal transformers with that adapter merged into the base weights."""
     from pagerail import LoRARequest
-    from tests.test_lora import ATTENTION, MAX_TOKENS, MLP, merged_greedy, write_adapter
+    from pagerail.cluster.bench.tiny_lora import ATTENTION, MLP, write_adapter
+    from tests.test_lora import MAX_TOKENS, merged_greedy
 
     model_dir = Path(tp2_llm.model_dir)
     every = write_adapter(tmp_path / "every", model_dir, 8, ATTENTION + MLP, seed=11)

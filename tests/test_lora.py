@@ -8,64 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from pagerail import LLM, LoRARequest, SamplingParams
 from pagerail.cluster.bench.tiny_llama import write_tiny_llama
-from pagerail.common.lora import read_adapter, read_adapter_config
+from pagerail.cluster.bench.tiny_lora import ATTENTION, MLP, write_adapter
+from pagerail.common.lora import projection_shapes, read_adapter, read_adapter_config
 
 PROMPTS = [[5, 17, 42, 99, 7, 300, 12], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 13], [100, 200, 300]]
+EXTRA = [41, 42, 43, 44, 45]
 MAX_TOKENS = 12
-# Module -> (sub-layer, output features key, input features key) of the tiny Llama, for the adapters' shapes.
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-def _shapes(config: dict) -> dict[str, tuple[int, int]]:
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv = config.get("num_key_value_heads") or heads
-    inter = config["intermediate_size"]
-    return {
-        "q_proj": (heads * head_dim, hidden),
-        "k_proj": (kv * head_dim, hidden),
-        "v_proj": (kv * head_dim, hidden),
-        "o_proj": (hidden, heads * head_dim),
-        "gate_proj": (inter, hidden),
-        "up_proj": (inter, hidden),
-        "down_proj": (hidden, inter),
-    }
-
-
-def write_adapter(
-    path: Path, model_dir: Path, rank: int, targets: tuple[str, ...], seed: int, alpha: float = 16.0, **config
-) -> Path:
-    """A random PEFT LoRA adapter (nonzero B, so it changes the output) for the model at `model_dir`."""
-    base = json.loads((model_dir / "config.json").read_text())
-    shapes = _shapes(base)
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(base["num_hidden_layers"]):
-        for module in targets:
-            out_features, in_features = shapes[module]
-            block = "self_attn" if module in ATTENTION else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * 0.2
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.2
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    settings = {
-        "peft_type": "LORA",
-        "r": rank,
-        "lora_alpha": alpha,
-        "target_modules": list(targets),
-        "base_model_name_or_path": str(model_dir),
-        **config,
-    }
-    (path / "adapter_config.json").write_text(json.dumps(settings))
-    return path
-
-
 def merged_greedy(model_dir: Path, adapter: Path | None, prompts: list[list[int]]) -> list[list[int]]:
     """transformers' greedy tokens with the adapter's B A × scaling added to each target weight."""
     from transformers import AutoModelForCausalLM
@@ -113,11 +64,13 @@ def adapters(model_dir, tmp_path_factory) -> dict[str, Path]:
 def test_base_and_two_adapters_in_shared_batches_each_match_transformers_merged(model_dir, adapters):
     every = LoRARequest("every", 1, str(adapters["every"]))
     attention = LoRARequest("attention", 2, str(adapters["attention"]))
-    # Each prompt three times: base, one adapter, the other, all submitted at once (they share every step).
-    prompts = [prompt for prompt in PROMPTS for _ in range(3)]
-    loras = [lora for _ in PROMPTS for lora in (None, every, attention)]
+    # Each prompt three times: base, one adapter, the other, all submitted at once (they share every step); and
+    # one more for the first adapter, so its group is longer than the other's (the grouped path pads).
+    prompts = [prompt for prompt in PROMPTS for _ in range(3)] + [EXTRA]
+    loras = [lora for _ in PROMPTS for lora in (None, every, attention)] + [every]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with LLM(str(model_dir), enable_lora=True, max_loras=2, kv_cache_memory_bytes=16 << 20) as llm:
+    # Three slots for two adapters: the grouped path runs the used slots only (the TP 2 test runs all of them).
+    with LLM(str(model_dir), enable_lora=True, max_loras=3, kv_cache_memory_bytes=16 << 20) as llm:
         outputs = llm.generate(prompts, params, lora_request=loras)
         stats = llm.stats
     got = [output.outputs[0].token_ids for output in outputs]
@@ -130,6 +83,7 @@ def test_base_and_two_adapters_in_shared_batches_each_match_transformers_merged(
         assert got[3 * number] == expected["base"][number]
         assert got[3 * number + 1] == expected["every"][number]
         assert got[3 * number + 2] == expected["attention"][number]
+    assert got[-1] == merged_greedy(model_dir, adapters["every"], [EXTRA])[0]
     assert stats.peak_running == len(prompts)  # all of them ran in the same steps
 
 
@@ -197,7 +151,7 @@ def test_unsupported_adapter_configs_are_refused_naming_the_field(model_dir, tmp
 
 def test_missing_malformed_and_misshapen_adapters_are_refused(model_dir, tmp_path):
     config = json.loads((model_dir / "config.json").read_text())
-    shapes = _shapes(config)
+    shapes = projection_shapes(config)
     layers = config["num_hidden_layers"]
     with pytest.raises(ValueError, match="adapter_config.json"):
         read_adapter(str(tmp_path / "nowhere"), 16, shapes, layers)

@@ -1,13 +1,17 @@
 """LoRA on a rank: device slots of stacked adapter weights in each adapted projection, the adapters loaded into them
-(least recently used out), and each step's rows grouped by slot so one shrink and one expand per group run beside
+(least recently used out), and which slot each row of a step runs with, so the adapters' deltas are added beside
 the base matmul.
 
 A fused projection (q/k/v, gate/up) holds its parts' adapters stacked: A is [slots, parts × max rank, in] and B is
-block-diagonal [slots, out, parts × max rank], so x A^T B^T adds every part's delta in its own output columns; a
-smaller rank, or a part the adapter leaves alone, is zero padding. The scaling (alpha / r, or alpha / sqrt(r) for
-rsLoRA) is folded into B. Under tensor parallelism each rank keeps the slice its base weight keeps: B's output rows
-for a column-parallel projection, A's input columns for a row-parallel one (whose partial delta joins the partial
-base output before the all-reduce: the sum is linear).
+block-diagonal [slots, parts × max rank, out], so x A^T B adds every part's delta in its own output columns; a
+smaller rank, or a part the adapter leaves alone, is zero padding. A step whose adapter rows form one contiguous
+run computes just those rows; any other mix is grouped (Punica's SGMV idea in plain torch): the rows are gathered
+slot by slot into a [groups, longest group, in] batch (short groups padded with zero rows), two batched matmuls
+with the groups' A and B give every delta, and one index_add puts them back: four or five operations per
+projection however many adapters share the step, and the work of each row's own adapter only. The
+scaling (alpha / r, or alpha / sqrt(r) for rsLoRA) is folded into B. Under tensor parallelism each rank keeps the
+slice its base weight keeps: B's output columns for a column-parallel projection, A's input columns for a
+row-parallel one (whose partial delta joins the partial base output before the all-reduce: the sum is linear).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,10 +51,19 @@ _PROJECTION = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(qkv_proj|o
 
 @dataclass
 class StepRows:
-    """This step's rows grouped by adapter slot: (slot, rows) with rows a slice when contiguous, else an index
-    tensor. Empty when no row runs with an adapter. Every adapted projection reads the same object."""
+    """This step's adapter rows, read by every adapted projection. Either `run` = (slot, rows): one slot's
+    contiguous rows; or the grouped layout: `slots` (the groups' slots; None when every slot, in order), `gather`
+    (the row behind each of groups × `longest` places) and `padding` (the places that pad a short group: zeroed,
+    so their delta is zero wherever it lands; None when no group is short). Neither: no row runs with an adapter."""
 
-    groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
+    run: tuple[int, slice] | None = None
+    slots: torch.Tensor | None = None
+    gather: torch.Tensor | None = None
+    longest: int = 0
+    padding: torch.Tensor | None = None
+
+    def clear(self) -> None:
+        self.run, self.slots, self.gather, self.padding = None, None, None, None
 
 
 class LoRAProjection:
@@ -66,16 +79,25 @@ class LoRAProjection:
         weight = layer.weight
         dtype = layer.params_dtype or weight.dtype
         device = weight.device
-        self.a = torch.zeros(slots, width, layer.in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(slots, layer.out_features, width, dtype=dtype, device=device)
+        # A transposed, so the batched shrink reads [in, width] per slot: [slots, in, width]; B as [slots, width, out].
+        self.a_t = torch.zeros(slots, layer.in_features, width, dtype=dtype, device=device)
+        self.b = torch.zeros(slots, width, layer.out_features, dtype=dtype, device=device)
 
     def delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (the base output of `x`, before any all-reduce) plus each row's adapter delta."""
-        for slot, rows in self.rows.groups:
-            if isinstance(rows, slice):
-                out[rows] += (x[rows] @ self.a[slot].T) @ self.b[slot].T
-            else:
-                out.index_add_(0, rows, (x.index_select(0, rows) @ self.a[slot].T) @ self.b[slot].T)
+        rows = self.rows
+        if rows.run is not None:
+            slot, span = rows.run
+            out[span] += (x[span] @ self.a_t[slot]) @ self.b[slot]
+        elif rows.gather is not None:
+            a, b = self.a_t, self.b
+            if rows.slots is not None:
+                a, b = a.index_select(0, rows.slots), b.index_select(0, rows.slots)
+            grouped = x.index_select(0, rows.gather)
+            if rows.padding is not None:
+                grouped.index_fill_(0, rows.padding, 0.0)
+            grouped = grouped.view(a.shape[0], rows.longest, x.shape[1])
+            out.index_add_(0, rows.gather, torch.bmm(torch.bmm(grouped, a), b).view(-1, out.shape[1]))
         return out
 
     def _output_span(self, part: int) -> tuple[int, int, int]:
@@ -93,7 +115,7 @@ class LoRAProjection:
 
     def load(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
         """Put an adapter's (A, B) per part (full checkpoint tensors) into `slot`; parts it lacks stay zero."""
-        self.a[slot].zero_()
+        self.a_t[slot].zero_()
         self.b[slot].zero_()
         rank_of_tp = self.layer.tp.rank
         for index, part in enumerate(self.parts):
@@ -106,8 +128,8 @@ class LoRAProjection:
                 width = self.layer.in_features
                 a = a[:, rank_of_tp * width : (rank_of_tp + 1) * width]
             offset, size, start = self._output_span(index)
-            self.a[slot, columns].copy_(a)
-            self.b[slot, offset : offset + size, columns].copy_(b[start : start + size] * scaling)
+            self.a_t[slot, :, columns].copy_(a.T)
+            self.b[slot, columns, offset : offset + size].copy_((b[start : start + size] * scaling).T)
 
 
 class LoRASlots:
@@ -163,28 +185,42 @@ class LoRASlots:
             self._reported = now
 
     def prepare(self, ordered: Sequence[RequestState]) -> bool:
-        """Group this step's rows (in `ordered`'s row order) by slot, loading adapters the step needs; True when
-        any row runs with an adapter."""
-        groups: list[tuple[int, slice | torch.Tensor]] = []
-        self.rows.groups = groups
+        """Say which slot each of this step's rows (in `ordered`'s row order) runs with, loading the adapters the
+        step needs; True when any row runs with an adapter."""
+        rows = self.rows
+        rows.clear()
         if not any(state.lora_id for state in ordered):
             return False
         needed = {state.lora_id for state in ordered if state.lora_id}
         slots = {lora_id: self._slot(lora_id, needed) for lora_id in needed}
-        by_slot: dict[int, list[tuple[int, int]]] = {}
+        by_slot: dict[int, list[int]] = {}
         row = 0
         for state in ordered:
             count = state.num_scheduled_tokens
             if state.lora_id:
-                by_slot.setdefault(slots[state.lora_id], []).append((row, row + count))
+                by_slot.setdefault(slots[state.lora_id], []).extend(range(row, row + count))
             row += count
-        device = self.projections[0][1].a.device
-        for slot, spans in by_slot.items():
-            if all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1)):
-                groups.append((slot, slice(spans[0][0], spans[-1][1])))
-            else:
-                index = [r for start, end in spans for r in range(start, end)]
-                groups.append((slot, torch.tensor(index, dtype=torch.long, device=device)))
+        if len(by_slot) == 1:
+            ((slot, members),) = by_slot.items()
+            if members[-1] - members[0] + 1 == len(members):
+                rows.run = (slot, slice(members[0], members[-1] + 1))
+                return True
+        order = sorted(by_slot)
+        longest = max(len(members) for members in by_slot.values())
+        gather: list[int] = []
+        padding: list[int] = []
+        for members in (by_slot[slot] for slot in order):
+            short = longest - len(members)
+            if short:
+                padding.extend(range(len(gather) + len(members), len(gather) + longest))
+            gather.extend(members + [members[0]] * short)
+        device = self.projections[0][1].b.device
+        rows.longest = longest
+        rows.gather = torch.tensor(gather, dtype=torch.long, device=device)
+        if padding:
+            rows.padding = torch.tensor(padding, dtype=torch.long, device=device)
+        if order != list(range(self.max_loras)):
+            rows.slots = torch.tensor(order, dtype=torch.long, device=device)
         return True
 
     def _slot(self, lora_id: int, needed: set[int]) -> int:
