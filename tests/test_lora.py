@@ -17,6 +17,8 @@ from pagerail.common.lora import projection_shapes, read_adapter, read_adapter_c
 PROMPTS = [[5, 17, 42, 99, 7, 300, 12], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 13], [100, 200, 300]]
 EXTRA = [41, 42, 43, 44, 45]
 MAX_TOKENS = 12
+
+
 def merged_greedy(model_dir: Path, adapter: Path | None, prompts: list[list[int]]) -> list[list[int]]:
     """transformers' greedy tokens with the adapter's B A × scaling added to each target weight."""
     from transformers import AutoModelForCausalLM
