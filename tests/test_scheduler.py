@@ -324,3 +324,31 @@ def test_a_pooling_request_is_never_preempted_while_decodes_run_out_of_blocks():
     assert sum(r.num_preemptions for r in decodes) == tight.stats.num_preemptions
     assert outputs_of([*decodes, embedding]) == outputs_of([*reference[0], reference[1]])
     assert tight.block_table.num_free_blocks == tight.block_table.num_blocks
+
+
+def test_a_request_whose_adapter_has_no_slot_waits_while_the_requests_behind_it_run():
+    """One adapter slot: adapter 1 runs; a request for adapter 2 is set aside, the base-model and adapter-1
+    requests queued behind it are admitted, and it runs once adapter 1's requests are done, still first in line."""
+    from pagerail.common.lora import LoRARequest
+
+    def request(rid: str, lora_id: int, max_tokens: int) -> Request:
+        lora = LoRARequest(f"adapter-{lora_id}", lora_id, f"/adapters/{lora_id}") if lora_id else None
+        envelope = EngineRequest(rid, [3, 4, 5, 6], SamplingParams(max_tokens=max_tokens), lora=lora)
+        return Request(envelope, handle=abs(hash(rid)) % 10**6, stop_token_ids=frozenset({EOS}))
+
+    table = BlockTable(64, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), table, 256, max_loras=1)
+    first = request("first", 1, 6)
+    scheduler.add_request(first)
+    run_step(scheduler)
+    blocked, base, same = request("blocked", 2, 3), request("base", 0, 3), request("same", 1, 3)
+    for r in (blocked, base, same):
+        scheduler.add_request(r)
+    run_step(scheduler)
+    assert {r.request_id for r in scheduler.running} == {"first", "base", "same"}
+    assert list(scheduler.waiting) == [blocked]
+    while first.status is RequestStatus.RUNNING or same.status is RequestStatus.RUNNING:
+        assert blocked.status is RequestStatus.WAITING
+        run_step(scheduler)
+    run_all(scheduler)
+    assert blocked.num_output_tokens == 3 and scheduler.block_table.num_free_blocks == 64

@@ -8,10 +8,12 @@ smaller rank, or a part the adapter leaves alone, is zero padding. A step whose 
 run computes just those rows; any other mix is grouped (Punica's SGMV idea in plain torch): the rows are gathered
 slot by slot into a [groups, longest group, in] batch (short groups padded with zero rows), two batched matmuls
 with the groups' A and B give every delta, and one index_add puts them back: four or five operations per
-projection however many adapters share the step, and the work of each row's own adapter only. The
-scaling (alpha / r, or alpha / sqrt(r) for rsLoRA) is folded into B. Under tensor parallelism each rank keeps the
-slice its base weight keeps: B's output columns for a column-parallel projection, A's input columns for a
-row-parallel one (whose partial delta joins the partial base output before the all-reduce: the sum is linear).
+projection however many adapters share the step, and the work of each row's own adapter only. On a GPU (or under
+Triton's interpreter) two Triton kernels (layers/triton_lora.py) read each row's slot instead: one shrink and one
+expand launch per projection. The scaling (alpha / r, or alpha / sqrt(r) for rsLoRA) is folded into B. Under
+tensor parallelism each rank keeps the slice its base weight keeps: B's output columns for a column-parallel
+projection, A's input columns for a row-parallel one (whose partial delta joins the partial base output before
+the all-reduce: the sum is linear).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pagerail.worker.layers.linear import (
     RowParallelLinear,
     _ParallelLinear,
 )
+from pagerail.worker.layers.triton_lora import lora_delta, lora_kernels_available
 from pagerail.worker.request_state import RequestState
 
 logger = logging.getLogger(__name__)
@@ -61,9 +64,11 @@ class StepRows:
     gather: torch.Tensor | None = None
     longest: int = 0
     padding: torch.Tensor | None = None
+    # Each row's slot (-1: the base model), for the Triton kernels; set instead of the above where they run.
+    slot_of_row: torch.Tensor | None = None
 
     def clear(self) -> None:
-        self.run, self.slots, self.gather, self.padding = None, None, None, None
+        self.run, self.slots, self.gather, self.padding, self.slot_of_row = None, None, None, None, None
 
 
 class LoRAProjection:
@@ -86,7 +91,9 @@ class LoRAProjection:
     def delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (the base output of `x`, before any all-reduce) plus each row's adapter delta."""
         rows = self.rows
-        if rows.run is not None:
+        if rows.slot_of_row is not None:
+            lora_delta(x if x.stride(-1) == 1 else x.contiguous(), out, self.a_t, self.b, rows.slot_of_row)
+        elif rows.run is not None:
             slot, span = rows.run
             out[span] += (x[span] @ self.a_t[slot]) @ self.b[slot]
         elif rows.gather is not None:
@@ -159,6 +166,8 @@ class LoRASlots:
             self.module_names.update(parts)
         if not self.projections:
             raise ValueError("enable_lora: this model has no projections LoRA adapters can target")
+        # The Triton kernels on CUDA (and under the interpreter); the grouped torch path elsewhere.
+        self.kernels = lora_kernels_available(self.projections[0][1].b)
         self.paths: dict[int, str] = {}  # adapter id -> its directory, as requests named it
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self._host: OrderedDict[int, tuple[AdapterConfig, dict]] = OrderedDict()
@@ -193,6 +202,13 @@ class LoRASlots:
             return False
         needed = {state.lora_id for state in ordered if state.lora_id}
         slots = {lora_id: self._slot(lora_id, needed) for lora_id in needed}
+        device = self.projections[0][1].b.device
+        if self.kernels:
+            slot_of_row: list[int] = []
+            for state in ordered:
+                slot_of_row.extend([slots[state.lora_id] if state.lora_id else -1] * state.num_scheduled_tokens)
+            rows.slot_of_row = torch.tensor(slot_of_row, dtype=torch.int32, device=device)
+            return True
         by_slot: dict[int, list[int]] = {}
         row = 0
         for state in ordered:
@@ -214,7 +230,6 @@ class LoRASlots:
             if short:
                 padding.extend(range(len(gather) + len(members), len(gather) + longest))
             gather.extend(members + [members[0]] * short)
-        device = self.projections[0][1].b.device
         rows.longest = longest
         rows.gather = torch.tensor(gather, dtype=torch.long, device=device)
         if padding:

@@ -275,10 +275,18 @@ class Scheduler:
         raise RuntimeError(f"request {request.request_id} needs blocks but is not running")
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        # LoRA adapters that run (or were admitted in this step); a request whose adapter would be one more than
+        # the ranks' slots waits, set aside, while the requests behind it go on (vLLM's skipped waiting requests).
+        adapters = {r.lora_id for r in self.running if r.lora_id} if self.max_loras else None
+        set_aside: list[Request] = []
         while self.waiting and budget > 0 and self._has_sequence_slot(out):
             request = self.waiting[0]
             if request.num_inflight_tokens or request.num_pending_samples:
                 break  # preempted while a step of it was in flight: it resumes once that step answered
+            lora_id = request.lora_id
+            if lora_id and lora_id not in adapters and len(adapters) >= self.max_loras:
+                set_aside.append(self.waiting.popleft())
+                continue
             cached, hosted = [], []  # the device prefix hit, and the host tier's continuation of it
             # A returning streaming-input session still owns its blocks; everything else starts empty (and looks up).
             admitted = not self.block_table.has_request(request.request_id)
@@ -288,8 +296,6 @@ class Scheduler:
             scores_prompt = not request.output_token_ids and (
                 request.sampling_params.prompt_logprobs is not None or request.pooling
             )
-            if request.lora_id and not self._has_adapter_slot(request.lora_id):
-                break  # its adapter would be one more than the ranks' slots: it waits for one to be free
             if admitted:
                 if not scores_prompt:
                     root = request.root_hash
@@ -319,6 +325,8 @@ class Scheduler:
                     continue
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
+            if lora_id:
+                adapters.add(lora_id)
             if admitted:
                 self.stats.num_prefix_query_tokens += request.num_tokens
             request.status = RequestStatus.RUNNING
@@ -341,12 +349,8 @@ class Scheduler:
                 ),
             )
             budget -= num_new
+        self.waiting.extendleft(reversed(set_aside))  # back at the front, in their order
         return budget
-
-    def _has_adapter_slot(self, lora_id: int) -> bool:
-        """Whether a request with adapter `lora_id` may run: its adapter already runs, or fewer than max_loras do."""
-        running = {r.lora_id for r in self.running if r.lora_id}
-        return lora_id in running or len(running) < self.max_loras
 
     def _has_sequence_slot(self, out: SchedulerOutput) -> bool:
         """Room for one more sequence under max_num_seqs, idle sessions holding blocks included."""
