@@ -187,6 +187,9 @@ def test_a_request_for_a_bad_adapter_is_refused_before_it_is_queued(model_dir, a
 
 @pytest.mark.slow
 def test_adapters_are_served_by_model_name_over_http_and_grpc_and_load_and_unload_live(model_dir, adapters):
+    import concurrent.futures
+    import time
+
     import grpc
     import httpx
     import openai
@@ -255,9 +258,19 @@ def test_adapters_are_served_by_model_name_over_http_and_grpc_and_load_and_unloa
                 assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
                 unauthorised = http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp-rs"})
                 assert unauthorised.status_code == 401
-                assert (
-                    http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp-rs"}, headers=admin).status_code == 200
-                )
+                # A request for the adapter is in flight (queued behind a pause) when the adapter is unloaded: it
+                # still finishes with the adapter's weights.
+                assert http.post("/pause", params={"mode": "all"}, headers=admin).status_code == 200
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    in_flight = pool.submit(text, "mlp-rs")
+                    deadline = time.monotonic() + 30
+                    while llm.engine.scheduler.num_unfinished == 0:
+                        assert time.monotonic() < deadline, "the request never reached the engine"
+                        time.sleep(0.01)
+                    unloaded = http.post("/v1/unload_lora_adapter", json={"lora_name": "mlp-rs"}, headers=admin)
+                    assert unloaded.status_code == 200
+                    assert http.post("/resume", headers=admin).status_code == 200
+                    assert in_flight.result(timeout=60) == offline["mlp-rs"]
             with pytest.raises(openai.NotFoundError):
                 text("mlp-rs")
             with pytest.raises(openai.BadRequestError) as refused:

@@ -174,6 +174,8 @@ class LoRASlots:
         self.num_loads = 0
         self.num_evictions = 0
         self.load_seconds = 0.0
+        # What the current row layout was made for: the path, each row's adapter and token count (None: none).
+        self._layout_key: tuple | None = None
         self._reported = (0, 0, 0.0)
 
     def register(self, lora_id: int, path: str) -> None:
@@ -197,11 +199,22 @@ class LoRASlots:
         """Say which slot each of this step's rows (in `ordered`'s row order) runs with, loading the adapters the
         step needs; True when any row runs with an adapter."""
         rows = self.rows
-        rows.clear()
-        if not any(state.lora_id for state in ordered):
+        lora_ids = tuple(state.lora_id for state in ordered)
+        if not any(lora_ids):
+            rows.clear()
+            self._layout_key = None
             return False
-        needed = {state.lora_id for state in ordered if state.lora_id}
+        needed = set(lora_ids)
+        needed.discard(0)
+        loads = self.num_loads
         slots = {lora_id: self._slot(lora_id, needed) for lora_id in needed}
+        # Consecutive decode steps of the same requests have the same rows: their layout stands (unless a load
+        # moved an adapter to another slot).
+        key = (self.kernels, lora_ids, tuple(state.num_scheduled_tokens for state in ordered))
+        if key == self._layout_key and self.num_loads == loads:
+            return True
+        rows.clear()
+        self._layout_key = key
         device = self.projections[0][1].b.device
         if self.kernels:
             slot_of_row: list[int] = []
