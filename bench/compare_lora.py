@@ -7,6 +7,8 @@ flags (`--enable-lora --max-loras N --max-lora-rank R --lora-modules name=path .
 `--num-requests` completions at once, request i naming adapter i mod N, each `--max-tokens` tokens with EOS
 ignored, and counts output tokens per second; then pagerail serves the same requests for the base model (the
 `base` row). With --rounds K the servers alternate K times and the table gives each round and the median ratios.
+As a check that both apply the adapters alike, the greedy texts of each adapter's first request are compared
+(fp32 on both sides: equal but for near-ties) and must differ from the base model's.
 
     VLLM_PYTHON=/path/to/vllm-venv/bin/python .venv/bin/python bench/compare_lora.py --rounds 3
 """
@@ -50,24 +52,28 @@ def prompts(args: argparse.Namespace) -> list[list[int]]:
     return [[rng.randrange(100, 1000) for _ in range(args.prompt_tokens)] for _ in range(args.num_requests)]
 
 
-async def drive(base_url: str, requests: list[list[int]], models: list[str], max_tokens: int) -> float:
-    """Output tokens per second of the requests, all sent at once (request i asks for models[i])."""
+async def drive(
+    base_url: str, requests: list[list[int]], models: list[str], max_tokens: int
+) -> tuple[float, list[str]]:
+    """Output tokens per second of the requests, all sent at once (request i asks for models[i]), and the texts."""
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
 
-        async def one(prompt: list[int], model: str) -> int:
+        async def one(prompt: list[int], model: str) -> tuple[int, str]:
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
             response = await client.post("/v1/completions", json=body)
             response.raise_for_status()
-            return response.json()["usage"]["completion_tokens"]
+            answer = response.json()
+            return answer["usage"]["completion_tokens"], answer["choices"][0]["text"]
 
         await asyncio.gather(*(one(p, m) for p, m in zip(requests[:4], models[:4], strict=True)))  # warm-up
         started = time.perf_counter()
-        tokens = await asyncio.gather(*(one(p, m) for p, m in zip(requests, models, strict=True)))
-        return sum(tokens) / (time.perf_counter() - started)
+        answers = await asyncio.gather(*(one(p, m) for p, m in zip(requests, models, strict=True)))
+        elapsed = time.perf_counter() - started
+        return sum(tokens for tokens, _ in answers) / elapsed, [text for _, text in answers]
 
 
-def run_one(server: str, model: Path, adapters: list[Path], args: argparse.Namespace, tag: str) -> dict[str, float]:
-    """Tokens/s with adapters (and, on pagerail, for the base model) in one server start."""
+def run_one(server: str, model: Path, adapters: list[Path], args: argparse.Namespace, tag: str) -> dict[str, tuple]:
+    """(tokens/s, texts) with adapters (and, on pagerail, for the base model) in one server start."""
     port = free_port()
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     if server == "vllm":
@@ -116,24 +122,32 @@ def main() -> int:
         order = servers if number % 2 else servers[::-1]
         results = {server: run_one(server, model, adapters, args, str(number)) for server in order}
         ours, theirs = results.get("pagerail"), results.get("vllm")
-        row = [number, f"{ours['lora']:.0f}" if ours else "", f"{theirs['lora']:.0f}" if theirs else ""]
-        row.append(f"{ours['base']:.0f}" if ours else "")
+        row = [number, f"{ours['lora'][0]:.0f}" if ours else "", f"{theirs['lora'][0]:.0f}" if theirs else ""]
+        row.append(f"{ours['base'][0]:.0f}" if ours else "")
         if ours and theirs:
-            versus_vllm.append(ours["lora"] / theirs["lora"])
+            versus_vllm.append(ours["lora"][0] / theirs["lora"][0])
             row.append(f"{versus_vllm[-1]:.2f}x")
         else:
             row.append("")
         if ours:
-            versus_base.append(ours["lora"] / ours["base"])
+            versus_base.append(ours["lora"][0] / ours["base"][0])
             row.append(f"{versus_base[-1]:.2f}x")
+            # Each adapter's first request (request i is adapter i's): its text, against the base model's.
+            first = range(args.num_adapters)
+            changed = sum(ours["lora"][1][i] != ours["base"][1][i] for i in first)
+            row.append(f"{changed}/{args.num_adapters}")
         else:
             row.append("")
-        rows.append(row)
+        if ours and theirs:
+            same = sum(ours["lora"][1][i] == theirs["lora"][1][i] for i in range(args.num_adapters))
+            row.append(f"{same}/{args.num_adapters}")
+        rows.append(row + [""] * (8 - len(row)))
     if args.rounds > 1:
         median = [f"{statistics.median(v):.2f}x" if v else "" for v in (versus_vllm, versus_base)]
-        rows.append(["median", "", "", "", *median])
+        rows.append(["median", "", "", "", *median, "", ""])
     header = ["round", "pagerail LoRA tok/s", "vLLM LoRA tok/s", "pagerail base tok/s", "LoRA: pagerail / vLLM"]
-    table = format_table([*header, "pagerail LoRA / base"], rows)
+    extra = ["pagerail LoRA / base", "adapters changing the text", "same text as vLLM"]
+    table = format_table([*header, *extra], rows)
     (args.out / "comparison.txt").write_text(table + "\n")
     print(table)
     return 0
