@@ -5,13 +5,12 @@ for sm_90 (H100/H200)."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-from tests.hopper_reports import hopper_reports_of
-from tests.requirements import missing
+from tests.hopper_reports import build_launches, checked_report, hopper_reports_of, recording_kernels
 from tests.triton_interpreter import interpreted_report
 
 # Child processes, the Triton interpreter or offline GPU builds: left out of `make test-fast`.
@@ -159,36 +158,20 @@ def _hopper_report() -> None:
     import triton
 
     from pagerail.worker.layers import triton_lora
-    from tests.triton_launches import LaunchRecorder, _Recording, build_for_hopper
+    from tests.triton_launches import LaunchRecorder
 
     builds, failures, built = [], [], set()
     for shape, in_features, out_features, slots, width, dtypes in HOPPER_SHAPES:
         recorder = LaunchRecorder(forward=False)
-        kernels = {attr: getattr(triton_lora, attr) for attr in ("_shrink_kernel", "_expand_kernel")}
-        for attr, kernel in kernels.items():
-            setattr(triton_lora, attr, _Recording(recorder, attr, kernel))
-        try:
+        with recording_kernels(recorder, triton_lora, "_shrink_kernel", "_expand_kernel"):
             for dtype in (getattr(torch, name) for name in dtypes):
-                # One slot's weights viewed `slots` times would change the strides' specialisation: real tensors.
                 a_t = torch.empty((slots, in_features, width), dtype=dtype)
                 b = torch.empty((slots, width, out_features), dtype=dtype)
                 for rows in (1, 64, 256):
                     x = torch.empty((rows, in_features), dtype=dtype)
                     out = torch.empty((rows, out_features), dtype=dtype)
                     triton_lora.lora_delta(x, out, a_t, b, torch.zeros(rows, dtype=torch.int32))
-        finally:
-            for attr, kernel in kernels.items():
-                setattr(triton_lora, attr, kernel)
-        for launch in recorder.distinct():
-            if (launch.kernel, launch.key) in built:
-                continue
-            built.add((launch.kernel, launch.key))
-            try:
-                builds.append({"shape": shape, **asdict(build_for_hopper(launch))})
-            except Exception as error:  # reported with the variant, so one failure names its kernel and shape
-                failures.append(
-                    {"shape": shape, "kernel": launch.kernel, "key": launch.key, "error": repr(error)[:2000]}
-                )
+        build_launches(recorder, built, builds, failures, shape=shape)
     print(json.dumps({"triton": triton.__version__, "builds": builds, "failures": failures}))
 
 
@@ -200,14 +183,6 @@ def hopper_reports() -> dict[str, dict]:
 @pytest.mark.parametrize("which", ["this", "image"])
 def test_kernels_build_for_sm90(which: str, hopper_reports: dict[str, dict]) -> None:
     """Every launch variant compiles for H100/H200 (offline, no GPU), fits shared memory, and does not spill."""
-    from tests.test_hopper_builds import IMAGE_TRITON, IMAGE_TRITON_VERSION
-
-    if which not in hopper_reports:
-        missing(f"the GPU image's Triton {IMAGE_TRITON_VERSION} is not installed at {IMAGE_TRITON} (make venv)")
-    report = hopper_reports[which]
-    assert not report["failures"], json.dumps(report["failures"], indent=1)
-    assert {build["kernel"] for build in report["builds"]} == {"_shrink_kernel", "_expand_kernel"}
+    report = checked_report(which, hopper_reports, {"_shrink_kernel", "_expand_kernel"})
     for build in report["builds"]:
-        where = f"{build['kernel']} for {build['shape']} {build['constexprs']}"
-        assert build["shared_bytes"] <= 232448, where
-        assert build["spill_stores"] == 0 and build["spill_loads"] == 0, where
+        assert build["spill_stores"] == build["spill_loads"] == 0, f"{build['kernel']} for {build['shape']}"

@@ -8,8 +8,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from tests.hopper_reports import hopper_reports_of
-from tests.requirements import missing
+from tests.hopper_reports import build_launches, checked_report, hopper_reports_of, recording_kernels
 from tests.test_triton_moe import TOLERANCE, Case, _poisoned_empty, _routing, _row_error, fused_experts_reference
 from tests.triton_interpreter import interpreted_report
 
@@ -186,15 +185,12 @@ def _hopper_report() -> None:
 
     from pagerail.worker.layers import triton_moe_mxfp4 as module
     from pagerail.worker.layers.moe_activation import ExpertActivation
-    from tests.triton_launches import LaunchRecorder, _Recording, build_for_hopper
+    from tests.triton_launches import LaunchRecorder
 
     builds, failures, built = [], [], set()
     for shape, experts, hidden, inter, top_k in HOPPER_SHAPES:
         recorder = LaunchRecorder(forward=False)
-        kernels = {attr: getattr(module, attr) for attr in ("_mxfp4_gate_up_kernel", "_mxfp4_down_kernel")}
-        for attr, kernel in kernels.items():
-            setattr(module, attr, _Recording(recorder, attr, kernel))
-        try:
+        with recording_kernels(recorder, module, "_mxfp4_gate_up_kernel", "_mxfp4_down_kernel"):
             # The launch keys of real [E, ...] weights: an expanded view specialises as any multiple of 16 does.
             weights = (*_packed(experts, 2 * inter, hidden), *_packed(experts, hidden, inter))
             biases = (
@@ -207,17 +203,7 @@ def _hopper_report() -> None:
                 module.triton_mxfp4_experts(
                     x, *weights, torch.ones(tokens, top_k), ids, *biases, ExpertActivation("swiglu_clamped")
                 )
-        finally:
-            for attr, kernel in kernels.items():
-                setattr(module, attr, kernel)
-        for launch in recorder.distinct():
-            if (launch.kernel, launch.key) in built:
-                continue
-            built.add((launch.kernel, launch.key))
-            try:
-                builds.append({"shape": shape, **asdict(build_for_hopper(launch))})
-            except Exception as error:  # reported with the variant, so one failure names its kernel and shape
-                failures.append({"shape": shape, "kernel": launch.kernel, "error": repr(error)[:2000]})
+        build_launches(recorder, built, builds, failures, shape=shape)
     print(json.dumps({"triton": triton.__version__, "builds": builds, "failures": failures}))
 
 
@@ -230,17 +216,8 @@ def hopper_reports() -> dict[str, dict]:
 @pytest.mark.parametrize("which", ["this", "image"])
 def test_kernels_build_for_sm90(which: str, hopper_reports: dict[str, dict]) -> None:
     """Every launch variant compiles for H100/H200 (offline, no GPU), fits shared memory, and does not spill."""
-    from tests.test_hopper_builds import IMAGE_TRITON, IMAGE_TRITON_VERSION
-
-    if which not in hopper_reports:
-        missing(f"the GPU image's Triton {IMAGE_TRITON_VERSION} is not installed at {IMAGE_TRITON} (make venv)")
-    report = hopper_reports[which]
-    if which == "image":
-        assert report["triton"] == IMAGE_TRITON_VERSION
-    assert not report["failures"], json.dumps(report["failures"], indent=1)
-    assert {build["kernel"] for build in report["builds"]} == {"_mxfp4_gate_up_kernel", "_mxfp4_down_kernel"}
+    report = checked_report(which, hopper_reports, {"_mxfp4_gate_up_kernel", "_mxfp4_down_kernel"})
     assert {build["constexprs"]["BLOCK_M"] for build in report["builds"]} == {"16", "32", "64"}
     for build in report["builds"]:
         where = f"{build['kernel']} for {build['shape']} {build['constexprs']}"
-        assert build["shared_bytes"] <= 232448, f"{where}: {build['shared_bytes']} bytes of shared memory"
         assert build["spill_stores"] == build["spill_loads"] == 0, f"{where}: spills, {build['registers']} regs"
