@@ -240,6 +240,14 @@ def test_adapters_are_served_by_model_name_over_http_and_grpc_and_load_and_unloa
                     token_ids=api_pb2.TokenIds(ids=prompt), sampling_params=message, lora_name="attention"
                 )
                 assert "".join(r.text for r in stub.Generate(request)) == offline["attention"]
+                # A streaming-input session with the adapter: the prompt in two chunks, the same text.
+                chunks = [
+                    api_pb2.SessionRequest(
+                        token_ids=api_pb2.TokenIds(ids=prompt[:3]), sampling_params=message, lora_name="attention"
+                    ),
+                    api_pb2.SessionRequest(token_ids=api_pb2.TokenIds(ids=prompt[3:]), final=True),
+                ]
+                assert "".join(r.text for r in stub.Session(iter(chunks))) == offline["attention"]
                 request.lora_name = "nowhere"
                 with pytest.raises(grpc.RpcError) as info:
                     list(stub.Generate(request))

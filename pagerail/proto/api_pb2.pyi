@@ -209,20 +209,22 @@ class ServerInfo(_message.Message):
     def __init__(self, version: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., stats: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling_params", "skip_detokenize", "final")
+    __slots__ = ("request_id", "text", "token_ids", "sampling_params", "skip_detokenize", "final", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     SKIP_DETOKENIZE_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
     sampling_params: SamplingParams
     skip_detokenize: bool
     final: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., skip_detokenize: _Optional[bool] = ..., final: _Optional[bool] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., skip_detokenize: _Optional[bool] = ..., final: _Optional[bool] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class ResponseRequest(_message.Message):
     __slots__ = ("model", "input_text", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice", "parallel_tool_calls", "json_schema", "store", "previous_response_id", "metadata")

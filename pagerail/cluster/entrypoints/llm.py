@@ -188,8 +188,10 @@ class LLM:
         self,
         messages: Sequence[dict] | Sequence[Sequence[dict]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template to each conversation, then generate (with `lora_request` as in
+        generate)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             list(
@@ -199,7 +201,7 @@ class LLM:
             )
             for c in conversations
         ]
-        return self.generate(prompts, params)
+        return self.generate(prompts, params, lora_request)
 
     @property
     def stats(self):

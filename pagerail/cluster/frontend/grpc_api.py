@@ -259,6 +259,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             if first is None:
                 raise ValueError("the session ended before its first message")
             stream = self._new_stream(first)
+            stream.lora = self._adapter(first.lora_name)
             if stream.params.n > 1:
                 raise ValueError("sampling_params.n: a Session generates one sequence; use Generate for n > 1")
             if stream.params.structured_outputs is not None:
@@ -398,8 +399,15 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         """Hand a session's later input chunks to the engine until the final one or the client's half-close."""
         try:
             async for message in messages:
-                if message.request_id or message.HasField("sampling_params") or message.skip_detokenize:
-                    raise ValueError("request_id, sampling_params and skip_detokenize go in the first message only")
+                if (
+                    message.request_id
+                    or message.HasField("sampling_params")
+                    or message.skip_detokenize
+                    or message.lora_name
+                ):
+                    raise ValueError(
+                        "request_id, sampling_params, skip_detokenize and lora_name go in the first message only"
+                    )
                 ids = self._input_ids(message, first=False)
                 stream.prompt_ids.extend(ids)
                 await self.engine.append_input(stream.choices[0].engine_id, ids, message.final)
