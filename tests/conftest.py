@@ -43,6 +43,8 @@ def soak_minutes(request: pytest.FixtureRequest) -> float:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Slow tests first, each group in its collected order: spread over pytest-xdist workers (one file per work
-    # unit), the long files start at once and the many short ones fill the cores behind them.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    # Files with slow tests first, each file whole and in its collected order: spread over pytest-xdist workers (one
+    # file per work unit), the long files start at once and the many short ones fill the cores behind them. A file
+    # is never split: its module-scoped fixtures (a server, a tracer provider) would be torn down and made again.
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_files)
