@@ -72,12 +72,7 @@ def read_adapter(path: str, max_rank: int, shapes: Mapping[str, tuple[int, int]]
     from projection_shapes) without reading the weights; ValueError naming what is wrong."""
     config = read_adapter_config(path, max_rank)
     for name, shape in _tensor_shapes(Path(path) / WEIGHTS_FILE).items():
-        match = _TENSOR_NAME.match(name)
-        if match is None:
-            if "embed_tokens" in name or "lm_head" in name:
-                raise ValueError(f"{WEIGHTS_FILE}: {name!r}: embedding and LM-head adapters are not supported")
-            raise ValueError(f"{WEIGHTS_FILE}: {name!r} is not a LoRA weight of a projection this server adapts")
-        layer, module, side = int(match[1]), match[2], match[3]
+        layer, module, side = tensor_name_parts(name)
         if layer >= num_layers:
             raise ValueError(f"{WEIGHTS_FILE}: {name!r}: the model has {num_layers} layers")
         if module not in shapes:
@@ -89,6 +84,16 @@ def read_adapter(path: str, max_rank: int, shapes: Mapping[str, tuple[int, int]]
                 f"{WEIGHTS_FILE}: {name!r} has shape {list(shape)}, expected {expected} for this model and r"
             )
     return config
+
+
+def tensor_name_parts(name: str) -> tuple[int, str, str]:
+    """(layer, module, "A" or "B") of a PEFT LoRA tensor name; ValueError for any other tensor."""
+    match = _TENSOR_NAME.match(name)
+    if match is None:
+        if "embed_tokens" in name or "lm_head" in name:
+            raise ValueError(f"{WEIGHTS_FILE}: {name!r}: embedding and LM-head adapters are not supported")
+        raise ValueError(f"{WEIGHTS_FILE}: {name!r} is not a LoRA weight of a projection this server adapts")
+    return int(match[1]), match[2], match[3]
 
 
 def _tensor_shapes(weights: Path) -> dict[str, list[int]]:

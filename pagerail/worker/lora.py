@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from pagerail.common.lora import TARGET_MODULES, WEIGHTS_FILE, AdapterConfig, read_adapter_config
+from pagerail.common.lora import WEIGHTS_FILE, AdapterConfig, read_adapter_config, tensor_name_parts
 from pagerail.worker.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -179,11 +179,8 @@ class LoRASlots:
         self._reported = (0, 0, 0.0)
 
     def register(self, lora_id: int, path: str) -> None:
-        """A request named adapter `lora_id` at `path` (the head checked it)."""
-        if self.paths.get(lora_id, path) != path:
-            # The same id now names another directory: what was loaded under it is stale.
-            self._host.pop(lora_id, None)
-            self._slot_of.pop(lora_id, None)
+        """A request named adapter `lora_id` at `path`. The head refuses an id naming another path than before
+        (the frontend gives a reloaded name a new id), so what is kept under an id never goes stale."""
         self.paths[lora_id] = path
 
     def report(self, result) -> None:
@@ -195,15 +192,19 @@ class LoRASlots:
             result.lora_load_seconds = now[2] - self._reported[2]
             self._reported = now
 
+    def clear(self) -> bool:
+        """A step without adapter rows; returns False (no row runs with an adapter)."""
+        self.rows.clear()
+        self._layout_key = None
+        return False
+
     def prepare(self, ordered: Sequence[RequestState]) -> bool:
         """Say which slot each of this step's rows (in `ordered`'s row order) runs with, loading the adapters the
         step needs; True when any row runs with an adapter."""
         rows = self.rows
         lora_ids = tuple(state.lora_id for state in ordered)
         if not any(lora_ids):
-            rows.clear()
-            self._layout_key = None
-            return False
+            return self.clear()
         needed = set(lora_ids)
         needed.discard(0)
         loads = self.num_loads
@@ -286,7 +287,7 @@ class LoRASlots:
         tensors = load_file(str(Path(path) / WEIGHTS_FILE))
         by_layer: dict[int, dict[str, list]] = {}
         for name, tensor in tensors.items():
-            layer, module, side = _name_parts(name)
+            layer, module, side = tensor_name_parts(name)
             by_layer.setdefault(layer, {}).setdefault(module, [None, None])["AB".index(side)] = tensor.float()
         weights = {}
         for layer, modules in by_layer.items():
@@ -300,13 +301,3 @@ class LoRASlots:
             self._host.popitem(last=False)
         logger.info("LoRA adapter %d read from %s (rank %d)", lora_id, path, config.rank)
         return config, weights
-
-
-def _name_parts(name: str) -> tuple[int, str, str]:
-    """(layer, module, "A" or "B") of a PEFT tensor name such as base_model.model.model.layers.3.mlp.up_proj.lora_B
-    .weight."""
-    head, _, rest = name.partition("layers.")
-    pieces = rest.split(".")
-    if not head or len(pieces) < 5 or pieces[2] not in TARGET_MODULES or pieces[3] not in ("lora_A", "lora_B"):
-        raise ValueError(f"{WEIGHTS_FILE}: {name!r} is not a LoRA weight of a projection this server adapts")
-    return int(pieces[0]), pieces[2], pieces[3][-1]

@@ -206,7 +206,8 @@ class ModelRunner:
                 self._drafted = [state for state in self._drafted if state.drafts]
         flat = prepare_step(self.inputs, self.attention, scheduled)
         if self.lora is not None and flat is not None:
-            self._lora_step = self.lora.prepare(flat.ordered)
+            # No request held here has an adapter (the common case with --enable-lora): no look at the rows.
+            self._lora_step = self.lora.prepare(flat.ordered) if self.states.any_lora else self.lora.clear()
         return flat
 
     @torch.inference_mode()

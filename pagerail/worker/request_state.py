@@ -130,11 +130,17 @@ class RequestStates:
         self._num_not_argmax_only = 0
         self._num_prompt_logprobs = 0  # states that score their prompt: a step looks for their rows
         self._num_pooling = 0  # embedding requests: a step pools their prompt rows
+        self._num_lora = 0  # requests with a LoRA adapter: a step groups their rows by adapter slot
 
     @property
     def all_argmax_only(self) -> bool:
         """True when every request held here samples each token as the argmax of its logits."""
         return not self._num_not_argmax_only
+
+    @property
+    def any_lora(self) -> bool:
+        """True when some request held here runs with a LoRA adapter."""
+        return bool(self._num_lora)
 
     @property
     def any_pooling(self) -> bool:
@@ -183,6 +189,8 @@ class RequestStates:
                 self._num_prompt_logprobs += 1
             if state.pooling:
                 self._num_pooling += 1
+            if state.lora_id:
+                self._num_lora += 1
             scheduled.append(state)
         for delta in batch.cached_requests:
             state = states[delta.handle]
@@ -221,6 +229,8 @@ class RequestStates:
             self._num_prompt_logprobs -= 1
         if state.pooling:
             self._num_pooling -= 1
+        if state.lora_id:
+            self._num_lora -= 1
         if self.on_drop is not None:
             self.on_drop(state)
 

@@ -37,7 +37,3 @@ class LoRAAdapters:
         else:
             read_adapter_config(lora.lora_path, max_rank)
         self._paths[lora.lora_int_id] = lora.lora_path
-
-    def forget(self, lora_int_id: int) -> None:
-        """The id may name another adapter from now on (after an unload)."""
-        self._paths.pop(lora_int_id, None)

@@ -219,7 +219,7 @@ class Router:
     def _prefix_order(
         self, names: list[str], loads: dict[str, float], matched: dict[str, int], turn: list[str]
     ) -> tuple[list[str], str]:
-        threshold = min(loads.values()) * self.balance_ratio + self.balance_slack
+        threshold = self._balance_threshold(loads)
         # Replicas within the balance threshold first; among them the longest cached prefix, then the smaller cache
         # footprint (a prefix no replica holds goes where it evicts least, so the hot prefixes spread evenly over
         # the caches instead of piling onto whichever replica was idle when each first came), then the lower load.
@@ -237,12 +237,16 @@ class Router:
     def _adapter_order(
         self, names: list[str], loads: dict[str, float], lora_id: int, turn: list[str]
     ) -> tuple[list[str], str]:
-        threshold = min(loads.values()) * self.balance_ratio + self.balance_slack
+        threshold = self._balance_threshold(loads)
         holds = {name for name in names if lora_id in self.replicas[name].adapters}
         order = sorted(names, key=lambda n: (loads[n] > threshold, n not in holds, loads[n], turn.index(n)))
         if order[0] in holds:
             return order, "adapter"
         return order, "balance" if holds else "load"
+
+    def _balance_threshold(self, loads: dict[str, float]) -> float:
+        """The load above which a replica loses its cache or adapter affinity to the least loaded one."""
+        return min(loads.values()) * self.balance_ratio + self.balance_slack
 
     def _turn_order(self, names: list[str]) -> list[str]:
         """`names` starting from the round-robin cursor, in the replicas' order."""
