@@ -3,6 +3,7 @@ several adapters batched together, each matching transformers on that adapter me
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -13,6 +14,9 @@ from pagerail import LLM, LoRARequest, SamplingParams
 from pagerail.cluster.bench.tiny_llama import write_tiny_llama
 from pagerail.cluster.bench.tiny_lora import ATTENTION, MLP, write_adapter
 from pagerail.common.lora import projection_shapes, read_adapter, read_adapter_config
+from pagerail.worker.layers import cpu_lora
+from pagerail.worker.layers.native_build import find_compiler
+from tests.requirements import require
 
 PROMPTS = [[5, 17, 42, 99, 7, 300, 12], [9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 13], [100, 200, 300]]
 EXTRA = [41, 42, 43, 44, 45]
@@ -21,6 +25,11 @@ MAX_TOKENS = 12
 
 def merged_greedy(model_dir: Path, adapter: Path | None, prompts: list[list[int]]) -> list[list[int]]:
     """transformers' greedy tokens with the adapter's B A × scaling added to each target weight."""
+    return [list(tokens) for tokens in _merged_greedy(model_dir, adapter, tuple(tuple(p) for p in prompts))]
+
+
+@functools.cache
+def _merged_greedy(model_dir: Path, adapter: Path | None, prompts: tuple[tuple[int, ...], ...]) -> tuple:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -40,12 +49,12 @@ def merged_greedy(model_dir: Path, adapter: Path | None, prompts: list[list[int]
                 model.get_parameter(target).add_(scaling * (b @ a))
     outputs = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([list(prompt)])
         generated = model.generate(
             ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
         )
-        outputs.append(generated[0, len(prompt) :].tolist())
-    return outputs
+        outputs.append(tuple(generated[0, len(prompt) :].tolist()))
+    return tuple(outputs)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +72,11 @@ def adapters(model_dir, tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def test_base_and_two_adapters_in_shared_batches_each_match_transformers_merged(model_dir, adapters):
+@pytest.mark.parametrize("path", ["native", "grouped"])
+def test_base_and_two_adapters_in_shared_batches_each_match_transformers_merged(model_dir, adapters, path):
+    """On the native CPU kernel, and on the grouped torch path it replaces."""
+    if path == "native":
+        require(find_compiler(), "needs a C compiler (cc or gcc) for the native CPU LoRA kernel")
     every = LoRARequest("every", 1, str(adapters["every"]))
     attention = LoRARequest("attention", 2, str(adapters["attention"]))
     # Each prompt three times: base, one adapter, the other, all submitted at once (they share every step); and
@@ -72,13 +85,18 @@ def test_base_and_two_adapters_in_shared_batches_each_match_transformers_merged(
     loras = [lora for _ in PROMPTS for lora in (None, every, attention)] + [every]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     # Three slots for two adapters: the grouped path runs the used slots only (the TP 2 test runs all of them).
-    with LLM(str(model_dir), enable_lora=True, max_loras=3, kv_cache_memory_bytes=16 << 20) as llm:
-        outputs = llm.generate(prompts, params, lora_request=loras)
-        stats = llm.stats
+    cpu_lora.ENABLED = path == "native"
+    try:
+        with LLM(str(model_dir), enable_lora=True, max_loras=3, kv_cache_memory_bytes=16 << 20) as llm:
+            assert llm.engine.executor.worker.lora.native == (path == "native")
+            outputs = llm.generate(prompts, params, lora_request=loras)
+            stats = llm.stats
+    finally:
+        cpu_lora.ENABLED = True
     got = [output.outputs[0].token_ids for output in outputs]
     expected = {
-        name: merged_greedy(model_dir, path, PROMPTS)
-        for name, path in (("base", None), ("every", adapters["every"]), ("attention", adapters["attention"]))
+        name: merged_greedy(model_dir, adapter, PROMPTS)
+        for name, adapter in (("base", None), ("every", adapters["every"]), ("attention", adapters["attention"]))
     }
     assert expected["every"] != expected["base"] and expected["attention"] != expected["base"]
     for number in range(len(PROMPTS)):

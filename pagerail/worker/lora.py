@@ -7,10 +7,14 @@ block-diagonal [slots, parts × max rank, out], so x A^T B adds every part's del
 smaller rank, or a part the adapter leaves alone, is zero padding. A step whose adapter rows form one contiguous
 run computes just those rows; any other mix is grouped (Punica's SGMV idea in plain torch): the rows are gathered
 slot by slot into a [groups, longest group, in] batch (short groups padded with zero rows), two batched matmuls
-with the groups' A and B give every delta, and one index_add puts them back: four or five operations per
-projection however many adapters share the step, and the work of each row's own adapter only. On a GPU (or under
-Triton's interpreter) two Triton kernels (layers/triton_lora.py) read each row's slot instead: one shrink and one
-expand launch per projection. The scaling (alpha / r, or alpha / sqrt(r) for rsLoRA) is folded into B. Under
+with the groups' A and B give every delta, and one gather of the deltas back into row order is added to the output
+(a base-model row reads a padding place's zero delta): four or five operations per projection however many
+adapters share the step, and the work of each row's own adapter only. (Gathering the deltas back and adding them
+is about four times faster on a CPU than an index_add of them.) Where the native CPU kernel builds
+(layers/cpu_lora.py, float32), one call per projection does all of that from a list of the adapter rows grouped
+by slot, and reads only the diagonal blocks of a fused projection's B. On a GPU (or under Triton's interpreter)
+two Triton kernels (layers/triton_lora.py) read each row's slot instead: one shrink and one expand launch per
+projection. The scaling (alpha / r, or alpha / sqrt(r) for rsLoRA) is folded into B. Under
 tensor parallelism each rank keeps the slice its base weight keeps: B's output columns for a column-parallel
 projection, A's input columns for a row-parallel one (whose partial delta joins the partial base output before
 the all-reduce: the sum is linear).
@@ -31,6 +35,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from pagerail.common.lora import WEIGHTS_FILE, AdapterConfig, read_adapter_config, tensor_name_parts
+from pagerail.worker.layers.cpu_lora import LoRAKernel, lora_kernel
 from pagerail.worker.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -56,29 +61,43 @@ _PROJECTION = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(qkv_proj|o
 class StepRows:
     """This step's adapter rows, read by every adapted projection. Either `run` = (slot, rows): one slot's
     contiguous rows; or the grouped layout: `slots` (the groups' slots; None when every slot, in order), `gather`
-    (the row behind each of groups × `longest` places) and `padding` (the places that pad a short group: zeroed,
-    so their delta is zero wherever it lands; None when no group is short). Neither: no row runs with an adapter."""
+    (the row behind each of groups × `longest` places), `padding` (the places that pad a short group: zeroed, so
+    their delta is zero; None when no group is short) and `place` (each row's place, a padding one for a base-model
+    row). Neither: no row runs with an adapter."""
 
     run: tuple[int, slice] | None = None
     slots: torch.Tensor | None = None
     gather: torch.Tensor | None = None
     longest: int = 0
     padding: torch.Tensor | None = None
+    place: torch.Tensor | None = None
     # Each row's slot (-1: the base model), for the Triton kernels; set instead of the above where they run.
     slot_of_row: torch.Tensor | None = None
+    # For the native CPU kernel, set instead of the above where it runs: the adapter rows grouped by slot, and
+    # each group's (slot, first, end) into them.
+    native: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def clear(self) -> None:
-        self.run, self.slots, self.gather, self.padding, self.slot_of_row = None, None, None, None, None
+        self.run, self.slots, self.gather, self.padding, self.place, self.slot_of_row, self.native = (None,) * 7
 
 
 class LoRAProjection:
     """The adapter slots of one projection, and the delta they add to its output."""
 
-    def __init__(self, layer: _ParallelLinear, parts: Sequence[str], slots: int, max_rank: int, rows: StepRows):
+    def __init__(
+        self,
+        layer: _ParallelLinear,
+        parts: Sequence[str],
+        slots: int,
+        max_rank: int,
+        rows: StepRows,
+        kernel: LoRAKernel | None = None,
+    ):
         self.layer = layer
         self.parts = tuple(parts)
         self.max_rank = max_rank
         self.rows = rows
+        self.kernel = kernel
         self.row_parallel = isinstance(layer, RowParallelLinear)
         width = len(self.parts) * max_rank
         weight = layer.weight
@@ -87,11 +106,21 @@ class LoRAProjection:
         # A transposed, so the batched shrink reads [in, width] per slot: [slots, in, width]; B as [slots, width, out].
         self.a_t = torch.zeros(slots, layer.in_features, width, dtype=dtype, device=device)
         self.b = torch.zeros(slots, width, layer.out_features, dtype=dtype, device=device)
+        # Each part's (first column of x A, its columns, first output column, end output column): B's diagonal
+        # blocks, the only ones the native kernel reads.
+        blocks = []
+        for index in range(len(self.parts)):
+            offset, size, _ = self._output_span(index)
+            blocks.append((index * max_rank, max_rank, offset, offset + size))
+        self.diagonal_blocks = torch.tensor(blocks, dtype=torch.long)
 
     def delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (the base output of `x`, before any all-reduce) plus each row's adapter delta."""
         rows = self.rows
-        if rows.slot_of_row is not None:
+        if rows.native is not None:
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            self.kernel.delta(x, out, self.a_t, self.b, *rows.native, self.diagonal_blocks)
+        elif rows.slot_of_row is not None:
             lora_delta(x if x.stride(-1) == 1 else x.contiguous(), out, self.a_t, self.b, rows.slot_of_row)
         elif rows.run is not None:
             slot, span = rows.run
@@ -104,7 +133,8 @@ class LoRAProjection:
             if rows.padding is not None:
                 grouped.index_fill_(0, rows.padding, 0.0)
             grouped = grouped.view(a.shape[0], rows.longest, x.shape[1])
-            out.index_add_(0, rows.gather, torch.bmm(torch.bmm(grouped, a), b).view(-1, out.shape[1]))
+            deltas = torch.bmm(torch.bmm(grouped, a), b).view(-1, out.shape[1])
+            out.add_(deltas.index_select(0, rows.place))
         return out
 
     def _output_span(self, part: int) -> tuple[int, int, int]:
@@ -152,6 +182,12 @@ class LoRASlots:
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras
         self.rows = StepRows()
+        # The native CPU kernel where the model runs in float32 on the CPU and the kernel builds.
+        native = None
+        first = next((m for name, m in model.named_modules() if _PROJECTION.search(name)), None)
+        if first is not None and first.weight.device.type == "cpu":
+            if (first.params_dtype or first.weight.dtype) == torch.float32:
+                native = lora_kernel()
         # (layer index, PEFT module name) -> projection, for loading.
         self.projections: list[tuple[int, LoRAProjection]] = []
         self.module_names: set[str] = set()
@@ -160,14 +196,16 @@ class LoRASlots:
             if match is None or not isinstance(module, _ParallelLinear):
                 continue
             layer_index, parts = int(match[1]), _PARTS[match[2]]
-            projection = LoRAProjection(module, parts, max_loras, max_rank, self.rows)
+            projection = LoRAProjection(module, parts, max_loras, max_rank, self.rows, native)
             module.lora = projection
             self.projections.append((layer_index, projection))
             self.module_names.update(parts)
         if not self.projections:
             raise ValueError("enable_lora: this model has no projections LoRA adapters can target")
-        # The Triton kernels on CUDA (and under the interpreter); the grouped torch path elsewhere.
+        # The Triton kernels on CUDA (and under the interpreter); the native kernel or the grouped torch path on
+        # the CPU.
         self.kernels = lora_kernels_available(self.projections[0][1].b)
+        self.native = native is not None and not self.kernels
         self.paths: dict[int, str] = {}  # adapter id -> its directory, as requests named it
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self._host: OrderedDict[int, tuple[AdapterConfig, dict]] = OrderedDict()
@@ -230,6 +268,15 @@ class LoRASlots:
             if state.lora_id:
                 by_slot.setdefault(slots[state.lora_id], []).extend(range(row, row + count))
             row += count
+        if self.native:
+            order = sorted(by_slot)
+            segments: list[int] = []
+            listed: list[int] = []
+            for slot in order:
+                segments += (slot, len(listed), len(listed) + len(by_slot[slot]))
+                listed += by_slot[slot]
+            rows.native = (torch.tensor(listed, dtype=torch.long), torch.tensor(segments, dtype=torch.long).view(-1, 3))
+            return True
         if len(by_slot) == 1:
             ((slot, members),) = by_slot.items()
             if members[-1] - members[0] + 1 == len(members):
@@ -237,15 +284,24 @@ class LoRASlots:
                 return True
         order = sorted(by_slot)
         longest = max(len(members) for members in by_slot.values())
+        if row > sum(len(members) for members in by_slot.values()) and all(
+            len(members) == longest for members in by_slot.values()
+        ):
+            longest += 1  # base-model rows need a padding place to read a zero delta from
         gather: list[int] = []
         padding: list[int] = []
+        place = [-1] * row
         for members in (by_slot[slot] for slot in order):
+            for offset, member in enumerate(members):
+                place[member] = len(gather) + offset
             short = longest - len(members)
             if short:
                 padding.extend(range(len(gather) + len(members), len(gather) + longest))
             gather.extend(members + [members[0]] * short)
+        zero = padding[0] if padding else 0
         rows.longest = longest
         rows.gather = torch.tensor(gather, dtype=torch.long, device=device)
+        rows.place = torch.tensor([zero if p < 0 else p for p in place], dtype=torch.long, device=device)
         if padding:
             rows.padding = torch.tensor(padding, dtype=torch.long, device=device)
         if order != list(range(self.max_loras)):
