@@ -63,6 +63,19 @@ class FakeKVWorkers:
         self.fail_next: str | None = None
         # Fail every step that runs one of these handles (a request that crashes the workers).
         self.poison_handles: set[int] = set()
+        # LoRA adapters as the ranks read them: a read asked for in a step batch ends `lora_read_steps` steps
+        # later and is reported ready. At most `lora_capacity` adapters are held (None: any number); past it the
+        # least recently read adapter no known request uses is dropped, and reported so. A request that runs with
+        # an adapter not held was scheduled before its read ended (the head must never do that): its handle is
+        # recorded.
+        self.lora_read_steps = 2
+        self.lora_capacity: int | None = None
+        self.lora_reading: dict[int, int] = {}  # adapter id -> the step its read ends
+        self.lora_held: dict[int, None] = {}  # least recently read first
+        self.unready_adapter_runs: list[int] = []
+        # Adapters dropped in a step whose answer never reached the head (it failed): the head may still count
+        # them ready, and a rank then reads one in the step that needs it, as a real rank does.
+        self.lora_drops_unsaid: set[int] = set()
 
     def _slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
@@ -72,6 +85,13 @@ class FakeKVWorkers:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         scheduled = self.states.apply(batch)
+        ready, dropped = self._read_adapters(batch)
+        for state in scheduled:
+            if state.lora_id and state.lora_id not in self.lora_held:
+                if state.lora_id in self.lora_drops_unsaid:
+                    self.lora_held[state.lora_id] = None  # read in the step
+                else:
+                    self.unready_adapter_runs.append(state.handle)
         for state in scheduled:
             if state.num_lookahead and state.num_scheduled_tokens == 1:
                 self._propose(state)
@@ -84,6 +104,7 @@ class FakeKVWorkers:
             for pos in range(state.num_computed_tokens, state.num_computed_tokens + state.num_scheduled_tokens)
         ]
         if failure is not None:
+            self.lora_drops_unsaid.update(dropped)
             # A rank that fails part-way has written some of the step's KV; the rest of the slots keep whatever
             # they held before (another sequence's KV, or nothing).
             for state, pos in writes[: len(writes) // 2]:
@@ -92,6 +113,8 @@ class FakeKVWorkers:
                 raise WorkerGroupError("a rank died during the step")
             raise RuntimeError("the forward pass failed")
         result = step_pb2.StepResult(step_id=batch.step_id)
+        result.lora_ready.extend(ready)
+        result.lora_dropped.extend(dropped)
         for state in scheduled:
             if state.num_scheduled_tokens < 1:
                 # The real input batch drops such a row: it computes nothing and samples nothing.
@@ -118,6 +141,32 @@ class FakeKVWorkers:
                 state.token_ids.append(token)  # as the real ranks do: the head never sends it back
             state.num_computed_tokens = end
         return result
+
+    def _read_adapters(self, batch: step_pb2.StepBatch) -> tuple[list[int], list[int]]:
+        """Start the reads the batch asks for; the adapters whose read ended (or that were held already), and
+        those dropped to make room."""
+        ready: list[int] = []
+        dropped: list[int] = []
+        for adapter in batch.lora_prefetch:
+            if adapter.lora_id in self.lora_held:
+                ready.append(adapter.lora_id)
+            else:
+                self.lora_reading.setdefault(adapter.lora_id, self.steps + self.lora_read_steps)
+        for lora_id, ends in list(self.lora_reading.items()):
+            if ends <= self.steps:
+                del self.lora_reading[lora_id]
+                self.lora_held[lora_id] = None
+                self.lora_drops_unsaid.discard(lora_id)
+                ready.append(lora_id)
+        in_use = {state.lora_id for state in self.states.states.values()}
+        while self.lora_capacity is not None and len(self.lora_held) > self.lora_capacity:
+            victim = next((held for held in self.lora_held if held not in in_use), None)
+            if victim is None:
+                break  # every adapter held runs: a rank keeps them in its slots
+            del self.lora_held[victim]
+            dropped.append(victim)
+        ready = [lora_id for lora_id in ready if lora_id in self.lora_held]
+        return ready, dropped
 
     def _propose(self, state) -> None:
         """Drafts for the lookahead the head made room for: each the true next token two times in three, another
@@ -154,6 +203,9 @@ class FakeKVWorkers:
         self.restarts += 1
         self.kv.clear()
         self.states = RequestStates(device="cpu")
+        self.lora_reading.clear()
+        self.lora_held.clear()
+        self.lora_drops_unsaid.clear()
         return self.num_blocks
 
     def shutdown(self) -> None:

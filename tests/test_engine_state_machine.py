@@ -84,6 +84,9 @@ class EngineMachine(RuleBasedStateMachine):
         max_loras: int,
     ) -> None:
         self.workers = FakeKVWorkers(num_blocks, BLOCK_SIZE, VOCAB, sliding_window=sliding_window)
+        # The ranks keep as many adapters read as they have slots (--max-cpu-loras' default): with three adapters
+        # and fewer slots, reads push each other out and the head asks again.
+        self.workers.lora_capacity = max_loras
         config = EngineConfig(
             cache=CacheConfig(block_size=BLOCK_SIZE),
             scheduler=SchedulerConfig(
@@ -260,8 +263,9 @@ class EngineMachine(RuleBasedStateMachine):
         for request in idle.values():
             assert request.status is RequestStatus.AWAITING_INPUT and request.input_open
         assert len(running) <= scheduler.config.max_num_seqs
-        # No step may need more adapters than the ranks have slots for.
+        # No step may need more adapters than the ranks have slots for, nor one they have not read yet.
         assert len({r.lora_id for r in running if r.lora_id}) <= scheduler.max_loras
+        assert not self.workers.unready_adapter_runs, "a request ran before its adapter's read ended"
         # The offline loop skips its look at a step's requests when this counter says none of them ended.
         assert scheduler.stats.num_finished == sum(1 for r in self.all_requests if r.finished)
 

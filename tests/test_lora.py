@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,10 @@ import torch
 from pagerail import LLM, LoRARequest, SamplingParams
 from pagerail.cluster.bench.tiny_llama import write_tiny_llama
 from pagerail.cluster.bench.tiny_lora import ATTENTION, MLP, write_adapter
+from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.cluster.core.request import RequestStatus
 from pagerail.common.lora import projection_shapes, read_adapter, read_adapter_config
+from pagerail.worker import lora as lora_module
 from pagerail.worker.layers import cpu_lora
 from pagerail.worker.layers.native_build import find_compiler
 from tests.requirements import require
@@ -304,3 +308,103 @@ def test_adapters_are_served_by_model_name_over_http_and_grpc_and_load_and_unloa
             assert refused.value.body["param"] == "model"
     finally:
         llm.shutdown()
+
+
+@pytest.fixture
+def held_reads(monkeypatch):
+    """Adapter reads on the ranks that wait, for the paths put in `held`, until `release` is set; a path in
+    `broken` fails its read."""
+
+    class Reads:
+        held: set[str] = set()
+        broken: set[str] = set()
+        release = threading.Event()
+
+    original = lora_module.read_parsed
+
+    def read(path: str, *args):
+        if path in Reads.held:
+            assert Reads.release.wait(60), "the held read was never released"
+        if path in Reads.broken:
+            raise ValueError("the file is truncated")
+        return original(path, *args)
+
+    monkeypatch.setattr(lora_module, "read_parsed", read)
+    yield Reads
+    Reads.release.set()
+
+
+def _run_until(engine, done, limit: int = 2000) -> None:
+    for _ in range(limit):
+        if done():
+            return
+        engine.step()
+    raise AssertionError("the engine did not get there")
+
+
+def test_an_adapter_being_read_holds_back_its_requests_only(model_dir, adapters, held_reads):
+    """The read of one adapter waits (a slow disk); the base model's and another adapter's requests, queued after
+    it, run to their end meanwhile, so the read is not in any step. Released, its request runs and matches
+    transformers with the adapter merged."""
+    every = LoRARequest("every", 1, str(adapters["every"]))
+    attention = LoRARequest("attention", 2, str(adapters["attention"]))
+    held_reads.held.add(attention.lora_path)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(str(model_dir), enable_lora=True, max_loras=2, kv_cache_memory_bytes=16 << 20) as llm:
+        engine = llm.engine
+        held = engine.add_request(EngineRequest("held", tuple(PROMPTS[0]), params, lora=attention))
+        base = engine.add_request(EngineRequest("base", tuple(PROMPTS[1]), params))
+        other = engine.add_request(EngineRequest("other", tuple(PROMPTS[2]), params, lora=every))
+        _run_until(engine, lambda: base.finished and other.finished)
+        assert held.num_computed_tokens == 0 and not held.output_token_ids  # it waited, set aside
+        held_reads.release.set()
+        _run_until(engine, lambda: held.finished)
+        assert engine.block_table.num_used_blocks == 0
+    assert held.output_token_ids == merged_greedy(model_dir, adapters["attention"], [PROMPTS[0]])[0]
+    assert other.output_token_ids == merged_greedy(model_dir, adapters["every"], [PROMPTS[2]])[0]
+    assert base.output_token_ids == merged_greedy(model_dir, None, [PROMPTS[1]])[0]
+
+
+def test_a_failed_adapter_read_fails_its_requests_only(model_dir, adapters, held_reads):
+    """A read that fails on the ranks (the file changed after the head checked it) ends that adapter's requests
+    with the reason; the others run, and no block is kept."""
+    every = LoRARequest("every", 1, str(adapters["every"]))
+    held_reads.broken.add(every.lora_path)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(str(model_dir), enable_lora=True, kv_cache_memory_bytes=16 << 20) as llm:
+        engine = llm.engine
+        broken = [
+            engine.add_request(EngineRequest(f"broken-{n}", tuple(PROMPTS[n]), params, lora=every)) for n in (0, 1)
+        ]
+        base = engine.add_request(EngineRequest("base", tuple(PROMPTS[2]), params))
+        _run_until(engine, lambda: not engine.has_unfinished())
+        assert engine.block_table.num_used_blocks == 0
+    for request in broken:
+        assert request.status is RequestStatus.FINISHED_ABORTED and request.error_code == "lora_load_failed"
+        assert every.lora_path in request.error and "truncated" in request.error
+    assert base.output_token_ids == merged_greedy(model_dir, None, [PROMPTS[2]])[0]
+
+
+def test_a_rank_reports_adapters_read_dropped_and_failed(model_dir, adapters, tmp_path):
+    """The news a rank gives the head: an adapter read beside the steps is ready; reading another into a host
+    cache of one drops it (it is in no slot); a read that fails says why; an adapter held is ready at once."""
+    from pagerail.proto import step_pb2
+
+    def news(slots) -> tuple[list[int], list[int], dict[int, str]]:
+        slots.wait_for_reads(30)
+        result = step_pb2.StepResult()
+        slots.report(result)
+        return list(result.lora_ready), list(result.lora_dropped), {f.lora_id: f.message for f in result.lora_failed}
+
+    with LLM(str(model_dir), enable_lora=True, max_loras=1, kv_cache_memory_bytes=16 << 20) as llm:
+        slots = llm.engine.executor.worker.lora
+        slots.prefetch(1, str(adapters["every"]))
+        assert news(slots) == ([1], [], {})
+        slots.prefetch(2, str(adapters["attention"]))
+        assert news(slots) == ([2], [1], {})
+        slots.prefetch(3, str(tmp_path / "missing"))
+        ready, dropped, failed = news(slots)
+        assert (ready, dropped, list(failed)) == ([], [], [3]) and str(tmp_path / "missing") in failed[3]
+        slots.prefetch(2, str(adapters["attention"]))
+        assert news(slots) == ([2], [], {})
+        assert slots.num_loads == 0  # reads only: nothing was copied into a slot

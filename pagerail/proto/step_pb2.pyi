@@ -108,7 +108,7 @@ class CachedRequest(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., resumed: _Optional[bool] = ..., num_computed_tokens: _Optional[int] = ..., skip_sampling: _Optional[bool] = ..., num_prompt_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "finished", "preempted", "trace_context", "decode_handles", "offload_blocks", "offload_slots", "load_slots", "load_blocks", "offload_now")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "finished", "preempted", "trace_context", "decode_handles", "offload_blocks", "offload_slots", "load_slots", "load_blocks", "offload_now", "lora_prefetch")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class StepBatch(_message.Message):
     LOAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_NOW_FIELD_NUMBER: _ClassVar[int]
+    LORA_PREFETCH_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -140,7 +141,24 @@ class StepBatch(_message.Message):
     load_slots: _containers.RepeatedScalarFieldContainer[int]
     load_blocks: _containers.RepeatedScalarFieldContainer[int]
     offload_now: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., preempted: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., decode_handles: _Optional[_Iterable[int]] = ..., offload_blocks: _Optional[_Iterable[int]] = ..., offload_slots: _Optional[_Iterable[int]] = ..., load_slots: _Optional[_Iterable[int]] = ..., load_blocks: _Optional[_Iterable[int]] = ..., offload_now: _Optional[_Iterable[bool]] = ...) -> None: ...
+    lora_prefetch: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., preempted: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., decode_handles: _Optional[_Iterable[int]] = ..., offload_blocks: _Optional[_Iterable[int]] = ..., offload_slots: _Optional[_Iterable[int]] = ..., load_slots: _Optional[_Iterable[int]] = ..., load_blocks: _Optional[_Iterable[int]] = ..., offload_now: _Optional[_Iterable[bool]] = ..., lora_prefetch: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoRAAdapter(_message.Message):
+    __slots__ = ("lora_id", "lora_path")
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_id: int
+    lora_path: str
+    def __init__(self, lora_id: _Optional[int] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoRAFailure(_message.Message):
+    __slots__ = ("lora_id", "message")
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    lora_id: int
+    message: str
+    def __init__(self, lora_id: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
@@ -165,7 +183,7 @@ class PromptLogprobs(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., start: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "handles", "token_ids", "logprobs", "top_logprobs", "compute_seconds", "forward_seconds", "constraint_done", "constraint_seconds", "error", "moe_collective_bytes", "spec_handles", "spec_counts", "spec_num_drafts", "spec_token_ids", "spec_logprobs", "spec_top_logprobs", "kv_transfer_seconds", "kv_transfer_bytes", "prompt_logprobs", "pooled", "lora_loads", "lora_evictions", "lora_load_seconds")
+    __slots__ = ("step_id", "handles", "token_ids", "logprobs", "top_logprobs", "compute_seconds", "forward_seconds", "constraint_done", "constraint_seconds", "error", "moe_collective_bytes", "spec_handles", "spec_counts", "spec_num_drafts", "spec_token_ids", "spec_logprobs", "spec_top_logprobs", "kv_transfer_seconds", "kv_transfer_bytes", "prompt_logprobs", "pooled", "lora_loads", "lora_evictions", "lora_load_seconds", "lora_ready", "lora_dropped", "lora_failed")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +208,9 @@ class StepResult(_message.Message):
     LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
     LORA_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     LORA_LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_READY_FIELD_NUMBER: _ClassVar[int]
+    LORA_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    LORA_FAILED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     handles: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -214,7 +235,10 @@ class StepResult(_message.Message):
     lora_loads: int
     lora_evictions: int
     lora_load_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., constraint_done: _Optional[_Iterable[int]] = ..., constraint_seconds: _Optional[float] = ..., error: _Optional[str] = ..., moe_collective_bytes: _Optional[int] = ..., spec_handles: _Optional[_Iterable[int]] = ..., spec_counts: _Optional[_Iterable[int]] = ..., spec_num_drafts: _Optional[_Iterable[int]] = ..., spec_token_ids: _Optional[_Iterable[int]] = ..., spec_logprobs: _Optional[_Iterable[float]] = ..., spec_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ..., lora_loads: _Optional[int] = ..., lora_evictions: _Optional[int] = ..., lora_load_seconds: _Optional[float] = ...) -> None: ...
+    lora_ready: _containers.RepeatedScalarFieldContainer[int]
+    lora_dropped: _containers.RepeatedScalarFieldContainer[int]
+    lora_failed: _containers.RepeatedCompositeFieldContainer[LoRAFailure]
+    def __init__(self, step_id: _Optional[int] = ..., handles: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., forward_seconds: _Optional[float] = ..., constraint_done: _Optional[_Iterable[int]] = ..., constraint_seconds: _Optional[float] = ..., error: _Optional[str] = ..., moe_collective_bytes: _Optional[int] = ..., spec_handles: _Optional[_Iterable[int]] = ..., spec_counts: _Optional[_Iterable[int]] = ..., spec_num_drafts: _Optional[_Iterable[int]] = ..., spec_token_ids: _Optional[_Iterable[int]] = ..., spec_logprobs: _Optional[_Iterable[float]] = ..., spec_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., kv_transfer_seconds: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ..., lora_loads: _Optional[int] = ..., lora_evictions: _Optional[int] = ..., lora_load_seconds: _Optional[float] = ..., lora_ready: _Optional[_Iterable[int]] = ..., lora_dropped: _Optional[_Iterable[int]] = ..., lora_failed: _Optional[_Iterable[_Union[LoRAFailure, _Mapping]]] = ...) -> None: ...
 
 class PooledOutput(_message.Message):
     __slots__ = ("handle", "values")

@@ -27,6 +27,7 @@ import re
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from pagerail.common.lora import WEIGHTS_FILE, AdapterConfig, read_adapter_config, tensor_name_parts
+from pagerail.proto import step_pb2
 from pagerail.worker.layers.cpu_lora import LoRAKernel, lora_kernel
 from pagerail.worker.layers.linear import (
     MergedColumnParallelLinear,
@@ -46,6 +48,8 @@ from pagerail.worker.layers.triton_lora import lora_delta, lora_kernels_availabl
 from pagerail.worker.request_state import RequestState
 
 logger = logging.getLogger(__name__)
+# Adapters read at once: one slow read (a large adapter, a slow disk) does not hold up the others' requests.
+READER_THREADS = 4
 
 # The adapted projections of a Llama-family layer, and the PEFT modules each holds in output order.
 _PARTS = {
@@ -172,9 +176,12 @@ class LoRAProjection:
 class LoRASlots:
     """Every adapted projection of a model, `max_loras` device slots in each, and which adapter holds which slot.
 
-    Adapters are read from their directory on first use (kept parsed in host memory, `max_cpu_loras` of them,
-    least recently used out) and copied into a slot when a step needs them; a step never needs more adapters than
-    there are slots (the head's scheduler sees to that), and the slots a step uses are not taken by its others.
+    Adapters are read from their directory on a reader thread when the head asks ahead of their requests
+    (`prefetch`; the head schedules those requests once rank 0 reports the read done, so a read never stalls a
+    step), kept parsed in host memory (`max_cpu_loras` of them, least recently used out), and copied into a slot
+    when a step needs them (a copy of a few small tensors). A step never needs more adapters than there are slots
+    (the head's scheduler sees to that), and the slots a step uses are not taken by its others. An adapter a step
+    needs that is neither held nor being read is read in the step (a rank whose state the head did not ask ahead).
     """
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int) -> None:
@@ -215,20 +222,61 @@ class LoRASlots:
         # What the current row layout was made for: the path, each row's adapter and token count (None: none).
         self._layout_key: tuple | None = None
         self._reported = (0, 0, 0.0)
+        # Adapters the head asked for ahead of their requests, read on threads of their own beside the steps;
+        # and what the next report tells the head: adapters read (or already held) since the last one, adapters
+        # held no more, and failed reads.
+        self._reader: ThreadPoolExecutor | None = None
+        self._reading: dict[int, Future] = {}
+        self._news: dict[int, bool] = {}  # adapter id -> ready (True) or dropped (False), the latest of the two
+        self._failed: dict[int, str] = {}
 
     def register(self, lora_id: int, path: str) -> None:
         """A request named adapter `lora_id` at `path`. The head refuses an id naming another path than before
         (the frontend gives a reloaded name a new id), so what is kept under an id never goes stale."""
         self.paths[lora_id] = path
 
-    def report(self, result) -> None:
-        """Add the loads, evictions and load time since the last report to a step's result."""
-        now = (self.num_loads, self.num_evictions, self.load_seconds)
-        if now != self._reported:
-            result.lora_loads = now[0] - self._reported[0]
-            result.lora_evictions = now[1] - self._reported[1]
-            result.lora_load_seconds = now[2] - self._reported[2]
-            self._reported = now
+    def prefetch(self, lora_id: int, path: str) -> None:
+        """Requests for adapter `lora_id` wait at the head until this rank says it is ready: start reading it
+        beside the steps, unless it is held (then say so again: the head's view is behind, e.g. after a drop)."""
+        self.paths[lora_id] = path
+        if lora_id in self._reading:
+            return
+        if lora_id in self._host or lora_id in self._slot_of:
+            self._news[lora_id] = True
+            return
+        self._failed.pop(lora_id, None)
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="lora-reader")
+        self._reading[lora_id] = self._reader.submit(read_parsed, path, self.max_rank, self.module_names)
+
+    def wait_for_reads(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for a read in progress to end (a step with nothing else to do: the head polls)."""
+        if self._reading:
+            wait(list(self._reading.values()), timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    def report(self, result: step_pb2.StepResult | None) -> None:
+        """Add the loads, evictions and load time since the last report, and the adapters read, dropped and
+        failed, to a step's result (None: a rank other than 0, whose result the head does not read)."""
+        for lora_id in [lora_id for lora_id, future in self._reading.items() if future.done()]:
+            self._finish_read(lora_id)
+        if result is not None:
+            now = (self.num_loads, self.num_evictions, self.load_seconds)
+            if now != self._reported:
+                result.lora_loads = now[0] - self._reported[0]
+                result.lora_evictions = now[1] - self._reported[1]
+                result.lora_load_seconds = now[2] - self._reported[2]
+                self._reported = now
+            for lora_id, ready in self._news.items():
+                (result.lora_ready if ready else result.lora_dropped).append(lora_id)
+            for lora_id, message in self._failed.items():
+                result.lora_failed.add(lora_id=lora_id, message=message)
+        self._news.clear()
+        self._failed.clear()
+
+    def close(self) -> None:
+        """Stop the reader thread (reads not yet started are dropped)."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)
 
     def clear(self) -> bool:
         """A step without adapter rows; returns False (no row runs with an adapter)."""
@@ -313,6 +361,7 @@ class LoRASlots:
         if slot is not None:
             self._slot_of.move_to_end(lora_id)
             return slot
+        victim = None
         if len(self._slot_of) < self.max_loras:
             used = set(self._slot_of.values())
             slot = next(s for s in range(self.max_loras) if s not in used)
@@ -320,8 +369,10 @@ class LoRASlots:
             victim = next(held for held in self._slot_of if held not in needed)
             slot = self._slot_of.pop(victim)
             self.num_evictions += 1
-        started = time.perf_counter()
+        if victim is not None and victim not in self._host:
+            self._news[victim] = False  # held nowhere now: a request for it needs it read again
         config, weights = self._parsed(lora_id)
+        started = time.perf_counter()
         for layer_index, projection in self.projections:
             projection.load(slot, weights.get(layer_index, {}), config.scaling)
         self._slot_of[lora_id] = slot
@@ -330,30 +381,69 @@ class LoRASlots:
         return slot
 
     def _parsed(self, lora_id: int) -> tuple[AdapterConfig, dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]]:
-        """The adapter's config and its weights by layer and module, from the host cache or its directory."""
+        """The adapter's config and its weights by layer and module: from the host cache, else from its read in
+        progress (waiting for it: this rank is behind the head's rank 0), else read now."""
         kept = self._host.get(lora_id)
         if kept is not None:
             self._host.move_to_end(lora_id)
             return kept
-        path = self.paths[lora_id]
-        config = read_adapter_config(path, self.max_rank)
-        missing = [m for m in config.target_modules if m not in self.module_names]
-        if missing:
-            raise ValueError(f"target_modules: this model has no {missing[0]} to adapt")
-        tensors = load_file(str(Path(path) / WEIGHTS_FILE))
-        by_layer: dict[int, dict[str, list]] = {}
-        for name, tensor in tensors.items():
-            layer, module, side = tensor_name_parts(name)
-            by_layer.setdefault(layer, {}).setdefault(module, [None, None])["AB".index(side)] = tensor.float()
-        weights = {}
-        for layer, modules in by_layer.items():
-            weights[layer] = {}
-            for module, (a, b) in modules.items():
-                if a is None or b is None:
-                    raise ValueError(f"{WEIGHTS_FILE}: layer {layer}'s {module} lacks lora_A or lora_B")
-                weights[layer][module] = (a, b)
-        self._host[lora_id] = (config, weights)
+        if lora_id in self._reading:
+            parsed = self._finish_read(lora_id)
+            if parsed is None:
+                raise ValueError(self._failed[lora_id])
+            return parsed
+        parsed, seconds = read_parsed(self.paths[lora_id], self.max_rank, self.module_names)
+        self.load_seconds += seconds
+        self._keep(lora_id, parsed)
+        return parsed
+
+    def _finish_read(self, lora_id: int) -> tuple | None:
+        """Take a read's result (waiting for it): into the host cache and the ready list, or the failed ones."""
+        future = self._reading.pop(lora_id)
+        try:
+            parsed, seconds = future.result()
+        except Exception as error:  # any failure of one adapter's read fails its requests, not the rank
+            self._failed[lora_id] = f"lora_path {self.paths[lora_id]!r}: the adapter could not be read: {error}"
+            logger.warning("LoRA adapter %d: %s", lora_id, self._failed[lora_id])
+            return None
+        self.load_seconds += seconds
+        self._keep(lora_id, parsed)
+        self._news[lora_id] = True
+        return parsed
+
+    def _keep(self, lora_id: int, parsed: tuple) -> None:
+        """Keep a read adapter in the host cache; out go first the adapters a slot holds too (they run without
+        their host copy), then the least recently used."""
+        self._host[lora_id] = parsed
         while len(self._host) > self.max_cpu_loras:
-            self._host.popitem(last=False)
-        logger.info("LoRA adapter %d read from %s (rank %d)", lora_id, path, config.rank)
-        return config, weights
+            evicted = next((held for held in self._host if held in self._slot_of), None)
+            if evicted is None:
+                evicted = next(iter(self._host))
+                self._news[evicted] = False  # held nowhere now: a request for it needs it read again
+            del self._host[evicted]
+
+
+def read_parsed(
+    path: str, max_rank: int, module_names: set[str]
+) -> tuple[tuple[AdapterConfig, dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]], float]:
+    """An adapter's config and its float32 (A, B) by layer and module, read from its directory, and the seconds
+    the read took; raises ValueError naming what is wrong. Safe on any thread (reads nothing shared)."""
+    started = time.perf_counter()
+    config = read_adapter_config(path, max_rank)
+    missing = [m for m in config.target_modules if m not in module_names]
+    if missing:
+        raise ValueError(f"target_modules: this model has no {missing[0]} to adapt")
+    tensors = load_file(str(Path(path) / WEIGHTS_FILE))
+    by_layer: dict[int, dict[str, list]] = {}
+    for name, tensor in tensors.items():
+        layer, module, side = tensor_name_parts(name)
+        by_layer.setdefault(layer, {}).setdefault(module, [None, None])["AB".index(side)] = tensor.float()
+    weights = {}
+    for layer, modules in by_layer.items():
+        weights[layer] = {}
+        for module, (a, b) in modules.items():
+            if a is None or b is None:
+                raise ValueError(f"{WEIGHTS_FILE}: layer {layer}'s {module} lacks lora_A or lora_B")
+            weights[layer][module] = (a, b)
+    logger.info("LoRA adapter read from %s (rank %d)", path, config.rank)
+    return (config, weights), time.perf_counter() - started

@@ -37,6 +37,9 @@ from pagerail.worker.warmup import warmup_steps
 
 logger = logging.getLogger(__name__)
 _tracer = get_tracer("pagerail.worker")
+# How long a step with nothing to run waits for an adapter read to end before answering: the head, waiting on the
+# read only, sends the next such step at once.
+LORA_POLL_WAIT_S = 0.05
 
 
 def decode_path_of(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
@@ -186,10 +189,13 @@ class ModelRunner:
         logger.info("rank %d: warm-up steps ran in %.2f s", self.tp.rank, time.perf_counter() - started)
 
     def close(self) -> None:
-        """Drop the captured graphs (and their memory pool) and stop the constraint compiler's thread."""
+        """Drop the captured graphs (and their memory pool) and stop the constraint compiler's and the LoRA
+        reader's threads."""
         self.graphs = None
         if self.constraints is not None:
             self.constraints.close()
+        if self.lora is not None:
+            self.lora.close()
 
     def prepare(self, batch: step_pb2.StepBatch) -> FlatBatch | None:
         """Apply the step's deltas to the request states and the input buffers; the model's inputs, if any."""
@@ -219,10 +225,16 @@ class ModelRunner:
             result.kv_transfer_bytes = self.host_kv.bytes_per_block * (
                 len(batch.offload_blocks) + len(batch.load_slots)
             )
+        if self.lora is not None:
+            for adapter in batch.lora_prefetch:
+                self.lora.prefetch(adapter.lora_id, adapter.lora_path)
+            if not (batch.new_requests or batch.cached_requests or batch.decode_handles):
+                # The head has nothing to run but waits on adapters being read: answer when one is (or soon).
+                self.lora.wait_for_reads(LORA_POLL_WAIT_S)
         with traced(_tracer, "prepare_inputs"):
             flat = self.prepare(batch)
-        if self.lora is not None and self.tp.rank == 0:
-            self.lora.report(result)
+        if self.lora is not None:
+            self.lora.report(result if self.tp.rank == 0 else None)
         if self.constraints is not None and batch.new_requests:
             # Compiled on a background thread while the forward pass runs.
             states = self.states.states

@@ -18,6 +18,7 @@ from pagerail.cluster.core.executor import Executor, PendingStep, WorkerGroupErr
 from pagerail.cluster.core.host_kv_tier import HostKvTier
 from pagerail.cluster.core.kv_events import KvEventLog
 from pagerail.cluster.core.lora_adapters import LoRAAdapters
+from pagerail.cluster.core.lora_readiness import LoRAReadiness
 from pagerail.cluster.core.model_info import ModelInfo
 from pagerail.cluster.core.quarantine import Quarantine
 from pagerail.cluster.core.request import Request, RequestStatus
@@ -118,6 +119,10 @@ class EngineCore:
         self.lora_adapters = lora_adapters or LoRAAdapters(lora)
         max_loras = lora.max_loras if lora.enable_lora else 0
         self.scheduler = Scheduler(config.scheduler, self.block_table, self.max_model_len, max_loras=max_loras)
+        # Which adapters rank 0 holds read: their requests are scheduled once it does (reads run beside steps).
+        self.lora_readiness = LoRAReadiness(lora.host_cache_size)
+        if max_loras:
+            self.scheduler.lora_ready = self.lora_readiness.ready
         self.speculation = SpeculationPolicy(config.speculative_config)
         self.step_builder = StepMessageBuilder()
         self._handles = itertools.count(1)
@@ -132,6 +137,7 @@ class EngineCore:
         # Singles out a request that keeps crashing the workers; it sees each step's outcome through the executor.
         self.quarantine = Quarantine(self.scheduler)
         self.last_step_idle = True
+        self._lora_news = False  # the last step brought adapters' read news (more may be scheduled at once)
         self.schedule_seconds: deque[float] = deque(maxlen=4096)
         # Steps submitted and not yet applied, oldest first. Two: one runs on the ranks while the next waits
         # there, built from placeholders for the tokens still being sampled. One: strictly serial steps.
@@ -227,6 +233,8 @@ class EngineCore:
             queued.logprobs.extend([0.0] * len(resumed))
             queued.top_logprobs.extend({} for _ in resumed)
         self.scheduler.add_request(queued)
+        if request.lora is not None:
+            self.lora_readiness.want(queued)
         return queued
 
     def append_input(self, request_id: str, token_ids: Sequence[int], final: bool) -> Request:
@@ -300,6 +308,7 @@ class EngineCore:
         """
         changed: list[Request] = []
         computing = False
+        self._lora_news = False
         if len(self._inflight) < self.max_inflight_steps:
             computing, expired = self._schedule_and_submit()
             changed.extend(expired)
@@ -310,7 +319,8 @@ class EngineCore:
             # Nothing new to compute: there is nothing to overlap, so wait for every step in flight.
             while self._inflight:
                 changed.extend(self._apply_oldest())
-        self.last_step_idle = not computing and not changed
+        # A step that only waited on adapter reads is followed at once: the ranks pace it, answering when a read ends.
+        self.last_step_idle = not computing and not changed and not self._lora_news and not self.lora_readiness.reading
         return changed
 
     def _schedule_and_submit(self) -> tuple[bool, list[Request]]:
@@ -324,10 +334,14 @@ class EngineCore:
         expired = out.expired
         for request in expired:
             self.metrics.observe_finished(request)
-        if out.empty:
+        reads = self.lora_readiness.next_reads(self.scheduler.waiting)
+        if out.empty and not reads and not self.lora_readiness.reading:
             return False, expired
+        # An empty step still goes while adapters are being read: it asks for them and brings back their news.
         span = start_step_span(out, started_ns)
         batch = self.step_builder.build(out)
+        for lora_id, path in reads:
+            batch.lora_prefetch.add(lora_id=lora_id, lora_path=path)
         dispatched = time.perf_counter()
         if self._inflight and out.scheduled:
             self.num_overlapped_steps += 1  # submitted while the ranks still run the previous step
@@ -372,6 +386,11 @@ class EngineCore:
         changed = self.scheduler.update_from_output(
             step.out, sampled, frozenset(result.constraint_done), logprobs, spec_runs
         )
+        if result.lora_ready or result.lora_dropped or result.lora_failed:
+            self._lora_news = True
+            failed = self.lora_readiness.observe(result, self.scheduler.waiting)
+            if failed:
+                changed.extend(self._fail_adapters(failed))
         dispatch_stats = getattr(self.executor, "dispatch_stats", None)
         self.metrics.observe_step(step.out, result, step.dispatched - step.started, waited, changed, dispatch_stats)
         end_step_span(step.span, result=result)
@@ -384,6 +403,9 @@ class EngineCore:
         self._inflight.clear()
         self.scheduler.requeue_all()
         self.step_builder.reset()
+        # The abandoned steps' adapter news is lost (and restarted ranks hold none): ask again for every adapter
+        # the requeued requests need; a rank that holds one says so at once.
+        self.lora_readiness.reset(self.scheduler.waiting)
 
     def _recover(self, error: WorkerGroupError, batch: step_pb2.StepBatch) -> list[Request]:
         """Rebuild the worker group and recompute every request; give up after repeated failures.
@@ -433,6 +455,17 @@ class EngineCore:
                 self.scheduler.block_table = self.block_table
             self.quarantine.arrange()  # suspects of repeated failures rejoin one at a time
             return failed
+
+    def _fail_adapters(self, failed: dict[int, str]) -> list[Request]:
+        """Finish every request of an adapter whose read failed on the ranks, with the reason (a later request
+        for it has it read again)."""
+        ended = [r for r in self.scheduler.requests.values() if r.lora_id in failed]
+        for request in ended:
+            request.error = failed[request.lora_id]
+            request.error_code = "lora_load_failed"
+            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_ABORTED)
+            self.metrics.observe_finished(request)
+        return ended
 
     def _fail_all(self, error: WorkerGroupError) -> list[Request]:
         """Finish every in-flight request with a retriable error instead of restarting forever."""

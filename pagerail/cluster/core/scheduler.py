@@ -35,6 +35,9 @@ class Scheduler:
         """`max_loras`: distinct LoRA adapters that may run at once (the ranks' device slots; 0: no adapters)."""
         self.config = config
         self.max_loras = max_loras
+        # Adapters the ranks hold read (cluster/core/lora_readiness.py); a request for another waits, set aside.
+        # None: every adapter counts as ready (an engine that does not track reads).
+        self.lora_ready: set[int] | None = None
         self.block_table = block_table
         self.max_model_len = max_model_len
         self.clock = clock
@@ -276,15 +279,20 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         # LoRA adapters that run (or were admitted in this step); a request whose adapter would be one more than
-        # the ranks' slots waits, set aside, while the requests behind it go on (vLLM's skipped waiting requests).
+        # the ranks' slots, or whose adapter is still being read, waits, set aside, while the requests behind it
+        # go on (vLLM's skipped waiting requests).
         adapters = {r.lora_id for r in self.running if r.lora_id} if self.max_loras else None
+        ready = self.lora_ready
         set_aside: list[Request] = []
         while self.waiting and budget > 0 and self._has_sequence_slot(out):
             request = self.waiting[0]
             if request.num_inflight_tokens or request.num_pending_samples:
                 break  # preempted while a step of it was in flight: it resumes once that step answered
             lora_id = request.lora_id
-            if lora_id and lora_id not in adapters and len(adapters) >= self.max_loras:
+            if lora_id and (
+                (lora_id not in adapters and len(adapters) >= self.max_loras)
+                or (ready is not None and lora_id not in ready)
+            ):
                 set_aside.append(self.waiting.popleft())
                 continue
             cached, hosted = [], []  # the device prefix hit, and the host tier's continuation of it
