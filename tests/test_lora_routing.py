@@ -10,8 +10,12 @@ from collections import OrderedDict
 
 import pytest
 
+from pagerail.cluster.core.block_table import BlockTable, root_hash
 from pagerail.cluster.core.engine_client import RequestDelta
 from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.cluster.core.kv_events import KvEventLog
+from pagerail.cluster.routing.kv_event_index import KvEventIndex
+from pagerail.cluster.routing.prefix_index import PrefixIndex
 from pagerail.cluster.routing.routed_client import RoutedEngineClient
 from pagerail.cluster.routing.router import Router
 from pagerail.common.lora import LoRARequest
@@ -111,3 +115,34 @@ def test_a_replica_holding_the_adapter_is_preferred_unless_it_is_over_the_balanc
 def test_adapter_slots_must_be_a_positive_integer(slots):
     with pytest.raises(ValueError, match="adapter_slots"):
         Router(adapter_slots=slots)
+
+
+def test_kv_events_and_the_router_key_an_adapters_blocks_by_the_adapter():
+    """An adapter's blocks reach a replica's KV events under hashes rooted at the adapter (as its block table keys
+    them); the router's index, fed by those events, finds the prompt's cached prefix for that adapter only, never
+    for the base model or another adapter. So does the router's own prefix index of what it sent."""
+    events = KvEventLog()
+    table = BlockTable(16, 4, True, None, None, events)
+    tokens = list(range(10, 23))  # three full blocks and one token
+    assert table.allocate_slots("r", tokens, len(tokens), root=root_hash(3)) is not None
+    table.commit_computed("r", tokens, len(tokens))
+    followed = KvEventIndex(4)
+    followed.apply("a", events.since(None, 0))
+    assert followed.match(tokens, followed.block_hashes(tokens, 3)) == {"a": 12}
+    assert followed.match(tokens, followed.block_hashes(tokens, 0)) == {}
+    assert followed.match(tokens, followed.block_hashes(tokens, 5)) == {}
+
+    for index in (KvEventIndex(4), PrefixIndex(4)):
+        router = Router("prefix-aware", block_size=4, index=index, adapter_slots=2)
+        router.add_replica("a")
+        router.add_replica("b")
+        router.begin("b", tokens, lora_id=3)  # b computed the prompt with adapter 3, and holds that adapter
+        router.begin("a", tokens, lora_id=4)  # a computed it with adapter 4, and holds that adapter too
+        router.begin("a", [1, 2, 3], lora_id=3)  # ... and adapter 3
+        router.end("a")
+        router.end("a")
+        router.end("b")
+        best = router.rank(tokens, lora_id=3)[0]
+        assert (best.replica, best.reason, best.cached_tokens) == ("b", "adapter", 12), type(index).__name__
+        assert router.rank(tokens, lora_id=4)[0].cached_tokens == 12
+        assert router.rank(tokens, lora_id=0)[0].cached_tokens == 0  # the base model holds nothing of it

@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from pagerail.cluster.core.block_table import ROOT_PARENT_HASH, hash_block
+from pagerail.cluster.core.block_table import hash_block, root_hash
 from pagerail.cluster.core.kv_events import CLEARED, DEVICE, HOST, REMOVED, STORED
 
 logger = logging.getLogger(__name__)
@@ -69,10 +69,12 @@ class KvEventIndex:
         """(epoch, seq) to ask `replica` for events after; (None, 0) asks for a snapshot."""
         return self._cursor.get(replica, (None, 0))
 
-    def block_hashes(self, token_ids: Sequence[int]) -> list[int]:
-        """The engine's chained hash of every full block of `token_ids` (up to max_blocks_per_prompt)."""
+    def block_hashes(self, token_ids: Sequence[int], lora_id: int = 0) -> list[int]:
+        """The engine's chained hash of every full block of `token_ids` (up to max_blocks_per_prompt), computed
+        with LoRA adapter `lora_id` (0: the base model): the chain starts at the adapter's own root, as the block
+        table's does, so an adapter's blocks never match another adapter's or the base model's."""
         size = self.block_size
-        hashes, parent = [], ROOT_PARENT_HASH
+        hashes, parent = [], root_hash(lora_id)
         for start in range(0, min(len(token_ids) // size, self.max_blocks_per_prompt) * size, size):
             block = token_ids[start : start + size]
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in block):
@@ -114,12 +116,13 @@ class KvEventIndex:
 
     # -- the router's side ----------------------------------------------------------------------
 
-    def insert(self, replica: str, token_ids: Sequence[int], hashes: list[int] | None = None) -> None:
-        """The router sent `token_ids` to `replica` now: a hint until its events tell, for recent_s seconds."""
+    def insert(self, replica: str, token_ids: Sequence[int], hashes: list[int] | None = None, lora_id: int = 0) -> None:
+        """The router sent `token_ids` (for adapter `lora_id`) to `replica` now: a hint until its events tell, for
+        recent_s seconds."""
         if self.recent_s <= 0:
             return
         now = self._clock()
-        for block_hash in hashes if hashes is not None else self.block_hashes(token_ids):
+        for block_hash in hashes if hashes is not None else self.block_hashes(token_ids, lora_id):
             senders = self._recent.pop(block_hash, None) or {}
             if replica not in senders:
                 self._recent_count[replica] = self._recent_count.get(replica, 0) + 1

@@ -65,12 +65,14 @@ class PrefixIndex:
         """How many blocks sent to `replica` this index still holds."""
         return self._held.get(replica, 0)
 
-    def block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """The chain hash of every full block of `token_ids` (up to max_blocks_per_prompt blocks)."""
+    def block_hashes(self, token_ids: Sequence[int], lora_id: int = 0) -> list[bytes]:
+        """The chain hash of every full block of `token_ids` (up to max_blocks_per_prompt blocks), computed with
+        LoRA adapter `lora_id` (0: the base model), whose KV is its own: its chain starts from its own root."""
         size = self.block_size
         num_blocks = min(len(token_ids) // size, self.max_blocks_per_prompt)
         hashes: list[bytes] = []
-        parent = b""
+        # 12 bytes: no base-model block's input (a multiple of 8 bytes) can equal an adapter's first.
+        parent = b"lora" + lora_id.to_bytes(8, "little") if lora_id else b""
         for start in range(0, num_blocks * size, size):
             try:
                 tokens = array("q", token_ids[start : start + size]).tobytes()
@@ -96,10 +98,12 @@ class PrefixIndex:
                     matched[replica] = (i + 1) * self.block_size
         return matched
 
-    def insert(self, replica: str, token_ids: Sequence[int], hashes: list[bytes] | None = None) -> None:
-        """Record that `token_ids` were sent to `replica` now."""
+    def insert(
+        self, replica: str, token_ids: Sequence[int], hashes: list[bytes] | None = None, lora_id: int = 0
+    ) -> None:
+        """Record that `token_ids` (for adapter `lora_id`) were sent to `replica` now."""
         if hashes is None:
-            hashes = self.block_hashes(token_ids)
+            hashes = self.block_hashes(token_ids, lora_id)
         now = self._clock()
         entries = self._entries
         # Deepest first, so that a prefix is always at least as recent as its extensions and LRU drops leaves.

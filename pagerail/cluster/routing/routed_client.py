@@ -201,9 +201,11 @@ class RoutedEngineClient:
                         failure, delta = await next_delta(stream)
                 finally:
                     await close_stream(stream)
-                    # A finished request's whole sequence now sits in that replica's prefix cache.
-                    indexed = completed and final and request.lora is None  # an adapter's KV: not in the index
-                    self.router.end(replica, [*request.prompt_token_ids, *outputs] if indexed else None)
+                    # A finished request's whole sequence now sits in that replica's prefix cache (an adapter's
+                    # under its adapter's hashes).
+                    indexed = completed and final
+                    lora_id = request.lora.lora_int_id if request.lora is not None else 0
+                    self.router.end(replica, [*request.prompt_token_ids, *outputs] if indexed else None, lora_id)
                 if completed:
                     return
                 if isinstance(failure, Moved):
@@ -248,8 +250,8 @@ class RoutedEngineClient:
         started = time.perf_counter()
         # What the replica computes: the prompt, and the outputs a resumed request continues after.
         prompt = [*request.prompt_token_ids, *request.resumed_output_token_ids]
-        hashes = self.router.index.block_hashes(prompt)
         lora_id = request.lora.lora_int_id if request.lora is not None else 0
+        hashes = self.router.index.block_hashes(prompt, lora_id)
         routes = self._routes(entry, prompt, hashes, failed, pin, lora_id)
         self.metrics_registry.observe_routing(time.perf_counter() - started)
         full: list[QueueFullError] = []

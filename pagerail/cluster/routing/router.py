@@ -68,7 +68,9 @@ class Router:
 
     A request for a LoRA adapter (prefix-aware and least-loaded) goes first to a replica within the balance
     threshold that likely holds the adapter in a device slot (one of the last `adapter_slots` distinct adapters
-    sent there), so adapters stay where they were loaded instead of being loaded everywhere.
+    sent there), so adapters stay where they were loaded instead of being loaded everywhere; among those,
+    prefix-aware prefers the longest prefix cached for that adapter (the index keys an adapter's blocks by the
+    adapter, as the engines' block tables do: an adapter never matches another's KV or the base model's).
 
     Load = requests open there (this router's own count, plus what the replica's last report of its running and
     waiting requests held beyond that count when it came) plus kv_weight * KV cache usage (0..1): a full cache
@@ -157,12 +159,11 @@ class Router:
             state.adapters.move_to_end(lora_id)
             while len(state.adapters) > self.adapter_slots:
                 state.adapters.popitem(last=False)
-            return  # an adapter's KV is its own: the prefix index (keyed by tokens alone) does not hold it
-        self.index.insert(name, token_ids, hashes)
+        self.index.insert(name, token_ids, hashes, lora_id)
 
-    def end(self, name: str, token_ids: Sequence[int] | None = None) -> None:
-        """A request sent to `name` ended; `token_ids` (prompt and output; None for an adapter's request) are now
-        in that replica's cache."""
+    def end(self, name: str, token_ids: Sequence[int] | None = None, lora_id: int = 0) -> None:
+        """A request sent to `name` ended; `token_ids` (prompt and output, computed with adapter `lora_id`; None:
+        not known whole) are now in that replica's cache."""
         state = self.replicas.get(name)
         if state is None:  # removed while the request was open
             return
@@ -170,7 +171,7 @@ class Router:
             raise RuntimeError(f"replica {name!r} has no request in flight to end")
         state.in_flight -= 1
         if token_ids is not None:
-            self.index.insert(name, token_ids)
+            self.index.insert(name, token_ids, lora_id=lora_id)
 
     # -- decisions ------------------------------------------------------------------------------
 
@@ -194,11 +195,9 @@ class Router:
             )
         loads = {name: self.load(name) for name in names}
         matched: dict[str, int] = {}
-        if lora_id and self.policy != "round-robin":
-            order, reason = self._adapter_order(names, loads, lora_id, self._turn_order(names))
-            self._cursor = (list(self.replicas).index(order[0]) + 1) % len(self.replicas)
-            return [Route(order[0], reason, 0), *(Route(name, "spill", 0) for name in order[1:])]
         if self.policy == "prefix-aware":
+            if hashes is None and lora_id:
+                hashes = self.index.block_hashes(token_ids, lora_id)
             limit = self._cacheable(len(token_ids))
             matched = {
                 name: min(tokens, limit)
@@ -206,7 +205,9 @@ class Router:
                 if name in loads
             }
         turn = self._turn_order(names)
-        if self.policy == "round-robin":
+        if lora_id and self.policy != "round-robin":
+            order, reason = self._adapter_order(names, loads, lora_id, matched, turn)
+        elif self.policy == "round-robin":
             order, reason = turn, "round_robin"
         elif self.policy == "least-loaded":
             order, reason = sorted(names, key=lambda n: (loads[n], turn.index(n))), "load"
@@ -235,11 +236,16 @@ class Router:
         return order, "balance" if best > chosen else "load"
 
     def _adapter_order(
-        self, names: list[str], loads: dict[str, float], lora_id: int, turn: list[str]
+        self, names: list[str], loads: dict[str, float], lora_id: int, matched: dict[str, int], turn: list[str]
     ) -> tuple[list[str], str]:
+        """Within the balance threshold, replicas that likely hold the adapter first, then (prefix-aware) the
+        longest prefix of the prompt cached for this adapter, then the lower load."""
         threshold = self._balance_threshold(loads)
         holds = {name for name in names if lora_id in self.replicas[name].adapters}
-        order = sorted(names, key=lambda n: (loads[n] > threshold, n not in holds, loads[n], turn.index(n)))
+        order = sorted(
+            names,
+            key=lambda n: (loads[n] > threshold, n not in holds, -matched.get(n, 0), loads[n], turn.index(n)),
+        )
         if order[0] in holds:
             return order, "adapter"
         return order, "balance" if holds else "load"
