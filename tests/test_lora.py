@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagerail import LLM, LoRARequest, SamplingParams
+from pagerail import LLM, BeamSearchParams, LoRARequest, SamplingParams
 from pagerail.cluster.bench.tiny_llama import write_tiny_llama
 from pagerail.cluster.bench.tiny_lora import ATTENTION, MLP, write_adapter
 from pagerail.cluster.core.engine_request import EngineRequest
@@ -34,6 +34,19 @@ def merged_greedy(model_dir: Path, adapter: Path | None, prompts: list[list[int]
 
 @functools.cache
 def _merged_greedy(model_dir: Path, adapter: Path | None, prompts: tuple[tuple[int, ...], ...]) -> tuple:
+    model = merged_model(model_dir, adapter)
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([list(prompt)])
+        generated = model.generate(
+            ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
+        )
+        outputs.append(tuple(generated[0, len(prompt) :].tolist()))
+    return tuple(outputs)
+
+
+def merged_model(model_dir: Path, adapter: Path | None):
+    """transformers' model with the adapter's B A × scaling added to each target weight."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -51,14 +64,7 @@ def _merged_greedy(model_dir: Path, adapter: Path | None, prompts: tuple[tuple[i
                 b = weights[name.replace(".lora_A.", ".lora_B.")]
                 target = name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
                 model.get_parameter(target).add_(scaling * (b @ a))
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([list(prompt)])
-        generated = model.generate(
-            ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
-        )
-        outputs.append(tuple(generated[0, len(prompt) :].tolist()))
-    return tuple(outputs)
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +239,9 @@ def test_adapters_are_served_by_model_name_over_http_and_grpc_and_load_and_unloa
             request = LoRARequest(name, lora_id, str(adapters[name]))
             offline[name] = llm.generate([prompt], params, lora_request=request)[0].outputs[0].text
         assert len(set(offline.values())) == 4, "each adapter must change the text"
+        every = LoRARequest("every", 1, str(adapters["every"]))
+        beam_params = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+        (beams,) = llm.beam_search([prompt], beam_params, lora_request=every)
         settings = FrontendSettings(
             "base",
             admin_api_key="admin",
@@ -255,6 +264,15 @@ def test_adapters_are_served_by_model_name_over_http_and_grpc_and_load_and_unloa
                 model="every", messages=[{"role": "user", "content": "hi"}], max_tokens=2
             )
             assert chat.model == "every"
+            # Beam search with the adapter, over HTTP and gRPC: the beams the engine gives offline.
+            beamed = api.completions.create(
+                model="every",
+                prompt=prompt,
+                max_tokens=4,
+                n=2,
+                extra_body={"use_beam_search": True, "ignore_eos": True},
+            )
+            assert [c.text for c in beamed.choices] == [s.text for s in beams.sequences]
             with grpc.insecure_channel(grpc_target) as channel:
                 stub = api_pb2_grpc.GenerationStub(channel)
                 message = api_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -262,6 +280,14 @@ def test_adapters_are_served_by_model_name_over_http_and_grpc_and_load_and_unloa
                     token_ids=api_pb2.TokenIds(ids=prompt), sampling_params=message, lora_name="attention"
                 )
                 assert "".join(r.text for r in stub.Generate(request)) == offline["attention"]
+                beam_request = api_pb2.GenerateRequest(
+                    token_ids=api_pb2.TokenIds(ids=prompt),
+                    sampling_params=api_pb2.SamplingParams(max_tokens=4, ignore_eos=True),
+                    beam_search=api_pb2.BeamSearch(beam_width=2),
+                    lora_name="every",
+                )
+                got = [list(r.token_ids) for r in stub.Generate(beam_request)]
+                assert got == [s.token_ids for s in beams.sequences]
                 # A streaming-input session with the adapter: the prompt in two chunks, the same text.
                 chunks = [
                     api_pb2.SessionRequest(
@@ -408,3 +434,31 @@ def test_a_rank_reports_adapters_read_dropped_and_failed(model_dir, adapters, tm
         slots.prefetch(2, str(adapters["attention"]))
         assert news(slots) == ([2], [], {})
         assert slots.num_loads == 0  # reads only: nothing was copied into a slot
+
+
+def test_beam_search_with_an_adapter_matches_transformers_merged(model_dir, adapters):
+    """LLM.beam_search with an adapter: the same beams, in the same order, as transformers' beam search on the
+    adapter merged into the base weights (and not the base model's beams)."""
+    every = LoRARequest("every", 1, str(adapters["every"]))
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    with LLM(str(model_dir), enable_lora=True, kv_cache_memory_bytes=16 << 20) as llm:
+        (with_adapter,) = llm.beam_search([PROMPTS[0]], params, lora_request=every)
+        (base,) = llm.beam_search([PROMPTS[0]], params)
+
+    def reference(adapter: Path | None) -> list[list[int]]:
+        model = merged_model(model_dir, adapter)
+        model.generation_config.eos_token_id = None
+        out = model.generate(
+            torch.tensor([PROMPTS[0]]),
+            num_beams=3,
+            num_return_sequences=3,
+            max_new_tokens=6,
+            do_sample=False,
+            early_stopping=False,
+            pad_token_id=0,
+        )
+        return out[:, len(PROMPTS[0]) :].tolist()
+
+    want = reference(adapters["every"])
+    assert [s.token_ids for s in with_adapter.sequences] == want
+    assert want != reference(None) and [s.token_ids for s in base.sequences] == reference(None)

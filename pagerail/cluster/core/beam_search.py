@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.common.lora import LoRARequest
 from pagerail.common.sampling_params import MAX_LOGPROBS, SamplingParams, check_int
 
 
@@ -86,9 +87,11 @@ async def beam_search(
     params: BeamSearchParams,
     request_id: str,
     eos_token_ids: frozenset[int] = frozenset(),
+    lora: LoRARequest | None = None,
 ) -> list[BeamSequence]:
-    """The `beam_width` best sequences after `prompt_ids`, best first. `eos_token_ids` end a beam (unless the
-    params ignore them); a beam's prompt plus output stays within the engine's context."""
+    """The `beam_width` best sequences after `prompt_ids`, best first, with LoRA adapter `lora` (None: the base
+    model). `eos_token_ids` end a beam (unless the params ignore them); a beam's prompt plus output stays within
+    the engine's context."""
     width = params.beam_width
     ends = frozenset() if params.ignore_eos else eos_token_ids
     # transformers keeps one more set of `width` candidates per end token, so enough non-ending ones go on.
@@ -106,7 +109,7 @@ async def beam_search(
     for step in range(max_tokens):
         generated = step + 1
         tops = await asyncio.gather(
-            *(_next_logprobs(engine, f"{request_id}-{step}-{n}", prompt_ids + beam.token_ids, step_params)
+            *(_next_logprobs(engine, f"{request_id}-{step}-{n}", prompt_ids + beam.token_ids, step_params, lora)
               for n, beam in enumerate(live))
         )  # fmt: skip
         candidates = sorted(
@@ -137,10 +140,12 @@ async def beam_search(
     return finished
 
 
-async def _next_logprobs(engine: EngineClient, request_id: str, sequence: list[int], params: SamplingParams) -> dict:
+async def _next_logprobs(
+    engine: EngineClient, request_id: str, sequence: list[int], params: SamplingParams, lora: LoRARequest | None
+) -> dict:
     """The engine's top logprobs for the token after `sequence`."""
     last = None
-    async for delta in engine.generate(EngineRequest(request_id, sequence, params, stream=False)):
+    async for delta in engine.generate(EngineRequest(request_id, sequence, params, stream=False, lora=lora)):
         last = delta
         if delta.top_logprobs:
             return delta.top_logprobs[0]

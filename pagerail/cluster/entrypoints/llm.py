@@ -155,10 +155,17 @@ class LLM:
             vectors = asyncio.run(pooled_vectors(self.engine_client, token_ids, pooling, request_id))
         return [finish_vector(vector, None, normalize) for vector in vectors]
 
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[BeamSearchOutput]:
         """Each prompt's `params.beam_width` best sequences by beam search (transformers' selection and length
-        penalty), best first; the prompts' beams run batched together, in prompt order."""
+        penalty), best first; the prompts' beams run batched together, in prompt order. `lora_request`: the LoRA
+        adapter every prompt runs with, or one per prompt (None: the base model)."""
         prompts = _as_prompt_list(prompts)
+        loras = _as_lora_list(lora_request, len(prompts))
         if self._shut_down:
             raise RuntimeError("this LLM was shut down; create a new one")
         if not isinstance(params, BeamSearchParams):
@@ -168,8 +175,8 @@ class LLM:
 
         async def search_all(engine) -> list:
             searches = (
-                beam_search(engine, ids, params, f"{request_id}-{n}", engine.eos_token_ids)
-                for n, ids in enumerate(token_ids)
+                beam_search(engine, ids, params, f"{request_id}-{n}", engine.eos_token_ids, lora)
+                for n, (ids, lora) in enumerate(zip(token_ids, loras, strict=True))
             )
             return list(await asyncio.gather(*searches))
 

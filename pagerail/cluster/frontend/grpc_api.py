@@ -223,10 +223,10 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         for name, value in refused.items():
             if value:
                 raise ValueError(f"sampling_params.{name} is not supported with beam_search; leave it out")
-        if request.HasField("best_of") or request.lora_name:
-            field = "best_of" if request.HasField("best_of") else "lora_name"
-            raise ValueError(f"{field} is not supported with beam_search; leave it out")
+        if request.HasField("best_of"):
+            raise ValueError("best_of is not supported with beam_search; leave it out")
         stream = self._new_stream(request)
+        stream.lora = self._adapter(request.lora_name)
         width = request.beam_search.beam_width
         penalty = request.beam_search.length_penalty if request.beam_search.HasField("length_penalty") else 1.0
         limit = self.engine.max_model_len - len(stream.prompt_ids)
@@ -237,7 +237,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         except ValueError as error:
             raise ValueError(f"beam_search.{error}") from None
         await context.send_initial_metadata((("request-id", stream.request_id),))
-        beams = await beam_search(self.engine, stream.prompt_ids, params, stream.engine_id, self.engine.eos_token_ids)
+        ends = self.engine.eos_token_ids
+        beams = await beam_search(self.engine, stream.prompt_ids, params, stream.engine_id, ends, stream.lora)
         for rank, beam in enumerate(beams):
             text = ""
             if stream.send_text and self.tokenizer is not None:

@@ -16,7 +16,7 @@ from pagerail.cluster.frontend.beam_choices import beam_choices
 from pagerail.cluster.frontend.chat import encode_prompt, render_chat
 from pagerail.cluster.frontend.chat_output import ChoiceOutput
 from pagerail.cluster.frontend.constraints import check_output_constraint
-from pagerail.cluster.frontend.errors import bad_request, check_model, from_value_error
+from pagerail.cluster.frontend.errors import check_model, from_value_error
 from pagerail.cluster.frontend.generation import ChoiceDelta, Usage, logprob_entries, stream_choices
 from pagerail.cluster.frontend.prompt_echo import Echo, completion_logprobs, prompt_logprobs_json
 from pagerail.cluster.frontend.protocol import ChatCompletionRequest, CompletionRequest
@@ -114,11 +114,6 @@ def _whole_response(
     )
 
 
-def _refuse_beams_with_adapter(body: CompletionRequest | ChatCompletionRequest, lora: LoRARequest | None) -> None:
-    if lora is not None and body.use_beam_search:
-        raise bad_request("use_beam_search is not supported with a LoRA adapter", "use_beam_search")
-
-
 # -- completions -----------------------------------------------------------------------------------
 
 
@@ -136,7 +131,6 @@ async def completions(
     `on_stream_end` runs once a streamed response's last event was sent (or its client left); `lora`: the adapter
     the request's `model` named (`served` is then its name)."""
     check_model(body.model, served)
-    _refuse_beams_with_adapter(body, lora)
     prompts = body.prompt_list()
     keep = _truncation(body)
     whole = [encode_prompt(tokenizer, prompt, engine.vocab_size) for prompt in prompts]
@@ -146,7 +140,7 @@ async def completions(
     engine_id = f"cmpl-{request_id}"
     if body.use_beam_search:
         usage = Usage()
-        beams = await beam_choices(engine, tokenizer, body, encoded, engine_id, usage)
+        beams = await beam_choices(engine, tokenizer, body, encoded, engine_id, usage, lora)
         width = body.n or 1
         choices = [
             {"index": number * width + rank, "text": beam.text, "logprobs": None, "finish_reason": beam.finish_reason}
@@ -336,7 +330,6 @@ async def chat_completions(
     `tool_call_parser` names the model's tool-call format (None: the one its chat template teaches);
     `on_stream_end` runs once a streamed response's last event was sent (or its client left); `lora`: the adapter
     the request's `model` named."""
-    _refuse_beams_with_adapter(body, lora)
     created = int(time.time())
     chat_id = f"chatcmpl-{label or request_id}"
     if body.use_beam_search:
@@ -344,7 +337,7 @@ async def chat_completions(
         prompt_ids = render_chat(tokenizer, body.messages, None)
         prompt_ids = truncate_prompt(prompt_ids, _truncation(body), engine.max_model_len)
         usage = Usage()
-        (beams,) = await beam_choices(engine, tokenizer, body, [prompt_ids], f"chatcmpl-{request_id}", usage)
+        (beams,) = await beam_choices(engine, tokenizer, body, [prompt_ids], f"chatcmpl-{request_id}", usage, lora)
         choices = [
             {
                 "index": rank,
