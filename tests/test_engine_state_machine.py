@@ -71,6 +71,7 @@ class EngineMachine(RuleBasedStateMachine):
         # Speculative decoding's lookahead (0: off): drafts kept whole, in part or not at all, their KV left behind.
         speculate=st.sampled_from([0, 0, 1, 3]),
         max_loras=st.integers(min_value=1, max_value=3),
+        scheduling_policy=st.sampled_from(["fcfs", "priority"]),
     )
     def start(
         self,
@@ -82,6 +83,7 @@ class EngineMachine(RuleBasedStateMachine):
         sliding_window: int | None,
         speculate: int,
         max_loras: int,
+        scheduling_policy: str,
     ) -> None:
         self.workers = FakeKVWorkers(num_blocks, BLOCK_SIZE, VOCAB, sliding_window=sliding_window)
         # The ranks keep as many adapters read as they have slots (--max-cpu-loras' default): with three adapters
@@ -95,6 +97,7 @@ class EngineMachine(RuleBasedStateMachine):
                 max_sessions=max_sessions,
                 session_idle_timeout_s=100.0,
                 async_scheduling=async_scheduling,
+                scheduling_policy=scheduling_policy,
             ),
             speculative_config={"method": "ngram", "num_speculative_tokens": speculate} if speculate else None,
             lora=LoRAConfig(enable_lora=True, max_loras=max_loras),
@@ -119,15 +122,26 @@ class EngineMachine(RuleBasedStateMachine):
         session=st.booleans(),
         # The base model, or one of three LoRA adapters: the same prompts must never share KV across them.
         lora_id=st.sampled_from([0, 0, 1, 2, 3]),
+        # Under the priority policy: admission order, preemption victims and urgent arrivals preempting running work.
+        priority=st.integers(-2, 2),
     )
-    def add(self, base: int, length: int, tail: list[int], max_tokens: int | None, session: bool, lora_id: int) -> None:
+    def add(
+        self,
+        base: int,
+        length: int,
+        tail: list[int],
+        max_tokens: int | None,
+        session: bool,
+        lora_id: int,
+        priority: int,
+    ) -> None:
         request_id = f"r{self.next_id}"
         self.next_id += 1
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=self.next_id % 3 != 0)
         lora = LoRARequest(f"adapter-{lora_id}", lora_id, ADAPTERS[lora_id]) if lora_id else None
         try:
             prompt = self._prompt(base, length, tail)
-            envelope = EngineRequest(request_id, prompt, params, final=not session, lora=lora)
+            envelope = EngineRequest(request_id, prompt, params, final=not session, lora=lora, priority=priority)
             request = self.engine.add_request(envelope)
         except (ValueError, QueueFullError):
             return
@@ -266,6 +280,9 @@ class EngineMachine(RuleBasedStateMachine):
         # No step may need more adapters than the ranks have slots for, nor one they have not read yet.
         assert len({r.lora_id for r in running if r.lora_id}) <= scheduler.max_loras
         assert not self.workers.unready_adapter_runs, "a request ran before its adapter's read ended"
+        if scheduler.by_priority:  # the order that makes the last running request the one a preemption takes
+            keys = [(r.priority, r.handle) for r in running]
+            assert keys == sorted(keys), "running requests out of (priority, arrival) order"
         # The offline loop skips its look at a step's requests when this counter says none of them ended.
         assert scheduler.stats.num_finished == sum(1 for r in self.all_requests if r.finished)
 

@@ -392,3 +392,13 @@ async def test_a_request_whose_replica_died_is_unavailable_not_internal():
             [r async for r in stub.Generate(token_request([1, 2], max_tokens=8))]
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value
         assert "replica r0 failed" in error.value.details()
+
+
+@async_test
+async def test_generate_carries_its_priority_to_every_choice():
+    engine = FakeEngineClient()
+    async with serve(engine) as channel:
+        request = token_request([1, 2, 3], max_tokens=2, n=2)
+        request.priority = -7
+        [response async for response in api_pb2_grpc.GenerationStub(channel).Generate(request)]
+    assert [r.priority for r in engine.requests] == [-7, -7]

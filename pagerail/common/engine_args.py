@@ -15,6 +15,7 @@ from pagerail.common.engine_config import (
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATIONS,
+    SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -133,6 +134,14 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         bool,
         "schedule and send step N+1 while step N runs on the ranks (off: strictly serial steps); default: on where "
         "the ranks run on GPUs or in processes of their own",
+    ),
+    EngineArg(
+        "scheduling_policy",
+        "scheduler",
+        str,
+        "fcfs: arrival order; priority: each request's priority (lower first, ties by arrival), the lowest "
+        "preempted first, and an arrival that outranks running work preempts it when the batch is full",
+        choices=SCHEDULING_POLICIES,
     ),
     EngineArg(
         "otlp_traces_endpoint",

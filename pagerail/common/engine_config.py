@@ -49,6 +49,9 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Token budget per step and limits on concurrency and context length."""
@@ -69,6 +72,10 @@ class SchedulerConfig:
     # ranks compute on GPUs or run in processes of their own (Ray worker actors, CPU included); off for a CPU
     # rank in the engine's own process, whose forward needs the engine's thread and every core.
     async_scheduling: bool | None = None
+    # "fcfs": waiting requests are admitted in arrival order, and a preemption takes the most recently admitted.
+    # "priority": by each request's priority (lower first; ties by arrival), a preemption takes the lowest priority,
+    # and an arrival that outranks running work preempts it when the batch is full.
+    scheduling_policy: str = "fcfs"
 
     @property
     def session_limit(self) -> int:
@@ -94,6 +101,8 @@ class SchedulerConfig:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if not (self.max_model_len is None or self.max_model_len >= 1):
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,10 @@ __all__ = ["POOLING_TYPES", "EngineRequest", "SiblingGroup"]
 POOLING_TYPES = ("last", "mean", "cls")
 
 
+# A request's priority: what gRPC's int32 carries, the same bounds on every API.
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
+
+
 @dataclass(frozen=True, slots=True)
 class SiblingGroup:
     """Names one of the `size` sibling choices (`n`) of one prompt: the router keeps siblings together."""
@@ -58,6 +62,8 @@ class EngineRequest:
     pooling: str | None = None
     # The LoRA adapter it runs with; None: the base model.
     lora: LoRARequest | None = None
+    # Under the priority scheduling policy, lower is served first (ties by arrival); ignored under fcfs.
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -89,6 +95,8 @@ class EngineRequest:
             raise ValueError(f"pooling must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
         if self.lora is not None and not isinstance(self.lora, LoRARequest):
             raise ValueError(f"lora must be a LoRARequest or None, got {type(self.lora).__name__}")
+        if type(self.priority) is not int or not MIN_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise ValueError(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
         if self.group is not None and not isinstance(self.group, SiblingGroup):
             raise ValueError(f"group must be a SiblingGroup or None, got {type(self.group).__name__}")
 

@@ -104,6 +104,7 @@ class Request:
     # Its LoRA adapter's id (0: the base model), and where its blocks' hash chain starts (each adapter its own).
     lora_id: int = field(init=False)
     root_hash: int = field(init=False)
+    priority: int = field(init=False)  # under the priority policy: lower first, ties by arrival (handle)
 
     def __post_init__(self) -> None:
         envelope = self.envelope
@@ -113,6 +114,7 @@ class Request:
         self.pooling = envelope.pooling is not None
         self.lora_id = envelope.lora.lora_int_id if envelope.lora is not None else 0
         self.root_hash = root_hash(self.lora_id)
+        self.priority = envelope.priority
         self.all_token_ids = [*envelope.prompt_token_ids, *self.output_token_ids]
         self.num_prompt_tokens = len(envelope.prompt_token_ids)
 

@@ -1,7 +1,14 @@
-"""Token-budget scheduler: each step, running requests first, then waiting ones; preempt when memory runs out."""
+"""Token-budget scheduler: each step, running requests first, then waiting ones; preempt when memory runs out.
+
+Under the priority policy both queues are kept in (priority, arrival) order, lower first: the running requests
+get the step's budget in that order and a preemption takes the last of them, the lowest priority; the waiting
+ones are admitted in that order; and an arrival that outranks the last running request preempts it while the
+batch has no room for the arrival (no sequence slot, or too few free blocks for its first chunk).
+"""
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
@@ -21,6 +28,11 @@ logger = logging.getLogger(__name__)
 NO_NEW_BLOCKS: list[int] = []
 
 
+def _urgency(request: Request) -> tuple[int, int]:
+    """The priority policy's order: lower priority value first, then earlier arrival (handles count up)."""
+    return request.priority, request.handle
+
+
 class Scheduler:
     """Decides, every step, which requests run and how many tokens each computes."""
 
@@ -35,6 +47,7 @@ class Scheduler:
         """`max_loras`: distinct LoRA adapters that may run at once (the ranks' device slots; 0: no adapters)."""
         self.config = config
         self.max_loras = max_loras
+        self.by_priority = config.scheduling_policy == "priority"
         # Adapters the ranks hold read (cluster/core/lora_readiness.py); a request for another waits, set aside.
         # None: every adapter counts as ready (an engine that does not track reads).
         self.lora_ready: set[int] | None = None
@@ -70,7 +83,7 @@ class Scheduler:
             if self.num_open_sessions >= limit:
                 raise QueueFullError(f"{limit} streaming-input sessions are already open (max_sessions); retry later")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
 
     def append_input(self, request_id: str, token_ids: list[int], final: bool) -> Request:
         """Next chunk of a streaming-input session. A chunk that would not fit is refused, the session unchanged."""
@@ -94,7 +107,7 @@ class Scheduler:
             request.num_computed_tokens -= 1
             request.needs_resync = True
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self._enqueue(request)
         return request
 
     def abort(self, request_id: str, stopped: bool = False) -> Request | None:
@@ -119,7 +132,7 @@ class Scheduler:
         for request in reversed(self.running):
             request.num_computed_tokens = 0
             request.status = RequestStatus.PREEMPTED
-            self.waiting.appendleft(request)
+            self._enqueue(request, front=True)
         self.running.clear()
         for request in self.requests.values():
             request.num_computed_tokens = 0
@@ -156,6 +169,8 @@ class Scheduler:
         if self.pause_mode is PauseMode.ALL:
             return out
         budget = self.config.max_num_batched_tokens
+        if self.by_priority and self.waiting and self.running and self.pause_mode is PauseMode.NONE:
+            self._preempt_for_priority(out)
         budget = self._schedule_running(out, budget)
         preempted_running = any(r.status is RequestStatus.PREEMPTED for r in out.preempted)
         if not preempted_running and self.pause_mode is PauseMode.NONE:
@@ -338,7 +353,10 @@ class Scheduler:
             if admitted:
                 self.stats.num_prefix_query_tokens += request.num_tokens
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if self.by_priority:
+                bisect.insort(self.running, request, key=_urgency)
+            else:
+                self.running.append(request)
             if cached or hosted:
                 self.stats.record_hit(request, len(hosted) * self.block_table.block_size)
             # A new or resumed request gets its whole block list; a session chunk only the new blocks.
@@ -547,7 +565,42 @@ class Scheduler:
         self._take_blocks(request)
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        """Into the waiting queue: at its (priority, arrival) place under the priority policy; else at the back, or
+        at the front (`front`: a request that ran before, ahead of those that never did)."""
+        if self.by_priority:
+            waiting = self.waiting
+            waiting.insert(bisect.bisect_right(waiting, _urgency(request), key=_urgency), request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """The most urgent waiting request outranks the least urgent running one and the batch has no room for it
+        (no sequence slot, or too few free blocks for its first chunk): preempt running requests of lower priority,
+        least urgent first, until it has room. It is admitted from the next step on (a step that preempted admits
+        nobody)."""
+        head = self.waiting[0]
+        if head.num_inflight_tokens or head.num_pending_samples:
+            return  # preempted with a step in flight: it resumes once that step answered
+        if head.lora_id and self.lora_ready is not None and head.lora_id not in self.lora_ready:
+            return  # its adapter is still being read: it could not run yet anyway
+        limit = self.config.max_num_seqs
+        if self.admission_cap is not None:
+            limit = min(limit, self.admission_cap)
+        chunk = min(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)
+        needed = self.block_table.num_blocks_needed(head.request_id, head.num_computed_tokens + chunk)
+        running = self.running
+        while running and (len(running) >= limit or self.block_table.num_free_blocks < needed):
+            victim = running[-1]
+            if victim.priority <= head.priority or victim.pooling:
+                return  # nothing less urgent to take room from (a pooling request is never preempted)
+            running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
 
     def _take_blocks(self, request: Request) -> None:
         """Free a request's blocks; it recomputes its tokens (from the prefix cache where it can) when it runs."""

@@ -94,10 +94,13 @@ class ClusterClient:
         params: Sequence[SamplingParams],
         tokenizer: Any,
         loras: Sequence[LoRARequest | None] | None = None,
+        priorities: Sequence[int] | None = None,
     ) -> None:
-        """Generate every prompt's choices at once (prompt i with adapter loras[i]), filling `outputs` in place."""
+        """Generate every prompt's choices at once (prompt i with adapter loras[i] at priorities[i]), filling
+        `outputs` in place."""
         try:
-            self._loop.run(self._run(outputs, params, tokenizer, loras or [None] * len(outputs)))
+            count = len(outputs)
+            self._loop.run(self._run(outputs, params, tokenizer, loras or [None] * count, priorities or [0] * count))
         except ray.exceptions.RayActorError as error:
             raise HeadUnavailableError(
                 "the head actor died with requests in flight; it is being restarted, retry the requests"
@@ -109,10 +112,11 @@ class ClusterClient:
         params: Sequence[SamplingParams],
         tokenizer: Any,
         loras: Sequence[LoRARequest | None],
+        priorities: Sequence[int],
     ) -> None:
-        async def one(output: RequestOutput, sp: SamplingParams, lora: LoRARequest | None) -> None:
+        async def one(output: RequestOutput, sp: SamplingParams, lora: LoRARequest | None, priority: int) -> None:
             prompt = output.prompt_token_ids
-            choices = stream_choices(self.client, tokenizer, output.request_id, prompt, sp, Usage(), lora)
+            choices = stream_choices(self.client, tokenizer, output.request_id, prompt, sp, Usage(), lora, priority)
             async for choice in choices:
                 append_choice(output, choice)
 
@@ -120,8 +124,8 @@ class ClusterClient:
         # that failure itself (bad input stays a ValueError), not the group wrapping it.
         try:
             async with asyncio.TaskGroup() as group:
-                for output, sp, lora in zip(outputs, params, loras, strict=True):
-                    group.create_task(one(output, sp, lora))
+                for output, sp, lora, priority in zip(outputs, params, loras, priorities, strict=True):
+                    group.create_task(one(output, sp, lora, priority))
         except BaseExceptionGroup as failures:
             raise failures.exceptions[0] from None
 

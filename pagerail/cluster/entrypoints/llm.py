@@ -16,6 +16,7 @@ from pagerail.cluster.core.async_engine import AsyncEngine, OutputBatch
 from pagerail.cluster.core.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagerail.cluster.core.embedding import finish_vector, pooled_vectors
 from pagerail.cluster.core.engine import EngineCore
+from pagerail.cluster.core.engine_request import MAX_PRIORITY, MIN_PRIORITY
 from pagerail.cluster.core.local_client import LocalEngineClient
 from pagerail.cluster.core.model_info import read_model_info
 from pagerail.cluster.core.outputs import CompletionOutput, RequestOutput
@@ -115,10 +116,13 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched together; outputs come back in prompt order. `lora_request`: the
-        LoRA adapter every prompt runs with, or one per prompt (None: the base model)."""
+        LoRA adapter every prompt runs with, or one per prompt (None: the base model). `priority`: every prompt's,
+        or one per prompt, under scheduling_policy="priority" (lower first; ignored under fcfs)."""
         prompts = _as_prompt_list(prompts)
+        priorities = _as_priority_list(priority, len(prompts))
         if self._shut_down:
             raise RuntimeError("this LLM was shut down; create a new one")
         params_list = [with_bad_words(sp, self.tokenizer) for sp in _as_params_list(params, len(prompts))]
@@ -131,9 +135,9 @@ class LLM:
             output.outputs = [CompletionOutput(index, "", [], None) for index in range(sp.n)]
             outputs.append(output)
         if self._cluster is not None:
-            self._cluster.run(outputs, params_list, self.tokenizer, loras)
+            self._cluster.run(outputs, params_list, self.tokenizer, loras, priorities)
         else:
-            self._run_in_process(outputs, params_list, loras)
+            self._run_in_process(outputs, params_list, loras, priorities)
         return outputs
 
     def embed(
@@ -259,14 +263,17 @@ class LLM:
         outputs: list[RequestOutput],
         params_list: list[SamplingParams],
         loras: Sequence[LoRARequest | None] | None = None,
+        priorities: Sequence[int] | None = None,
     ) -> None:
         """Submit every choice to the engine loop and fold its deltas in as each step hands them over."""
         sink = _QueueSink()
         choices: dict[int, tuple[str, RequestOutput, ChoiceState]] = {}
-        for output, sp, lora in zip(outputs, params_list, loras or [None] * len(outputs), strict=True):
+        loras = loras or [None] * len(outputs)
+        priorities = priorities or [0] * len(outputs)
+        for output, sp, lora, priority in zip(outputs, params_list, loras, priorities, strict=True):
             # Only stop strings need the output as it grows; otherwise it is read once, at the end.
             prompt = output.prompt_token_ids
-            children = fan_out(output.request_id, prompt, sp, stream=bool(sp.stop), lora=lora)
+            children = fan_out(output.request_id, prompt, sp, stream=bool(sp.stop), lora=lora, priority=priority)
             for index, request in enumerate(children):
                 state = ChoiceState(self.tokenizer, output.prompt_token_ids, sp, index, incremental=False)
                 key = len(choices)
@@ -343,6 +350,18 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, co
     if len(params) != count:
         raise ValueError(f"params must be one SamplingParams or one per prompt ({count}), got {len(params)}")
     return params
+
+
+def _as_priority_list(priority: int | Sequence[int] | None, count: int) -> list[int]:
+    if priority is None:
+        return [0] * count
+    priorities = [priority] * count if isinstance(priority, int) and not isinstance(priority, bool) else list(priority)
+    if len(priorities) != count:
+        raise ValueError(f"priority must be one int or one per prompt ({count}), got {len(priorities)}")
+    for value in priorities:
+        if type(value) is not int or not MIN_PRIORITY <= value <= MAX_PRIORITY:
+            raise ValueError(f"priority must be integers in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {value!r}")
+    return priorities
 
 
 def _as_lora_list(lora: LoRARequest | Sequence[LoRARequest | None] | None, count: int) -> list[LoRARequest | None]:

@@ -94,14 +94,15 @@ def stream_choices(
     params: SamplingParams,
     usage: Usage,
     lora: LoRARequest | None = None,
+    priority: int = 0,
 ) -> AsyncIterator[ChoiceDelta]:
-    """All n choices of one prompt (run with adapter `lora`), interleaved as they arrive. Each choice is its own
-    engine request."""
+    """All n choices of one prompt (run with adapter `lora`, at scheduling `priority`), interleaved as they
+    arrive. Each choice is its own engine request."""
     usage.prompt_tokens += len(prompt_ids)
     span = trace.get_current_span()
     tracing.annotate_adapter(span, lora)
     carrier = tracing.engine_carrier(span)
-    children = fan_out(request_id, prompt_ids, params, trace_context=carrier, lora=lora)
+    children = fan_out(request_id, prompt_ids, params, trace_context=carrier, lora=lora, priority=priority)
     if len(children) == 1:  # the choice's own stream: no generator in between for every chunk to pass
         return stream_choice(engine, tokenizer, children[0], 0, usage)
     return _interleaved_choices(engine, tokenizer, children, usage)

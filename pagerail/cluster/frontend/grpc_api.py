@@ -83,6 +83,7 @@ class _Stream:
     params: SamplingParams
     send_text: bool
     lora: LoRARequest | None = None  # the adapter its lora_name picked
+    priority: int = 0  # its scheduling priority (Generate's priority field)
     choices: list[_Choice] = field(default_factory=list)  # one per `n`, made when the stream starts
     # (choice, RequestDelta), or the exception that ended the call.
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -127,6 +128,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                     return
                 stream = self._new_stream(request)
                 stream.lora = self._adapter(request.lora_name)
+                stream.priority = request.priority
                 tracing.annotate_adapter(span, stream.lora)
                 best_of = self._best_of(request, stream)
                 # Compiled against the tokenizer before anything is queued: a bad constraint never reaches the engine.
@@ -349,7 +351,13 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         carrier = tracing.engine_carrier(stream.span)
         final = feed is None
         children = fan_out(
-            stream.engine_id, stream.prompt_ids, stream.params, final=final, trace_context=carrier, lora=stream.lora
+            stream.engine_id,
+            stream.prompt_ids,
+            stream.params,
+            final=final,
+            trace_context=carrier,
+            lora=stream.lora,
+            priority=stream.priority,
         )
         stream.choices = [_Choice(index, child) for index, child in enumerate(children)]
         self._streams[key] = stream

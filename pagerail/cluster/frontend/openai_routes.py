@@ -161,7 +161,7 @@ async def completions(
     usage = Usage()
     streams = []
     for number, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
-        stream = stream_choices(engine, tokenizer, f"{engine_id}-{number}", ids, sp, usage, lora)
+        stream = stream_choices(engine, tokenizer, f"{engine_id}-{number}", ids, sp, usage, lora, body.priority or 0)
         streams.append(await _started(number * sp.n, stream))
     # With echo, each prompt's text (and its scored tokens) comes first in each of its choices.
     echoes = None
@@ -310,7 +310,10 @@ async def start_chat(
     annotate_request(trace.get_current_span(), response_id, body.model or served, params)
     usage = Usage()
     stream = await _started(
-        0, stream_choices(engine, tokenizer, f"chatcmpl-{request_id}", prompt_ids, params, usage, lora)
+        0,
+        stream_choices(
+            engine, tokenizer, f"chatcmpl-{request_id}", prompt_ids, params, usage, lora, body.priority or 0
+        ),
     )
     return ChatRun(stream, output, usage, prompt_ids)
 

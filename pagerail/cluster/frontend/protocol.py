@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pagerail.cluster.core.beam_search import BeamSearchParams
+from pagerail.cluster.core.engine_request import MAX_PRIORITY, MIN_PRIORITY
 from pagerail.cluster.frontend.errors import from_value_error
 from pagerail.cluster.frontend.output_format import ConstrainedOutputFields
 from pagerail.cluster.frontend.tool_choice import (
@@ -78,6 +79,8 @@ class _SamplingRequest(ConstrainedOutputFields):
     # vLLM's: the n best of n beams (whole responses at temperature 0), ranked with this length penalty.
     use_beam_search: bool | None = False
     length_penalty: float | None = None
+    # vLLM's: under --scheduling-policy priority, lower is served first (ties by arrival); ignored under fcfs.
+    priority: int | None = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
 
     @field_validator("stop", mode="before")
     @classmethod
