@@ -116,6 +116,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("PAGERAIL_ADMIN_API_KEY"),
         help="opens /pause and /resume, which are off without it (or PAGERAIL_ADMIN_API_KEY)",
     )
+    parser.add_argument(
+        "--tenants",
+        default=None,
+        help="YAML file of tenants: their API keys, fair-share weight, max_concurrency, tokens_per_minute and default "
+        "priority (docs/serving.md); other keys are the tenant `default`",
+    )
     parser.add_argument("--grpc-tls-cert", default=None, help="PEM certificate chain: the gRPC port speaks TLS only")
     parser.add_argument("--grpc-tls-key", default=None, help="PEM private key of --grpc-tls-cert")
     parser.add_argument(
@@ -239,6 +245,7 @@ def serve(args: argparse.Namespace) -> int:
     from pagerail.cluster.distributed.launcher import HeadLauncher, connect, start_heads, stop_head, uses_gpu
     from pagerail.cluster.frontend.actor import FrontendActor
     from pagerail.cluster.frontend.settings import FrontendSettings, LoRASettings
+    from pagerail.cluster.frontend.tenants import NO_TENANTS, TenantsFileError, load_tenants
     from pagerail.cluster.routing.replica_pool import ReplicaSettings
     from pagerail.common.model_source import resolve_model_dir
     from pagerail.common.sampling_params import SamplingParams
@@ -249,6 +256,10 @@ def serve(args: argparse.Namespace) -> int:
     if args.lora_modules and not config.lora.enable_lora:
         raise SystemExit("--lora-modules needs --enable-lora")
     grpc_tls = grpc_tls_from_args(args)  # read here: the frontend may run on a node without these files
+    try:
+        tenants = load_tenants(args.tenants) if args.tenants else NO_TENANTS
+    except TenantsFileError as error:
+        raise SystemExit(str(error)) from None
     # Actors started by this process inherit the environment, so every process logs the same way.
     os.environ[LOG_FORMAT_ENV] = args.log_format
     configure_logging(args.log_format)
@@ -321,6 +332,7 @@ def serve(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         lora=LoRASettings(config.lora.max_lora_rank, tuple(args.lora_modules)) if config.lora.enable_lora else None,
         pooling=read_pooling_config(model_dir, config.runner, config.convert, config.pooler_config),
+        tenants=tenants,
     )
     frontend = (
         ray.remote(FrontendActor)

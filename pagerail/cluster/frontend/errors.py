@@ -90,6 +90,11 @@ def overloaded(retry_after_s: float) -> APIError:
     )
 
 
+def over_quota(message: str, retry_after_s: float) -> APIError:
+    """429 for one tenant's request over its own quota (the server itself may have room)."""
+    return APIError(429, message, "rate_limit_error", code="rate_limit_exceeded", retry_after_s=retry_after_s)
+
+
 def unavailable(message: str, retry_after_s: float | None = None) -> APIError:
     return APIError(503, message, "server_error", code="service_unavailable", retry_after_s=retry_after_s)
 

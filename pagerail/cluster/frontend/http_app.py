@@ -45,6 +45,7 @@ from pagerail.cluster.frontend.protocol import (
 from pagerail.cluster.frontend.responses_api import ResponsesRequest, ResponseStore, not_found_response
 from pagerail.cluster.frontend.scoring import ClassifyRequest, PoolingRequest, RerankRequest, ScoreRequest
 from pagerail.cluster.frontend.settings import FrontendSettings
+from pagerail.cluster.frontend.tenant_quotas import MeteredEngine, TenantQuotas
 from pagerail.cluster.frontend.tracing import traced_http
 from pagerail.common.auth import bearer_matches
 
@@ -83,6 +84,8 @@ class ServerState:
     responses: ResponseStore = field(default_factory=ResponseStore)
     # The LoRA adapters served by name; None when the engine serves none.
     lora_modules: LoRAModules | None = None
+    # Each tenant's requests in flight and tokens of the last minute, against its quotas.
+    quotas: TenantQuotas = field(default_factory=TenantQuotas)
 
     def __post_init__(self) -> None:
         lora = self.settings.lora
@@ -228,15 +231,25 @@ def create_app(state: ServerState) -> FastAPI:
             if route not in _ADAPTER_ROUTES:
                 raise bad_request(f"model {body.model!r} is a LoRA adapter; this route serves the base model", "model")
             served, options["lora"] = body.model, adapters.get(body.model)
+        tenant = state.settings.tenants.of_key(_bearer_key(request))
+        if (
+            tenant.priority is not None
+            and "priority" in type(body).model_fields
+            and "priority" not in body.model_fields_set
+        ):
+            body.priority = tenant.priority  # the tenant's default, where the request names none
+        state.quotas.enter(tenant)  # 429 for this tenant's requests only, over its quotas
 
         def left() -> None:
             state.in_flight -= 1
+            state.quotas.leave(tenant)
 
         state.in_flight += 1
+        engine = state.engine if tenant.tokens_per_minute is None else MeteredEngine(state.engine, tenant, state.quotas)
         try:
             route_call = route(
                 body,
-                state.engine,
+                engine,
                 state.tokenizer,
                 served,
                 *ids,
@@ -493,6 +506,14 @@ def _adapters(state: ServerState) -> LoRAModules:
     if state.lora_modules is None:
         raise bad_request("this server was started without --enable-lora", "lora_name")
     return state.lora_modules
+
+
+def _bearer_key(request: Request) -> str | None:
+    """The key a request carries: `Authorization: Bearer <key>`, or Anthropic's `x-api-key`."""
+    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("x-api-key") or None
 
 
 def _check_key(state: ServerState, path: str, header: str) -> None:

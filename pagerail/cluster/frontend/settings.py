@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagerail.cluster.frontend.lora_modules import LoRAModule
+from pagerail.cluster.frontend.tenants import NO_TENANTS, Tenants
 from pagerail.cluster.frontend.tool_calls import TOOL_CALL_PARSERS
 from pagerail.common.pooling_config import PoolingConfig
 from pagerail.common.tls import ServerTls
@@ -47,6 +48,9 @@ class FrontendSettings:
     # LoRA adapters: None when the engine serves none (--enable-lora off), else the engine's settings and the
     # adapters served from the start (--lora-modules).
     lora: LoRASettings | None = None
+    # Tenants (--tenants): which key belongs to whom, with shares, quotas and default priorities; by default one
+    # tenant, `default`, without limits.
+    tenants: Tenants = NO_TENANTS
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:

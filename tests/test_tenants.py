@@ -1,0 +1,176 @@
+"""Tenants: the --tenants file read and refused with its line and field, keys mapped to tenants (any other key, or
+none, to `default`), per-tenant quotas (429 for the tenant over its concurrency or tokens per minute, nobody else)
+and a tenant's default priority, through the HTTP API over the fake engine."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from pagerail.cluster.frontend.errors import APIError
+from pagerail.cluster.frontend.http_app import ServerState, create_app
+from pagerail.cluster.frontend.settings import FrontendSettings
+from pagerail.cluster.frontend.tenant_quotas import TenantQuotas
+from pagerail.cluster.frontend.tenants import Tenant, TenantsFileError, load_tenants, parse_tenants
+from tests.fake_engine import FakeEngineClient
+from tests.http_server import BackgroundServer
+
+GOOD = """\
+tenants:
+  - name: chat
+    api_keys: [sk-chat-1, sk-chat-2]
+    weight: 4
+    max_concurrency: 1
+    priority: -1
+  - name: batch
+    api_keys: ["sk-batch"]
+    weight: 0.5
+    tokens_per_minute: 30
+  - name: default
+    priority: 3
+"""
+
+
+def test_keys_map_to_their_tenant_and_every_other_key_to_default():
+    tenants = parse_tenants(GOOD)
+    assert tenants.of_key("sk-chat-2") == Tenant("chat", 4.0, 1, None, -1)
+    assert tenants.of_key("sk-batch") == Tenant("batch", 0.5, None, 30, None)
+    assert (
+        tenants.of_key("sk-unknown")
+        == tenants.of_key(None)
+        == tenants.of_key("")
+        == Tenant("default", 1.0, None, None, 3)
+    )
+    assert parse_tenants("tenants: []").default == Tenant("default")
+
+
+BAD_FILES = [
+    # (file text, its line, what the message must name)
+    ("tenants: [", 1, "not valid YAML"),
+    ("- a\n- b\n", None, "mapping with a `tenants` list"),
+    ("tenant: []\n", 1, "unknown top-level key 'tenant'"),
+    ("tenants: {name: a}\n", 1, "tenants must be a list"),
+    ("tenants:\n  - api_keys: [k]\n", 2, "tenants[0].name is missing"),
+    ("tenants:\n  - name: 'a b'\n    api_keys: [k]\n", 2, "tenants[0].name must be"),
+    ("tenants:\n  - {name: a, api_keys: [k]}\n  - {name: a, api_keys: [j]}\n", 3, "tenant 'a' is already defined"),
+    ("tenants:\n  - name: a\n    api_keys: k\n", 3, "tenants[0].api_keys must be a list"),
+    ("tenants:\n  - name: a\n    api_keys: ['']\n", 3, "tenants[0].api_keys[0] must be a non-empty string"),
+    ("tenants:\n  - {name: a, api_keys: [k]}\n  - name: b\n    api_keys: [j, k]\n", 4, "already belongs to 'a'"),
+    ("tenants:\n  - name: a\n    api_keys: [k]\n    weight: heavy\n", 4, "tenants[0].weight must be a number"),
+    ("tenants:\n  - name: a\n    api_keys: [k]\n    weight: 0\n", 4, "tenants[0].weight must be a number > 0"),
+    ("tenants:\n  - name: a\n    api_keys: [k]\n    max_concurrency: 0\n", 4, "tenants[0].max_concurrency"),
+    ("tenants:\n  - name: a\n    api_keys: [k]\n    tokens_per_minute: 1.5\n", 4, "tenants[0].tokens_per_minute"),
+    ("tenants:\n  - name: a\n    api_keys: [k]\n    priority: 9999999999\n", 4, "tenants[0].priority"),
+    ("tenants:\n  - name: a\n    api_keys: [k]\n    wieght: 2\n", 4, "unknown field 'wieght'"),
+    ("tenants:\n  - name: default\n    api_keys: [k]\n", 3, "the default tenant takes every other key"),
+    ("tenants:\n  - name: a\n", 2, "tenants[0].api_keys must list at least one key"),
+]
+
+
+@pytest.mark.parametrize(("text", "line", "named"), BAD_FILES, ids=[case[2] for case in BAD_FILES])
+def test_a_malformed_tenants_file_is_refused_naming_the_line_and_the_field(tmp_path, text, line, named):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(text)
+    with pytest.raises(TenantsFileError) as refused:
+        load_tenants(path)
+    message = str(refused.value)
+    assert str(path) in message and named in message, message
+    if line is not None:
+        assert f"line {line}:" in message, message
+
+
+def test_a_missing_tenants_file_is_refused(tmp_path):
+    with pytest.raises(TenantsFileError, match="cannot read"):
+        load_tenants(tmp_path / "nowhere.yaml")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_quotas_refuse_the_tenant_over_them_and_nobody_else():
+    clock = Clock()
+    quotas = TenantQuotas(clock)
+    busy, metered, other = Tenant("busy", max_concurrency=2), Tenant("metered", tokens_per_minute=100), Tenant("x")
+    quotas.enter(busy)
+    quotas.enter(busy)
+    with pytest.raises(APIError, match="max_concurrency") as refused:
+        quotas.enter(busy)
+    assert refused.value.retry_after_s >= 1
+    for _ in range(50):
+        quotas.enter(other)  # no limits: never refused
+    quotas.leave(busy)
+    quotas.enter(busy)  # room again once one ended
+    quotas.enter(metered)
+    quotas.count(metered, 60)
+    clock.now += 30
+    quotas.count(metered, 50)
+    quotas.leave(metered)
+    with pytest.raises(APIError, match="tokens per minute") as refused:
+        quotas.enter(metered)
+    # The first 60 tokens leave the window 30 s from now, which brings it under the rate.
+    assert refused.value.retry_after_s == pytest.approx(30.0)
+    clock.now += 30.5
+    quotas.enter(metered)
+    assert quotas.tokens_used(metered) == 50
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    engine = FakeEngineClient(model_name="fake", max_model_len=256, vocab_size=len(tokenizer), step_delay_s=0.01)
+    settings = FrontendSettings("fake", tenants=parse_tenants(GOOD))
+    with BackgroundServer(create_app(ServerState(engine, tokenizer, settings))) as base_url:
+        yield base_url, engine
+
+
+def _completion(base_url: str, key: str | None, **extra) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body = {"model": "fake", "prompt": "hello", "max_tokens": 4, **extra}
+    return httpx.post(base_url + "/v1/completions", json=body, headers=headers, timeout=30)
+
+
+def test_a_tenant_at_its_concurrency_gets_429_while_others_are_served(server):
+    base_url, engine = server
+    engine.paused = True  # the first request of `chat` stays in flight
+    first = threading.Thread(target=_completion, args=(base_url, "sk-chat-1"))
+    first.start()
+    try:
+        for _ in range(500):
+            if any(request.priority == -1 for request in engine.requests):
+                break
+            threading.Event().wait(0.01)
+        refused = _completion(base_url, "sk-chat-2")
+        assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+        assert "max_concurrency" in refused.json()["error"]["message"]
+        engine.paused = False
+        assert _completion(base_url, "sk-batch").status_code == 200  # another tenant: served
+        assert _completion(base_url, None).status_code == 200
+    finally:
+        engine.paused = False
+        first.join(timeout=30)
+    assert _completion(base_url, "sk-chat-1").status_code == 200  # its request ended: room again
+
+
+def test_a_tenants_default_priority_applies_unless_the_request_names_one(server):
+    base_url, engine = server
+    for key, extra, expected in (("sk-chat-1", {}, -1), ("sk-chat-1", {"priority": 7}, 7), ("nobody", {}, 3)):
+        assert _completion(base_url, key, **extra).status_code == 200
+        assert engine.requests[-1].priority == expected
+
+
+def test_tokens_per_minute_counts_prompt_and_output_and_refuses_past_it(server):
+    base_url, _ = server
+    # 30 tokens a minute: one request (its prompt and 40 output tokens) uses more than all of it.
+    assert _completion(base_url, "sk-batch", max_tokens=40, ignore_eos=True).status_code == 200
+    refused = _completion(base_url, "sk-batch")
+    assert refused.status_code == 429 and "tokens per minute" in refused.json()["error"]["message"]
+    assert _completion(base_url, "sk-chat-1").status_code == 200
