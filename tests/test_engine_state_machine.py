@@ -72,6 +72,7 @@ class EngineMachine(RuleBasedStateMachine):
         speculate=st.sampled_from([0, 0, 1, 3]),
         max_loras=st.integers(min_value=1, max_value=3),
         scheduling_policy=st.sampled_from(["fcfs", "priority"]),
+        fairness=st.sampled_from(["none", "vtc"]),
     )
     def start(
         self,
@@ -84,6 +85,7 @@ class EngineMachine(RuleBasedStateMachine):
         speculate: int,
         max_loras: int,
         scheduling_policy: str,
+        fairness: str,
     ) -> None:
         self.workers = FakeKVWorkers(num_blocks, BLOCK_SIZE, VOCAB, sliding_window=sliding_window)
         # The ranks keep as many adapters read as they have slots (--max-cpu-loras' default): with three adapters
@@ -98,6 +100,7 @@ class EngineMachine(RuleBasedStateMachine):
                 session_idle_timeout_s=100.0,
                 async_scheduling=async_scheduling,
                 scheduling_policy=scheduling_policy,
+                fairness=fairness,
             ),
             speculative_config={"method": "ngram", "num_speculative_tokens": speculate} if speculate else None,
             lora=LoRAConfig(enable_lora=True, max_loras=max_loras),
@@ -124,6 +127,8 @@ class EngineMachine(RuleBasedStateMachine):
         lora_id=st.sampled_from([0, 0, 1, 2, 3]),
         # Under the priority policy: admission order, preemption victims and urgent arrivals preempting running work.
         priority=st.integers(-2, 2),
+        # Under fair share: three tenants of different weights.
+        tenant=st.sampled_from(["default", "light", "heavy"]),
     )
     def add(
         self,
@@ -134,6 +139,7 @@ class EngineMachine(RuleBasedStateMachine):
         session: bool,
         lora_id: int,
         priority: int,
+        tenant: str,
     ) -> None:
         request_id = f"r{self.next_id}"
         self.next_id += 1
@@ -141,7 +147,11 @@ class EngineMachine(RuleBasedStateMachine):
         lora = LoRARequest(f"adapter-{lora_id}", lora_id, ADAPTERS[lora_id]) if lora_id else None
         try:
             prompt = self._prompt(base, length, tail)
-            envelope = EngineRequest(request_id, prompt, params, final=not session, lora=lora, priority=priority)
+            weight = {"default": 1.0, "light": 0.5, "heavy": 3.0}[tenant]
+            envelope = EngineRequest(
+                request_id, prompt, params, final=not session, lora=lora, priority=priority, tenant=tenant,
+                tenant_weight=weight,
+            )  # fmt: skip
             request = self.engine.add_request(envelope)
         except (ValueError, QueueFullError):
             return

@@ -160,11 +160,13 @@ def test_a_tenant_at_its_concurrency_gets_429_while_others_are_served(server):
     assert _completion(base_url, "sk-chat-1").status_code == 200  # its request ended: room again
 
 
-def test_a_tenants_default_priority_applies_unless_the_request_names_one(server):
+def test_a_tenants_default_priority_applies_unless_the_request_names_one_and_its_name_and_weight_travel(server):
     base_url, engine = server
-    for key, extra, expected in (("sk-chat-1", {}, -1), ("sk-chat-1", {"priority": 7}, 7), ("nobody", {}, 3)):
+    cases = (("sk-chat-1", {}, -1, "chat", 4.0), ("sk-chat-1", {"priority": 7}, 7, "chat", 4.0))
+    for key, extra, priority, tenant, weight in (*cases, ("nobody", {}, 3, "default", 1.0)):
         assert _completion(base_url, key, **extra).status_code == 200
-        assert engine.requests[-1].priority == expected
+        sent = engine.requests[-1]
+        assert (sent.priority, sent.tenant, sent.tenant_weight) == (priority, tenant, weight)
 
 
 def test_tokens_per_minute_counts_prompt_and_output_and_refuses_past_it(server):

@@ -12,6 +12,7 @@ from typing import Any
 from pagerail.common.engine_config import (
     DEVICES,
     DTYPES,
+    FAIRNESS_POLICIES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATIONS,
@@ -142,6 +143,14 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         "fcfs: arrival order; priority: each request's priority (lower first, ties by arrival), the lowest "
         "preempted first, and an arrival that outranks running work preempts it when the batch is full",
         choices=SCHEDULING_POLICIES,
+    ),
+    EngineArg(
+        "fairness",
+        "scheduler",
+        str,
+        "vtc: among waiting requests of equal priority, admit from the tenant (--tenants) given the fewest weighted "
+        "tokens so far; none: queue order",
+        choices=FAIRNESS_POLICIES,
     ),
     EngineArg(
         "otlp_traces_endpoint",

@@ -50,6 +50,7 @@ class CacheConfig:
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+FAIRNESS_POLICIES = ("none", "vtc")
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class SchedulerConfig:
     # "priority": by each request's priority (lower first; ties by arrival), a preemption takes the lowest priority,
     # and an arrival that outranks running work preempts it when the batch is full.
     scheduling_policy: str = "fcfs"
+    # "vtc": among waiting requests of equal priority, admit from the tenant given the fewest weighted tokens so far
+    # (the Virtual Token Counter); "none": by queue order alone.
+    fairness: str = "none"
 
     @property
     def session_limit(self) -> int:
@@ -101,6 +105,8 @@ class SchedulerConfig:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if not (self.max_model_len is None or self.max_model_len >= 1):
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.fairness not in FAIRNESS_POLICIES:
+            raise ValueError(f"fairness must be one of {FAIRNESS_POLICIES}, got {self.fairness!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
 

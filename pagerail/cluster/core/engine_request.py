@@ -17,6 +17,8 @@ POOLING_TYPES = ("last", "mean", "cls")
 
 # A request's priority: what gRPC's int32 carries, the same bounds on every API.
 MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
+# The tenant of a request whose key belongs to no tenant of the server's tenants file (or that has no key).
+DEFAULT_TENANT_NAME = "default"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,10 @@ class EngineRequest:
     lora: LoRARequest | None = None
     # Under the priority scheduling policy, lower is served first (ties by arrival); ignored under fcfs.
     priority: int = 0
+    # Its tenant (a label from the server's tenants file) and that tenant's weight: under fair share, tenants are
+    # given tokens in proportion to their weights.
+    tenant: str = DEFAULT_TENANT_NAME
+    tenant_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -97,6 +103,11 @@ class EngineRequest:
             raise ValueError(f"lora must be a LoRARequest or None, got {type(self.lora).__name__}")
         if type(self.priority) is not int or not MIN_PRIORITY <= self.priority <= MAX_PRIORITY:
             raise ValueError(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
+        if not isinstance(self.tenant, str) or not 0 < len(self.tenant) <= 64:
+            raise ValueError(f"tenant must be a str of 1 to 64 characters, got {self.tenant!r}")
+        weight = self.tenant_weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+            raise ValueError(f"tenant_weight must be a finite number > 0, got {weight!r}")
         if self.group is not None and not isinstance(self.group, SiblingGroup):
             raise ValueError(f"group must be a SiblingGroup or None, got {type(self.group).__name__}")
 

@@ -94,6 +94,8 @@ class Request:
     metrics_done: bool = False
     # Times it lost its KV blocks to another request's need (a pooling request never does).
     num_preemptions: int = 0
+    # Positions fair share charged its tenant for: a recompute after a preemption is not charged again.
+    num_charged_tokens: int = 0
 
     # Read from the envelope on every step, so kept at hand: the same objects, not copies.
     request_id: str = field(init=False)
@@ -105,6 +107,8 @@ class Request:
     lora_id: int = field(init=False)
     root_hash: int = field(init=False)
     priority: int = field(init=False)  # under the priority policy: lower first, ties by arrival (handle)
+    tenant: str = field(init=False)  # under fair share: whose virtual token counter its tokens go to
+    tenant_weight: float = field(init=False)
 
     def __post_init__(self) -> None:
         envelope = self.envelope
@@ -115,6 +119,8 @@ class Request:
         self.lora_id = envelope.lora.lora_int_id if envelope.lora is not None else 0
         self.root_hash = root_hash(self.lora_id)
         self.priority = envelope.priority
+        self.tenant = envelope.tenant
+        self.tenant_weight = envelope.tenant_weight
         self.all_token_ids = [*envelope.prompt_token_ids, *self.output_token_ids]
         self.num_prompt_tokens = len(envelope.prompt_token_ids)
 

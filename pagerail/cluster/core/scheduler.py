@@ -9,6 +9,7 @@ batch has no room for the arrival (no sequence slot, or too few free blocks for 
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import time
 from collections import deque
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from pagerail.cluster.core.admission import check_fits
 from pagerail.cluster.core.block_table import BlockTable
 from pagerail.cluster.core.errors import QueueFullError
+from pagerail.cluster.core.fair_share import VirtualTokenCounters
 from pagerail.cluster.core.request import Request, RequestStatus
 from pagerail.cluster.core.scheduler_output import PauseMode, ScheduledRequest, SchedulerOutput, SchedulerStats
 from pagerail.cluster.core.speculation import SpecRun, follows_run, speculation_room
@@ -48,6 +50,8 @@ class Scheduler:
         self.config = config
         self.max_loras = max_loras
         self.by_priority = config.scheduling_policy == "priority"
+        # Fair share between tenants (cluster/core/fair_share.py); None: off.
+        self.fair_share = VirtualTokenCounters() if config.fairness == "vtc" else None
         # Adapters the ranks hold read (cluster/core/lora_readiness.py); a request for another waits, set aside.
         # None: every adapter counts as ready (an engine that does not track reads).
         self.lora_ready: set[int] | None = None
@@ -83,6 +87,8 @@ class Scheduler:
             if self.num_open_sessions >= limit:
                 raise QueueFullError(f"{limit} streaming-input sessions are already open (max_sessions); retry later")
         self.requests[request.request_id] = request
+        if self.fair_share is not None:
+            self.fair_share.arrive(request, self.waiting, self.running)
         self._enqueue(request)
 
     def append_input(self, request_id: str, token_ids: list[int], final: bool) -> Request:
@@ -189,6 +195,7 @@ class Scheduler:
         no_new_blocks = NO_NEW_BLOCKS
         max_model_len = self.max_model_len
         spec_lookahead = self.spec_lookahead
+        fair_share = self.fair_share
         # Iterating while a preemption pops from the end is safe: the loop sees the shortened list.
         for request in running:
             if budget <= 0:
@@ -217,6 +224,8 @@ class Scheduler:
                 if new_blocks is None:
                     break  # the request itself was preempted: only pooling requests (or none) ran after it
             if lookahead:
+                if fair_share is not None:
+                    fair_share.charge(request, position, 1 + lookahead)
                 # Its drafts' KV slots are allocated; the ranks report how many of them it keeps.
                 item = ScheduledRequest(request, 1, new_blocks, epoch=request.epoch, lookahead=lookahead)
                 scheduled.append(item)
@@ -225,6 +234,8 @@ class Scheduler:
                 request.spec_in_flight = lookahead
                 budget -= 1 + lookahead
                 continue
+            if fair_share is not None:
+                fair_share.charge(request, position, num_new)
             skip = position + num_new != expected or request.input_open
             if num_new == 1 and new_blocks is no_new_blocks and not skip and not request.needs_resync:
                 # A plain decode: the same item as the request's previous plain decode, unless it lost its KV since.
@@ -300,6 +311,8 @@ class Scheduler:
         ready = self.lora_ready
         set_aside: list[Request] = []
         while self.waiting and budget > 0 and self._has_sequence_slot(out):
+            if self.fair_share is not None:
+                self._fair_share_to_front()
             request = self.waiting[0]
             if request.num_inflight_tokens or request.num_pending_samples:
                 break  # preempted while a step of it was in flight: it resumes once that step answered
@@ -374,6 +387,8 @@ class Scheduler:
                     skip_sampling=self._skips(request, num_new),
                 ),
             )
+            if self.fair_share is not None:
+                self.fair_share.charge(request, request.num_computed_tokens, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(set_aside))  # back at the front, in their order
         return budget
@@ -566,6 +581,20 @@ class Scheduler:
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self._enqueue(request, front=True)
+
+    def _fair_share_to_front(self) -> None:
+        """Put first the waiting request fair share admits next: among those of the most urgent priority (all of
+        them under fcfs), the first of the tenant with the lowest virtual token counter."""
+        waiting = self.waiting
+        if self.by_priority:
+            urgent = waiting[0].priority
+            candidates = list(itertools.takewhile(lambda r: r.priority == urgent, waiting))
+        else:
+            candidates = list(waiting)
+        chosen = self.fair_share.pick(candidates)
+        if chosen is not waiting[0]:
+            waiting.remove(chosen)
+            waiting.appendleft(chosen)
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         """Into the waiting queue: at its (priority, arrival) place under the priority policy; else at the back, or

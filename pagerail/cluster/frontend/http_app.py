@@ -36,6 +36,7 @@ from pagerail.cluster.frontend.errors import (
     unavailable,
 )
 from pagerail.cluster.frontend.lora_modules import LoRAModules
+from pagerail.cluster.frontend.output_processor import CALLER_TENANT
 from pagerail.cluster.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -246,6 +247,8 @@ def create_app(state: ServerState) -> FastAPI:
 
         state.in_flight += 1
         engine = state.engine if tenant.tokens_per_minute is None else MeteredEngine(state.engine, tenant, state.quotas)
+        # The route makes its engine requests (fan_out) before it returns, a streamed response included.
+        caller = CALLER_TENANT.set((tenant.name, tenant.weight))
         try:
             route_call = route(
                 body,
@@ -260,6 +263,8 @@ def create_app(state: ServerState) -> FastAPI:
         except BaseException:
             left()
             raise
+        finally:
+            CALLER_TENANT.reset(caller)
         if not isinstance(response, StreamingResponse):
             left()
         return response

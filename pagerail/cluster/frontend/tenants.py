@@ -25,9 +25,8 @@ from pathlib import Path
 
 import yaml
 
-from pagerail.cluster.core.engine_request import MAX_PRIORITY, MIN_PRIORITY
+from pagerail.cluster.core.engine_request import DEFAULT_TENANT_NAME, MAX_PRIORITY, MIN_PRIORITY
 
-DEFAULT_TENANT_NAME = "default"
 # Tenant names become metric labels and span attributes: short, printable, and known from the file.
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _FIELDS = ("name", "api_keys", "weight", "max_concurrency", "tokens_per_minute", "priority")
