@@ -402,3 +402,36 @@ async def test_generate_carries_its_priority_to_every_choice():
         request.priority = -7
         [response async for response in api_pb2_grpc.GenerationStub(channel).Generate(request)]
     assert [r.priority for r in engine.requests] == [-7, -7]
+
+
+@async_test
+async def test_tenants_by_key_their_default_priority_and_concurrency_quota():
+    """The caller's bearer key picks its tenant: its name, weight and default priority reach the engine (an
+    explicit priority wins), and a tenant at its max_concurrency gets RESOURCE_EXHAUSTED while others are served."""
+    from pagerail.cluster.frontend.tenants import parse_tenants
+
+    tenants = parse_tenants(
+        "tenants:\n  - {name: chat, api_keys: [sk-chat], weight: 2, max_concurrency: 1, priority: -3}\n"
+    )
+    engine = FakeEngineClient(step_delay_s=0.01)
+    chat = (("authorization", "Bearer sk-chat"),)
+    async with serve(engine, tenants=tenants) as channel:
+        stub = api_pb2_grpc.GenerationStub(channel)
+        [r async for r in stub.Generate(token_request([1, 2], max_tokens=2), metadata=chat)]
+        explicit = token_request([1, 2], max_tokens=2)
+        explicit.priority = 5
+        [r async for r in stub.Generate(explicit, metadata=chat)]
+        [r async for r in stub.Generate(token_request([1, 2], max_tokens=2))]
+        sent = [(r.tenant, r.tenant_weight, r.priority) for r in engine.requests]
+        assert sent == [("chat", 2.0, -3), ("chat", 2.0, 5), ("default", 1.0, 0)]
+        engine.paused = True
+        held = stub.Generate(token_request([1, 2], max_tokens=2), metadata=chat)
+        await wait_until(lambda: len(engine.requests) == 4)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            [r async for r in stub.Generate(token_request([3], max_tokens=2), metadata=chat)]
+        assert (
+            refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_concurrency" in refused.value.details()
+        )
+        engine.paused = False
+        [r async for r in stub.Generate(token_request([4], max_tokens=2))]  # another tenant: served
+        [r async for r in held]

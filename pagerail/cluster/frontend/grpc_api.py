@@ -39,6 +39,8 @@ from pagerail.cluster.frontend.grpc_responses import response_message, responses
 from pagerail.cluster.frontend.lora_modules import LoRAModules
 from pagerail.cluster.frontend.output_processor import ChoiceState, fan_out
 from pagerail.cluster.frontend.responses_api import ResponseStore, not_found_response, respond_whole
+from pagerail.cluster.frontend.tenant_quotas import TenantQuotas
+from pagerail.cluster.frontend.tenants import NO_TENANTS, Tenant, Tenants
 from pagerail.common.lora import LoRARequest
 from pagerail.common.sampling_params import MAX_N, SamplingParams, truncate_prompt
 from pagerail.common.tls import ServerTls
@@ -83,7 +85,8 @@ class _Stream:
     params: SamplingParams
     send_text: bool
     lora: LoRARequest | None = None  # the adapter its lora_name picked
-    priority: int = 0  # its scheduling priority (Generate's priority field)
+    priority: int = 0  # its scheduling priority (Generate's priority field, else its tenant's default)
+    tenant: Tenant = NO_TENANTS.default  # whose call it is (the caller's key), for quotas and fair share
     choices: list[_Choice] = field(default_factory=list)  # one per `n`, made when the stream starts
     # (choice, RequestDelta), or the exception that ended the call.
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -104,8 +107,14 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
         responses: ResponseStore | None = None,
         tool_call_parser: str | None = None,
         lora_modules: LoRAModules | None = None,
+        tenants: Tenants = NO_TENANTS,
+        quotas: TenantQuotas | None = None,
     ) -> None:
         self.engine = engine
+        # Callers' tenants by their key, and each tenant's requests in flight and tokens (the HTTP API's when both
+        # serve one frontend: one count per tenant).
+        self.tenants = tenants
+        self.quotas = quotas if quotas is not None else TenantQuotas()
         self.lora_modules = lora_modules  # the HTTP API's adapters by name; None without --enable-lora
         self.tokenizer = tokenizer
         # Kept Responses API responses: the HTTP API's store when both serve one frontend.
@@ -128,7 +137,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                     return
                 stream = self._new_stream(request)
                 stream.lora = self._adapter(request.lora_name)
-                stream.priority = request.priority
+                tenant = stream.tenant = self.tenants.of_key(_caller_key(context))
+                stream.priority = request.priority if request.HasField("priority") else (tenant.priority or 0)
                 tracing.annotate_adapter(span, stream.lora)
                 best_of = self._best_of(request, stream)
                 # Compiled against the tokenizer before anything is queued: a bad constraint never reaches the engine.
@@ -137,12 +147,16 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 )
                 stream.span = span
                 tracing.annotate_request(span, stream.request_id, self.engine.model_name, stream.params)
-                if best_of is not None:
-                    for response in await self._best_n(stream, context, *best_of):
+                self.quotas.enter(tenant)  # RESOURCE_EXHAUSTED for this tenant's calls only, over its quotas
+                try:
+                    if best_of is not None:
+                        for response in await self._best_n(stream, context, *best_of):
+                            yield response
+                        return
+                    async for response in self._run(stream, context):
                         yield response
-                    return
-                async for response in self._run(stream, context):
-                    yield response
+                finally:
+                    self.quotas.leave(tenant)
         finally:
             tracing.end_grpc_span(span, context.code())
 
@@ -358,7 +372,10 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             trace_context=carrier,
             lora=stream.lora,
             priority=stream.priority,
+            tenant=stream.tenant.name,
+            tenant_weight=stream.tenant.weight,
         )
+        self.quotas.count(stream.tenant, len(stream.prompt_ids) * len(children))
         stream.choices = [_Choice(index, child) for index, child in enumerate(children)]
         self._streams[key] = stream
         tasks = [asyncio.create_task(self._pump(stream, choice)) for choice in stream.choices]
@@ -398,6 +415,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             finished = False
             async for delta in generator:
                 finished = delta.finished
+                self.quotas.count(stream.tenant, len(delta.token_ids))
                 stream.events.put_nowait((choice, delta))
             if not finished:
                 stream.events.put_nowait(RpcError(grpc.StatusCode.INTERNAL, "the engine ended the stream unfinished"))
@@ -489,6 +507,8 @@ def build_grpc_server(
     responses: ResponseStore | None = None,
     tool_call_parser: str | None = None,
     lora_modules: LoRAModules | None = None,
+    tenants: Tenants = NO_TENANTS,
+    quotas: TenantQuotas | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """An unstarted grpc.aio server with Generation, Health and reflection, and the port it bound (port=0: any).
 
@@ -499,7 +519,7 @@ def build_grpc_server(
     """
     interceptors = [ApiKeyInterceptor(api_key)] if api_key is not None else []
     server = grpc.aio.server(interceptors=interceptors)
-    servicer = GenerationServicer(engine, tokenizer, responses, tool_call_parser, lora_modules)
+    servicer = GenerationServicer(engine, tokenizer, responses, tool_call_parser, lora_modules, tenants, quotas)
     api_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health = health or EngineHealth(engine.is_ready, (GENERATION_SERVICE,))
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -508,3 +528,13 @@ def build_grpc_server(
     if tls is not None:
         return server, server.add_secure_port(address, tls.server_credentials())
     return server, server.add_insecure_port(address)
+
+
+def _caller_key(context: grpc.aio.ServicerContext) -> str | None:
+    """The key a call carries in its `authorization: Bearer <key>` metadata."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            scheme, _, token = value.strip().partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None

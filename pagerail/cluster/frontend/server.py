@@ -61,6 +61,8 @@ class FrontendServer:
             responses=self.state.responses,
             tool_call_parser=self.settings.tool_call_parser,
             lora_modules=self.state.lora_modules,
+            tenants=self.settings.tenants,
+            quotas=self.state.quotas,
         )
         await self._grpc.start()
         return {"http_port": http_port, "grpc_port": grpc_port}
