@@ -159,6 +159,7 @@ def test_grpc_generate_span_continues_the_callers_trace(receiver):
     assert span.attributes["gen_ai.request.id"] == "traced" and span.attributes["gen_ai.request.max_tokens"] == 3
     assert span.attributes["gen_ai.usage.output_tokens"] == responses[-1].usage.completion_tokens == 3
     assert span.attributes["gen_ai.usage.input_tokens"] == 3 and span.attributes["rpc.grpc.status_code"] == 0
+    assert span.attributes["pagerail.tenant"] == "default" and span.attributes["pagerail.priority"] == 0
     assert [name for name, _ in span.events] == ["queued", "first_token", "finished"]
     # The engine got the request span's own context, for the head's step spans to link to.
     assert engine.trace_contexts == [{"traceparent": f"00-{trace_id}-{span.span_id}-01"}]
@@ -175,6 +176,7 @@ def test_streamed_http_request_span_covers_every_choice(receiver, smollm2_dir):
     engine, trace_id = CarrierRecordingEngine(), uuid.uuid4().hex
     engine.vocab_size = len(tokenizer)
     body = {"model": "fake", "prompt": [5, 6, 7], "max_tokens": 3, "n": 2, "stream": True, "ignore_eos": True}
+    body["priority"] = 4
     with BackgroundServer(create_app(ServerState(engine, tokenizer, FrontendSettings("fake")))) as base_url:
         with httpx.stream(
             "POST", f"{base_url}/v1/completions", json=body, headers={"traceparent": traceparent(trace_id)}
@@ -183,6 +185,7 @@ def test_streamed_http_request_span_covers_every_choice(receiver, smollm2_dir):
         (span,) = exported(receiver, trace_id, "POST /v1/completions")
     assert span.parent_span_id == CALLER_SPAN_ID and span.attributes["gen_ai.operation.name"] == "text_completion"
     assert span.attributes["gen_ai.request.n"] == 2 and span.attributes["http.response.status_code"] == 200
+    assert span.attributes["pagerail.tenant"] == "default" and span.attributes["pagerail.priority"] == 4
     assert span.attributes["gen_ai.usage.input_tokens"] == 3 and span.attributes["gen_ai.usage.output_tokens"] == 6
     names = [name for name, _ in span.events]
     assert names.count("queued") == names.count("first_token") == names.count("finished") == 2

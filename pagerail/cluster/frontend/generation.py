@@ -11,7 +11,7 @@ from opentelemetry import trace
 from pagerail.cluster.core.engine_client import EngineClient
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.frontend import tracing
-from pagerail.cluster.frontend.output_processor import ChoiceDelta, ChoiceState, fan_out
+from pagerail.cluster.frontend.output_processor import CALLER_TENANT, ChoiceDelta, ChoiceState, fan_out
 from pagerail.common.lora import LoRARequest
 from pagerail.common.sampling_params import SamplingParams
 
@@ -101,6 +101,7 @@ def stream_choices(
     usage.prompt_tokens += len(prompt_ids)
     span = trace.get_current_span()
     tracing.annotate_adapter(span, lora)
+    tracing.annotate_tenant(span, CALLER_TENANT.get()[0], priority)
     carrier = tracing.engine_carrier(span)
     children = fan_out(request_id, prompt_ids, params, trace_context=carrier, lora=lora, priority=priority)
     if len(children) == 1:  # the choice's own stream: no generator in between for every chunk to pass

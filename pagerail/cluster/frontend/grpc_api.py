@@ -140,6 +140,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 tenant = stream.tenant = self.tenants.of_key(_caller_key(context))
                 stream.priority = request.priority if request.HasField("priority") else (tenant.priority or 0)
                 tracing.annotate_adapter(span, stream.lora)
+                tracing.annotate_tenant(span, tenant.name, stream.priority)
                 best_of = self._best_of(request, stream)
                 # Compiled against the tokenizer before anything is queued: a bad constraint never reaches the engine.
                 await check_constraint_of(

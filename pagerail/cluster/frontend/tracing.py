@@ -120,6 +120,13 @@ def annotate_adapter(span: trace.Span, lora: LoRARequest | None) -> None:
         span.set_attribute("pagerail.lora.id", lora.lora_int_id)
 
 
+def annotate_tenant(span: trace.Span, tenant: str, priority: int) -> None:
+    """The request's tenant (--tenants; `default` for every other key) and scheduling priority, on its span."""
+    if span.is_recording():
+        span.set_attribute("pagerail.tenant", tenant)
+        span.set_attribute("pagerail.priority", priority)
+
+
 def engine_carrier(span: trace.Span) -> dict[str, str] | None:
     """The W3C carrier the engine request takes along, so the head's step spans can link to `span`."""
     return inject_carrier(trace.set_span_in_context(span)) if span.get_span_context().is_valid else None
