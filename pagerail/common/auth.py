@@ -28,11 +28,17 @@ def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((AUTH_METADATA_KEY, f"Bearer {check_token(token)}"),)
 
 
+def bearer_token(value: str) -> str | None:
+    """The token of an authorization value `Bearer <token>` (the scheme in any case); None for anything else."""
+    scheme, _, token = value.strip().partition(" ")
+    return token.strip() or None if scheme.lower() == SCHEME else None
+
+
 def bearer_matches(value: str, expected: bytes) -> bool:
     """Whether an authorization value is `Bearer <expected>` (the scheme in any case). The comparison takes
     constant time, so the time taken does not tell how much of a guess was right."""
-    scheme, _, token = value.strip().partition(" ")
-    return scheme.lower() == SCHEME and hmac.compare_digest(token.strip().encode(), expected)
+    token = bearer_token(value)
+    return token is not None and hmac.compare_digest(token.encode(), expected)
 
 
 def refusing_handler(handler: grpc.RpcMethodHandler | None, refuse: Callable[[Any, Any], Any]) -> grpc.RpcMethodHandler:

@@ -23,9 +23,8 @@ class LoRAReadiness:
         """`capacity`: adapters the ranks keep read (their host cache, --max-cpu-loras)."""
         self.capacity = capacity
         self.ready: set[int] = set()  # the scheduler admits requests of these adapters only
-        self.reading: set[int] = set()
+        self.reading: dict[int, str] = {}  # adapter id -> path, asked for and not yet answered
         self._wanted: dict[int, str] = {}  # adapter id -> path, in the order requests came
-        self._paths: dict[int, str] = {}  # of the adapters being read
 
     def want(self, request: Request) -> None:
         """`request` waits for its adapter: have it read unless it is ready or being read."""
@@ -38,7 +37,7 @@ class LoRAReadiness:
         rank reading one ignores the ask, one holding it answers that it is ready: news lost with a failed step
         comes again), and the wanted ones the ranks have room to keep read beside those waiting requests already
         have ready or being read."""
-        reads = [(lora_id, self._paths[lora_id]) for lora_id in self.reading]
+        reads = list(self.reading.items())
         if not self._wanted:
             return reads
         needed: set[int] = set()
@@ -57,8 +56,7 @@ class LoRAReadiness:
                 break
             reads.append((lora_id, path))
             del self._wanted[lora_id]
-            self.reading.add(lora_id)
-            self._paths[lora_id] = path
+            self.reading[lora_id] = path
             held.add(lora_id)
         return reads
 
@@ -66,11 +64,9 @@ class LoRAReadiness:
         """Take rank 0's news from a step's result; returns the adapters whose read failed, with the reason. An
         adapter dropped while requests still wait for it is wanted again."""
         self.ready.update(result.lora_ready)
-        self.reading.difference_update(result.lora_ready)
         failed = {failure.lora_id: failure.message for failure in result.lora_failed}
-        self.reading.difference_update(failed)
-        for lora_id in [lora_id for lora_id in self._paths if lora_id not in self.reading]:
-            del self._paths[lora_id]
+        for lora_id in (*result.lora_ready, *failed):
+            self.reading.pop(lora_id, None)
         if result.lora_dropped:
             dropped = set(result.lora_dropped)
             self.ready -= dropped
@@ -84,7 +80,6 @@ class LoRAReadiness:
         waiting request's adapter (a rank that still holds one answers that it is ready)."""
         self.ready.clear()
         self.reading.clear()
-        self._paths.clear()
         self._wanted.clear()
         for request in waiting:
             self.want(request)

@@ -395,15 +395,18 @@ class Scheduler:
 
     def _has_sequence_slot(self, out: SchedulerOutput) -> bool:
         """Room for one more sequence under max_num_seqs, idle sessions holding blocks included."""
-        limit = self.config.max_num_seqs
-        if self.admission_cap is not None:
-            limit = min(limit, self.admission_cap)
+        limit = self._sequence_limit()
         if len(self.running) >= limit:
             return False
         while len(self.running) + self.num_idle_sessions_holding_blocks >= limit:
             if not self._release_idle_session(out):
                 return False
         return True
+
+    def _sequence_limit(self) -> int:
+        """Sequences that may run at once: max_num_seqs, or the admission cap when it is lower."""
+        cap = self.admission_cap
+        return self.config.max_num_seqs if cap is None else min(self.config.max_num_seqs, cap)
 
     def _release_idle_session(self, out: SchedulerOutput) -> bool:
         """Take the blocks of the longest-idle session that holds any; False when none does."""
@@ -617,9 +620,7 @@ class Scheduler:
             return  # preempted with a step in flight: it resumes once that step answered
         if head.lora_id and self.lora_ready is not None and head.lora_id not in self.lora_ready:
             return  # its adapter is still being read: it could not run yet anyway
-        limit = self.config.max_num_seqs
-        if self.admission_cap is not None:
-            limit = min(limit, self.admission_cap)
+        limit = self._sequence_limit()
         chunk = min(head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)
         needed = self.block_table.num_blocks_needed(head.request_id, head.num_computed_tokens + chunk)
         running = self.running

@@ -41,6 +41,7 @@ from pagerail.cluster.frontend.output_processor import ChoiceState, fan_out
 from pagerail.cluster.frontend.responses_api import ResponseStore, not_found_response, respond_whole
 from pagerail.cluster.frontend.tenant_quotas import TenantQuotas
 from pagerail.cluster.frontend.tenants import NO_TENANTS, Tenant, Tenants
+from pagerail.common.auth import bearer_token
 from pagerail.common.lora import LoRARequest
 from pagerail.common.sampling_params import MAX_N, SamplingParams, truncate_prompt
 from pagerail.common.tls import ServerTls
@@ -535,7 +536,5 @@ def _caller_key(context: grpc.aio.ServicerContext) -> str | None:
     """The key a call carries in its `authorization: Bearer <key>` metadata."""
     for key, value in context.invocation_metadata() or ():
         if key == "authorization":
-            scheme, _, token = value.strip().partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
+            return bearer_token(value)
     return None

@@ -48,7 +48,7 @@ from pagerail.cluster.frontend.scoring import ClassifyRequest, PoolingRequest, R
 from pagerail.cluster.frontend.settings import FrontendSettings
 from pagerail.cluster.frontend.tenant_quotas import MeteredEngine, TenantQuotas
 from pagerail.cluster.frontend.tracing import traced_http
-from pagerail.common.auth import bearer_matches
+from pagerail.common.auth import bearer_matches, bearer_token
 
 logger = logging.getLogger(__name__)
 
@@ -515,10 +515,7 @@ def _adapters(state: ServerState) -> LoRAModules:
 
 def _bearer_key(request: Request) -> str | None:
     """The key a request carries: `Authorization: Bearer <key>`, or Anthropic's `x-api-key`."""
-    scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
-    return request.headers.get("x-api-key") or None
+    return bearer_token(request.headers.get("authorization", "")) or request.headers.get("x-api-key") or None
 
 
 def _check_key(state: ServerState, path: str, header: str) -> None:
