@@ -111,3 +111,29 @@ def test_a_peer_that_takes_no_part_fails_the_transfer_at_its_deadline_not_the_gr
     # The deadline is 1 s plus 1 MiB at the slowest bandwidth: about 1.01 s; the group's own timeout is 60 s and the
     # idle peer stays until the outcome is in, or 6 s at most.
     assert outcome == "failed" and 0.9 < seconds < 4.5 and closed
+
+
+def test_the_store_of_a_channel_holds_its_port_from_the_moment_it_is_handed_out() -> None:
+    """Group rank 0 listens before the port goes to the other side: another process binding the port in between
+    (what failed moves under parallel load with a probed-then-released port) now cannot, and the channel opens on
+    the held store and moves blocks."""
+    import threading
+
+    from pagerail.worker.kv_channel import listening_store
+
+    store = listening_store("127.0.0.1", timeout_s=30)
+    with socket.socket() as squatter, pytest.raises(OSError):
+        squatter.bind(("127.0.0.1", store.port))
+    blocks = _full(1)
+    received = {}
+
+    def receiver() -> None:
+        channel = KvChannel("127.0.0.1", store.port, 1, 1, 1, torch.device("cpu"), timeout_s=30)
+        received["blocks"] = channel.receive(tuple(blocks.shape), torch.float32, 1)
+
+    thread = threading.Thread(target=receiver)
+    thread.start()
+    sender = KvChannel("127.0.0.1", store.port, 0, 1, 1, torch.device("cpu"), timeout_s=30, store=store)
+    sender.send(blocks, 1)
+    thread.join(timeout=30)
+    assert torch.equal(received["blocks"], blocks)

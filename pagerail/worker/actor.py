@@ -8,7 +8,6 @@ import datetime
 import functools
 import logging
 import os
-import socket
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +33,8 @@ LOCALHOST = "127.0.0.1"
 DEFAULT_DIST_TIMEOUT_S = 300.0
 # In-flight steps get this long to finish when the head stops a rank.
 _STOP_GRACE_S = 2.0
+# KV channel stores listened on and not yet opened: a router that asked for an endpoint and then gave up leaves one.
+_HELD_KV_STORES = 4
 # Before sizing its KV cache, a rank on a GPU waits (at most this long) for the free memory to stop rising.
 _MEMORY_SETTLE_TIMEOUT_S = 10.0
 
@@ -98,6 +99,10 @@ class WorkerActor:
         self._joined_group = False
         # Channels for KV blocks to and from other replicas' ranks (worker/kv_channel.py), by id.
         self._kv_channels: dict[str, KvChannel] = {}
+        # The store rank 0 hosts for the group's rendezvous (reserve_port), and the ones it listens on for KV
+        # channels about to open (listen_kv_store), by port.
+        self._group_store = None
+        self._kv_stores: dict[int, object] = {}
         observability = config.engine.observability
         telemetry.configure_tracing(
             "worker",
@@ -119,12 +124,24 @@ class WorkerActor:
         return LOCALHOST
 
     def reserve_port(self) -> int:
-        """A TCP port free right now on this node, for the torch.distributed store rank 0 hosts."""
-        # The port is released before the store binds it; the window is short and a clash fails loudly.
-        host = self.node_ip()
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-            probe.bind((host, 0))
-            return probe.getsockname()[1]
+        """The port of the torch.distributed store this rank (rank 0) now hosts for the group's rendezvous. It
+        listens from now on, so no other process can take the port before the ranks start."""
+        from pagerail.worker.kv_channel import listening_store
+
+        self._group_store = listening_store(self.node_ip(), timeout_s=DEFAULT_DIST_TIMEOUT_S)
+        return self._group_store.port
+
+    def listen_kv_store(self) -> int:
+        """Host a KV channel's store (rank 0 of the sending replica) on a port the system picks, listening from now
+        on; the port, which this rank's kv_channel_open then uses. Unlike a reserved port, no other process can
+        take it before the channel opens."""
+        from pagerail.worker.kv_channel import listening_store
+
+        store = listening_store(self.node_ip())
+        self._kv_stores[store.port] = store
+        while len(self._kv_stores) > _HELD_KV_STORES:  # endpoints asked for and never opened: the oldest go
+            self._kv_stores.pop(next(iter(self._kv_stores)))
+        return store.port
 
     def pid(self) -> int:
         return os.getpid()
@@ -197,8 +214,9 @@ class WorkerActor:
         from pagerail.worker.kv_channel import TRANSFER_BASE_S, KvChannel
 
         base_s = TRANSFER_BASE_S if transfer_base_s is None else transfer_base_s
+        store = self._kv_stores.pop(port, None) if group_rank == 0 else None
         self._kv_channels[channel_id] = KvChannel(
-            host, port, group_rank, senders, receivers, self.worker.device, transfer_base_s=base_s
+            host, port, group_rank, senders, receivers, self.worker.device, transfer_base_s=base_s, store=store
         )
 
     @builtin_errors
@@ -282,13 +300,15 @@ class WorkerActor:
         on_cuda = config.device.startswith("cuda")
         if on_cuda:
             torch.cuda.set_device(0)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        host, _, port = rendezvous.rpartition(":")
+        store, self._group_store = self._group_store, None
+        if store is None or store.port != int(port):
+            store = dist.TCPStore(host.strip("[]"), int(port), self.world_size, self.rank == 0, timeout)
         dist.init_process_group(
-            backend="nccl" if on_cuda else "gloo",
-            init_method=f"tcp://{rendezvous}",
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+            backend="nccl" if on_cuda else "gloo", store=store, rank=self.rank, world_size=self.world_size,
+            timeout=timeout,
+        )  # fmt: skip
         self._joined_group = True
         return TensorParallelGroup(self.rank, self.world_size, dist.group.WORLD)
 

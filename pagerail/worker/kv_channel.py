@@ -38,18 +38,26 @@ def transfer_plan(num_kv_heads: int, senders: int, receivers: int) -> dict[tuple
     return plan
 
 
+def listening_store(host: str, timeout_s: float = 20.0) -> dist.TCPStore:
+    """A channel's store, listening already on a port the system picked (its `.port`): group rank 0 hosts it from
+    before the port is handed out, so no other process can take the port in between."""
+    return dist.TCPStore(host, 0, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
 class KvChannel:
-    """This rank's end of a channel: `group_rank` of `senders + receivers`, its store hosted by group rank 0."""
+    """This rank's end of a channel: `group_rank` of `senders + receivers`, its store hosted by group rank 0 (which
+    passes the store it listens on as `store`)."""
 
     def __init__(
         self, store_host: str, store_port: int, group_rank: int, senders: int, receivers: int, device: torch.device,
-        timeout_s: float = 20.0, transfer_base_s: float = TRANSFER_BASE_S,
+        timeout_s: float = 20.0, transfer_base_s: float = TRANSFER_BASE_S, store: dist.Store | None = None,
     ) -> None:  # fmt: skip
         # Both replicas' ranks join at once when the router opens the channel, so live ones meet within a second;
         # `timeout_s` bounds how long a rank stays busy joining a peer that died meanwhile.
         size = senders + receivers
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(store_host, store_port, size, is_master=group_rank == 0, timeout=timeout)
+        if store is None:
+            store = dist.TCPStore(store_host, store_port, size, is_master=group_rank == 0, timeout=timeout)
         if device.type == "cuda":
             self.group = dist.ProcessGroupNCCL(store, group_rank, size)
         else:

@@ -185,9 +185,10 @@ class WorkerGroup:
         ray.get([actor.import_host.remote(slots, ref) for actor in self._actors], timeout=timeout_s)
 
     def kv_endpoint(self) -> tuple[str, int, int]:
-        """(host, free port) of rank 0, to host a KV channel's store, and this replica's tensor-parallel size."""
+        """(host, port) of the store rank 0 now listens on for a KV channel, and this replica's tensor-parallel
+        size."""
         rank0 = self._actors[0]
-        return ray.get(rank0.node_ip.remote()), ray.get(rank0.reserve_port.remote()), self.size
+        return ray.get(rank0.node_ip.remote()), ray.get(rank0.listen_kv_store.remote()), self.size
 
     def open_kv_channel(
         self, channel_id: str, host: str, port: int, first_rank: int, senders: int, receivers: int,
