@@ -73,6 +73,10 @@ class EngineMachine(RuleBasedStateMachine):
         max_loras=st.integers(min_value=1, max_value=3),
         scheduling_policy=st.sampled_from(["fcfs", "priority"]),
         fairness=st.sampled_from(["none", "vtc"]),
+        # Flex work: at or above this priority (None: only service_tier flex), and its share of a step beside
+        # interactive work.
+        flex_priority_threshold=st.sampled_from([None, 1]),
+        flex_tokens_per_step=st.integers(min_value=1, max_value=6),
     )
     def start(
         self,
@@ -86,6 +90,8 @@ class EngineMachine(RuleBasedStateMachine):
         max_loras: int,
         scheduling_policy: str,
         fairness: str,
+        flex_priority_threshold: int | None,
+        flex_tokens_per_step: int,
     ) -> None:
         self.workers = FakeKVWorkers(num_blocks, BLOCK_SIZE, VOCAB, sliding_window=sliding_window)
         # The ranks keep as many adapters read as they have slots (--max-cpu-loras' default): with three adapters
@@ -101,6 +107,8 @@ class EngineMachine(RuleBasedStateMachine):
                 async_scheduling=async_scheduling,
                 scheduling_policy=scheduling_policy,
                 fairness=fairness,
+                flex_priority_threshold=flex_priority_threshold,
+                flex_tokens_per_step=flex_tokens_per_step,
             ),
             speculative_config={"method": "ngram", "num_speculative_tokens": speculate} if speculate else None,
             lora=LoRAConfig(enable_lora=True, max_loras=max_loras),
@@ -111,6 +119,23 @@ class EngineMachine(RuleBasedStateMachine):
         self.engine.restart_backoff_s = 0.0
         self.engine.scheduler.clock = lambda: self.now
         self.all_requests = []
+        self._check_flex_share(self.engine.scheduler)
+
+    def _check_flex_share(self, scheduler) -> None:
+        """Every step that begins with interactive work running or waiting gives flex work at most its share (but
+        while the engine quarantines requests suspected of crashing the ranks, held at the back of the queue)."""
+        schedule = scheduler.schedule
+
+        def checked():
+            queued = [*scheduler.running, *scheduler.waiting]
+            interactive = scheduler.admission_cap is None and any(not r.flex for r in queued)
+            out = schedule()
+            flex_tokens = sum(item.num_tokens + item.lookahead for item in out.scheduled if item.request.flex)
+            if interactive:
+                assert flex_tokens <= scheduler.config.flex_tokens_per_step, (flex_tokens, out.scheduled)
+            return out
+
+        scheduler.schedule = checked
 
     # -- what clients do --------------------------------------------------------------------------------------
 
@@ -129,6 +154,7 @@ class EngineMachine(RuleBasedStateMachine):
         priority=st.integers(-2, 2),
         # Under fair share: three tenants of different weights.
         tenant=st.sampled_from(["default", "light", "heavy"]),
+        flex=st.booleans(),
     )
     def add(
         self,
@@ -140,6 +166,7 @@ class EngineMachine(RuleBasedStateMachine):
         lora_id: int,
         priority: int,
         tenant: str,
+        flex: bool,
     ) -> None:
         request_id = f"r{self.next_id}"
         self.next_id += 1
@@ -150,7 +177,7 @@ class EngineMachine(RuleBasedStateMachine):
             weight = {"default": 1.0, "light": 0.5, "heavy": 3.0}[tenant]
             envelope = EngineRequest(
                 request_id, prompt, params, final=not session, lora=lora, priority=priority, tenant=tenant,
-                tenant_weight=weight,
+                tenant_weight=weight, service_tier="flex" if flex else "default",
             )  # fmt: skip
             request = self.engine.add_request(envelope)
         except (ValueError, QueueFullError):
@@ -291,8 +318,13 @@ class EngineMachine(RuleBasedStateMachine):
         assert len({r.lora_id for r in running if r.lora_id}) <= scheduler.max_loras
         assert not self.workers.unready_adapter_runs, "a request ran before its adapter's read ended"
         if scheduler.by_priority:  # the order that makes the last running request the one a preemption takes
-            keys = [(r.priority, r.handle) for r in running]
-            assert keys == sorted(keys), "running requests out of (priority, arrival) order"
+            keys = [(r.flex, r.priority, r.handle) for r in running]
+            assert keys == sorted(keys), "running requests out of (flex, priority, arrival) order"
+        # Flex work after every interactive request in both queues: preempted first, admitted last (but for
+        # requests suspected of crashing the ranks, held at the back of the queue while the engine quarantines them).
+        for queue in (running, waiting) if scheduler.admission_cap is None else (running,):
+            flags = [r.flex for r in queue]
+            assert flags == sorted(flags), "a flex request ahead of an interactive one"
         # The offline loop skips its look at a step's requests when this counter says none of them ended.
         assert scheduler.stats.num_finished == sum(1 for r in self.all_requests if r.finished)
 

@@ -395,13 +395,18 @@ async def test_a_request_whose_replica_died_is_unavailable_not_internal():
 
 
 @async_test
-async def test_generate_carries_its_priority_to_every_choice():
+async def test_generate_carries_its_priority_and_service_tier_to_every_choice():
     engine = FakeEngineClient()
     async with serve(engine) as channel:
+        stub = api_pb2_grpc.GenerationStub(channel)
         request = token_request([1, 2, 3], max_tokens=2, n=2)
-        request.priority = -7
-        [response async for response in api_pb2_grpc.GenerationStub(channel).Generate(request)]
-    assert [r.priority for r in engine.requests] == [-7, -7]
+        request.priority, request.service_tier = -7, "flex"
+        [response async for response in stub.Generate(request)]
+        request.service_tier = "scale"
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            [response async for response in stub.Generate(request)]
+    assert [(r.priority, r.service_tier) for r in engine.requests] == [(-7, "flex"), (-7, "flex")]
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "service_tier" in error.value.details()
 
 
 @async_test

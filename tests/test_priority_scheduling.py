@@ -1,6 +1,8 @@
 """The priority scheduling policy: admission in (priority, arrival) order, an urgent arrival preempting less urgent
 running work when the batch is full, memory preemptions always taking the lowest priority, and greedy outputs
-unchanged by any of it; and the same requests under fcfs, where priorities are ignored."""
+unchanged by any of it; and the same requests under fcfs, where priorities are ignored. Flex work (service tier
+"flex", or a priority at the flex threshold) under either policy: behind every interactive request, preempted
+first, and held to its share of a step while interactive work runs."""
 
 from __future__ import annotations
 
@@ -19,14 +21,15 @@ from tests.test_scheduler import EOS, run_step
 _handles = itertools.count(1)
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int, priority: int = 0) -> Request:
+def make_request(rid: str, prompt_len: int, max_tokens: int, priority: int = 0, tier: str = "default") -> Request:
     prompt = [(7 * i + len(rid)) % 500 for i in range(prompt_len)]
-    envelope = EngineRequest(rid, prompt, SamplingParams(max_tokens=max_tokens), priority=priority)
+    params = SamplingParams(max_tokens=max_tokens)
+    envelope = EngineRequest(rid, prompt, params, priority=priority, service_tier=tier)
     return Request(envelope, handle=next(_handles), stop_token_ids=frozenset({EOS}))
 
 
-def make_scheduler(policy: str, num_blocks: int = 64, max_seqs: int = 16, budget: int = 64) -> Scheduler:
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, scheduling_policy=policy)
+def make_scheduler(policy: str, num_blocks: int = 64, max_seqs: int = 16, budget: int = 64, **options) -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, scheduling_policy=policy, **options)
     return Scheduler(config, BlockTable(num_blocks, 4, enable_prefix_caching=True), 256)
 
 
@@ -120,3 +123,80 @@ def test_llm_generate_sends_each_prompts_priority_and_refuses_bad_ones(tmp_path)
         for bad in ("high", [1], [1, 2**40]):
             with pytest.raises(ValueError, match="priority"):
                 llm.generate([[5, 6, 7], [8, 9, 10]], params, priority=bad)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_an_interactive_arrival_preempts_flex_work_and_finishes_first(policy):
+    """One sequence slot held by flex work, five more flex requests queued: an interactive arrival (at a worse
+    priority, which the flex class still outranks) preempts the running one and finishes before all six; the
+    preempted one resumes ahead of the flex requests that never ran."""
+    scheduler = make_scheduler(policy, max_seqs=1)
+    flex = [make_request(f"flex-{n}", 6, 8, priority=-5, tier="flex") for n in range(6)]
+    for request in flex:
+        scheduler.add_request(request)
+    for _ in range(3):
+        run_step(scheduler)
+    assert flex[0].num_output_tokens > 0 and not flex[0].finished
+    chat = make_request("chat", 6, 8, priority=5)
+    scheduler.add_request(chat)
+    order = finish_order(scheduler, [chat, *flex])
+    assert order[0] == "chat" and flex[0].num_preemptions == 1, order
+    assert order[1:] == [r.request_id for r in flex]
+    assert scheduler.block_table.num_free_blocks == scheduler.block_table.num_blocks
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_flex_work_takes_at_most_its_share_of_a_step_beside_interactive_work_and_all_of_it_alone(policy):
+    scheduler = make_scheduler(policy, budget=64, flex_tokens_per_step=5)
+    flex = [make_request(f"flex-{n}", 20, 30, tier="flex") for n in range(8)]
+    for request in flex:
+        scheduler.add_request(request)
+    out = run_step(scheduler)
+    assert out.num_batched_tokens == 64  # alone, flex work fills the whole step (prefill chunks)
+    chat = make_request("chat", 10, 40)
+    scheduler.add_request(chat)
+    for _ in range(12):
+        out = run_step(scheduler)
+        by_class = {True: 0, False: 0}
+        for item in out.scheduled:
+            by_class[item.request.flex] += item.num_tokens
+        assert by_class[False] >= 1 and by_class[True] <= 5, by_class  # the chat runs every step; flex shares 5
+    assert any(r.num_output_tokens for r in flex)  # flex work still progresses beside it
+    finish_order(scheduler, [chat, *flex])
+    assert chat.finished and all(r.finished for r in flex)
+
+
+def test_a_priority_at_the_flex_threshold_makes_a_request_flex_under_fcfs_too():
+    scheduler = make_scheduler("fcfs", max_seqs=1, flex_priority_threshold=10)
+    batch = [make_request(f"batch-{n}", 4, 4, priority=10) for n in range(3)]
+    later = make_request("later", 4, 4, priority=9)
+    for request in [*batch, later]:
+        scheduler.add_request(request)
+    assert [r.flex for r in (*batch, later)] == [True, True, True, False]
+    assert finish_order(scheduler, [*batch, later])[0] == "later"
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_memory_preemption_takes_flex_work_first_and_outputs_are_unchanged(policy):
+    def run(num_blocks: int) -> tuple[dict[str, list[int]], list[bool]]:
+        scheduler = make_scheduler(policy, num_blocks=num_blocks, max_seqs=8, budget=32)
+        tiers = ["flex", "default", "flex", "default", "default", "flex", "default"]
+        requests = [make_request(f"r{n}", 5 + n % 3, 24, tier=t) for n, t in enumerate(tiers)]
+        victims: list[bool] = []  # whether an interactive request was preempted while flex work ran
+        preempt = scheduler._preempt
+
+        def checked(victim: Request) -> None:
+            victims.append(not victim.flex and any(r.flex for r in scheduler.running))
+            preempt(victim)
+
+        scheduler._preempt = checked
+        for request in requests:
+            scheduler.add_request(request)
+        finish_order(scheduler, requests)
+        return {r.request_id: list(r.output_token_ids) for r in requests}, victims
+
+    roomy, none = run(256)
+    tight, victims = run(14)
+    assert not none and victims, "the tight cache must preempt"
+    assert not any(victims), victims
+    assert tight == roomy

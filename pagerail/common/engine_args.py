@@ -153,6 +153,18 @@ ENGINE_ARGS: tuple[EngineArg, ...] = (
         choices=FAIRNESS_POLICIES,
     ),
     EngineArg(
+        "flex_priority_threshold",
+        "scheduler",
+        int,
+        "requests of this priority or above are flex work, like service_tier flex (default: none)",
+    ),
+    EngineArg(
+        "flex_tokens_per_step",
+        "scheduler",
+        int,
+        "most tokens flex work takes of a step that carries interactive work (default 16)",
+    ),
+    EngineArg(
         "otlp_traces_endpoint",
         "observability",
         str,

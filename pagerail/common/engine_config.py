@@ -80,6 +80,12 @@ class SchedulerConfig:
     # "vtc": among waiting requests of equal priority, admit from the tenant given the fewest weighted tokens so far
     # (the Virtual Token Counter); "none": by queue order alone.
     fairness: str = "none"
+    # Flex work (service_tier "flex", or a priority at or above flex_priority_threshold) only fills spare capacity:
+    # it waits behind interactive requests, is preempted first (and by interactive arrivals when the batch is full),
+    # and takes at most flex_tokens_per_step of a step that carries interactive work. None: priority alone never
+    # makes a request flex.
+    flex_priority_threshold: int | None = None
+    flex_tokens_per_step: int = 16
 
     @property
     def session_limit(self) -> int:
@@ -107,6 +113,8 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.fairness not in FAIRNESS_POLICIES:
             raise ValueError(f"fairness must be one of {FAIRNESS_POLICIES}, got {self.fairness!r}")
+        if not self.flex_tokens_per_step >= 1:
+            raise ValueError(f"flex_tokens_per_step must be >= 1, got {self.flex_tokens_per_step}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
 

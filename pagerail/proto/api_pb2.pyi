@@ -86,7 +86,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., grammar: _Optional[str] = ..., json_object: _Optional[bool] = ..., n: _Optional[int] = ..., speculative: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., bad_words: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling_params", "skip_detokenize", "beam_search", "best_of", "lora_name", "priority")
+    __slots__ = ("request_id", "text", "token_ids", "sampling_params", "skip_detokenize", "beam_search", "best_of", "lora_name", "priority", "service_tier")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class GenerateRequest(_message.Message):
     BEST_OF_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_TIER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -105,7 +106,8 @@ class GenerateRequest(_message.Message):
     best_of: int
     lora_name: str
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., skip_detokenize: _Optional[bool] = ..., beam_search: _Optional[_Union[BeamSearch, _Mapping]] = ..., best_of: _Optional[int] = ..., lora_name: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    service_tier: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., skip_detokenize: _Optional[bool] = ..., beam_search: _Optional[_Union[BeamSearch, _Mapping]] = ..., best_of: _Optional[int] = ..., lora_name: _Optional[str] = ..., priority: _Optional[int] = ..., service_tier: _Optional[str] = ...) -> None: ...
 
 class BeamSearch(_message.Message):
     __slots__ = ("beam_width", "length_penalty")

@@ -17,6 +17,9 @@ POOLING_TYPES = ("last", "mean", "cls")
 
 # A request's priority: what gRPC's int32 carries, the same bounds on every API.
 MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
+# OpenAI's service tiers a request may ask for: "flex" is batch work that only fills spare capacity; "auto" is
+# "default" here.
+SERVICE_TIERS = ("auto", "default", "flex")
 # The tenant of a request whose key belongs to no tenant of the server's tenants file (or that has no key).
 DEFAULT_TENANT_NAME = "default"
 
@@ -66,6 +69,8 @@ class EngineRequest:
     lora: LoRARequest | None = None
     # Under the priority scheduling policy, lower is served first (ties by arrival); ignored under fcfs.
     priority: int = 0
+    # "flex": work that only fills spare capacity (see SchedulerConfig); "default" (or "auto"): interactive.
+    service_tier: str = "default"
     # Its tenant (a label from the server's tenants file) and that tenant's weight: under fair share, tenants are
     # given tokens in proportion to their weights.
     tenant: str = DEFAULT_TENANT_NAME
@@ -103,6 +108,8 @@ class EngineRequest:
             raise ValueError(f"lora must be a LoRARequest or None, got {type(self.lora).__name__}")
         if type(self.priority) is not int or not MIN_PRIORITY <= self.priority <= MAX_PRIORITY:
             raise ValueError(f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
+        if self.service_tier not in SERVICE_TIERS:
+            raise ValueError(f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {self.service_tier!r}")
         if not isinstance(self.tenant, str) or not 0 < len(self.tenant) <= 64:
             raise ValueError(f"tenant must be a str of 1 to 64 characters, got {self.tenant!r}")
         weight = self.tenant_weight

@@ -107,6 +107,8 @@ class Request:
     lora_id: int = field(init=False)
     root_hash: int = field(init=False)
     priority: int = field(init=False)  # under the priority policy: lower first, ties by arrival (handle)
+    # Flex work only fills spare capacity (service_tier "flex"; the scheduler adds its priority threshold).
+    flex: bool = field(init=False)
     tenant: str = field(init=False)  # under fair share: whose virtual token counter its tokens go to
     tenant_weight: float = field(init=False)
 
@@ -119,6 +121,7 @@ class Request:
         self.lora_id = envelope.lora.lora_int_id if envelope.lora is not None else 0
         self.root_hash = root_hash(self.lora_id)
         self.priority = envelope.priority
+        self.flex = envelope.service_tier == "flex"
         self.tenant = envelope.tenant
         self.tenant_weight = envelope.tenant_weight
         self.all_token_ids = [*envelope.prompt_token_ids, *self.output_token_ids]

@@ -4,6 +4,11 @@ Under the priority policy both queues are kept in (priority, arrival) order, low
 get the step's budget in that order and a preemption takes the last of them, the lowest priority; the waiting
 ones are admitted in that order; and an arrival that outranks the last running request preempts it while the
 batch has no room for the arrival (no sequence slot, or too few free blocks for its first chunk).
+
+Flex work (batch jobs that only fill spare capacity) comes after every interactive request in both queues, under
+either policy: it is admitted only when no interactive request waits, preempted first, preempted by an interactive
+arrival the batch has no room for, and given at most `flex_tokens_per_step` of a step while interactive work runs
+or waits, so it cannot stretch the interactive requests' steps (their time per token) beyond that.
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ logger = logging.getLogger(__name__)
 NO_NEW_BLOCKS: list[int] = []
 
 
-def _urgency(request: Request) -> tuple[int, int]:
-    """The priority policy's order: lower priority value first, then earlier arrival (handles count up)."""
-    return request.priority, request.handle
+def _urgency(request: Request) -> tuple[bool, int, int]:
+    """The priority policy's order: interactive before flex, then lower priority value first, then earlier
+    arrival (handles count up)."""
+    return request.flex, request.priority, request.handle
 
 
 class Scheduler:
@@ -71,6 +77,8 @@ class Scheduler:
         # Speculative decoding: draft tokens a decode may verify after its next token this step (0: none); the
         # engine sets it before each step from its back-off policy.
         self.spec_lookahead = 0
+        # Tokens flex work may still take in the step being scheduled (None: no cap; see schedule).
+        self._flex_room: int | None = None
         self.stats = SchedulerStats()
         # Handles the workers must forget, sent with the next step.
         self._finished_handles: list[int] = []
@@ -86,6 +94,9 @@ class Scheduler:
             limit = self.config.session_limit
             if self.num_open_sessions >= limit:
                 raise QueueFullError(f"{limit} streaming-input sessions are already open (max_sessions); retry later")
+        threshold = self.config.flex_priority_threshold
+        if threshold is not None and request.priority >= threshold:
+            request.flex = True
         self.requests[request.request_id] = request
         if self.fair_share is not None:
             self.fair_share.arrive(request, self.waiting, self.running)
@@ -175,8 +186,13 @@ class Scheduler:
         if self.pause_mode is PauseMode.ALL:
             return out
         budget = self.config.max_num_batched_tokens
-        if self.by_priority and self.waiting and self.running and self.pause_mode is PauseMode.NONE:
-            self._preempt_for_priority(out)
+        waiting, running = self.waiting, self.running
+        if waiting and running and self.pause_mode is PauseMode.NONE and (self.by_priority or running[-1].flex):
+            self._preempt_for_urgent(out)
+        # Flex work's share of this step: capped while interactive work runs or waits (both queues hold
+        # interactive requests first); None: no cap.
+        interactive = (running and not running[0].flex) or (waiting and not waiting[0].flex)
+        self._flex_room = self.config.flex_tokens_per_step if interactive else None
         budget = self._schedule_running(out, budget)
         preempted_running = any(r.status is RequestStatus.PREEMPTED for r in out.preempted)
         if not preempted_running and self.pause_mode is PauseMode.NONE:
@@ -196,25 +212,31 @@ class Scheduler:
         max_model_len = self.max_model_len
         spec_lookahead = self.spec_lookahead
         fair_share = self.fair_share
+        flex_room = self._flex_room
         # Iterating while a preemption pops from the end is safe: the loop sees the shortened list.
         for request in running:
             if budget <= 0:
                 break
+            room = budget
+            if flex_room is not None and request.flex:
+                if flex_room <= 0:
+                    break  # flex requests come last: the rest are flex too
+                room = min(budget, flex_room)
             # Drafts a speculating step in flight may still add: where it ends is known only once it answers.
             extra = request.spec_in_flight
             position = request.num_computed_tokens + request.num_inflight_tokens
             pending = request.num_pending_samples
             expected = len(request.all_token_ids) + pending
             num_new = expected - position
-            if num_new > budget:
-                num_new = budget
+            if num_new > room:
+                num_new = room
             if num_new <= 0 or (pending and request.ends_in_flight(max_model_len)):
                 continue
             if extra and not follows_run(request, num_new, extra, position, max_model_len):
                 continue
             lookahead = 0
             if spec_lookahead and num_new == 1 and request.speculative and not extra and not request.needs_resync:
-                lookahead = speculation_room(request, spec_lookahead, budget - 1, max_model_len - position - 1)
+                lookahead = speculation_room(request, spec_lookahead, room - 1, max_model_len - position - 1)
             # Slots for this step's tokens, its drafts, and the drafts a step in flight may have kept before it.
             reach = num_new + lookahead + extra
             if position + reach <= slots_owned.get(request.request_id, 0):
@@ -233,6 +255,8 @@ class Scheduler:
                 request.num_pending_samples = pending + 1
                 request.spec_in_flight = lookahead
                 budget -= 1 + lookahead
+                if flex_room is not None and request.flex:
+                    flex_room -= 1 + lookahead
                 continue
             if fair_share is not None:
                 fair_share.charge(request, position, num_new)
@@ -257,6 +281,9 @@ class Scheduler:
             if not skip:
                 request.num_pending_samples = pending + 1
             budget -= num_new
+            if flex_room is not None and request.flex:
+                flex_room -= num_new
+        self._flex_room = flex_room
         return budget
 
     def _add(self, out: SchedulerOutput, item: ScheduledRequest) -> None:
@@ -323,6 +350,8 @@ class Scheduler:
             ):
                 set_aside.append(self.waiting.popleft())
                 continue
+            if request.flex and self._flex_room is not None and self._flex_room <= 0:
+                break  # flex requests wait last: the rest are flex too
             cached, hosted = [], []  # the device prefix hit, and the host tier's continuation of it
             # A returning streaming-input session still owns its blocks; everything else starts empty (and looks up).
             admitted = not self.block_table.has_request(request.request_id)
@@ -339,9 +368,10 @@ class Scheduler:
                     hosted = self.block_table.find_host_prefix(request.all_token_ids, cached, root)
                 request.num_computed_tokens = (len(cached) + len(hosted)) * self.block_table.block_size
             num_new = request.num_tokens - request.num_computed_tokens
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            room = budget if not request.flex or self._flex_room is None else min(budget, self._flex_room)
+            if not self.config.enable_chunked_prefill and num_new > room:
                 break
-            num_new = min(num_new, budget)
+            num_new = min(num_new, room)
             # A pooling request reserves its whole prompt now: once running it never asks for a block, so it is
             # never out of memory mid-prompt (and never a victim, see _pop_victim).
             reserve = request.num_tokens if request.pooling else request.num_computed_tokens + num_new
@@ -366,10 +396,7 @@ class Scheduler:
             if admitted:
                 self.stats.num_prefix_query_tokens += request.num_tokens
             request.status = RequestStatus.RUNNING
-            if self.by_priority:
-                bisect.insort(self.running, request, key=_urgency)
-            else:
-                self.running.append(request)
+            self._into_running(request)
             if cached or hosted:
                 self.stats.record_hit(request, len(hosted) * self.block_table.block_size)
             # A new or resumed request gets its whole block list; a session chunk only the new blocks.
@@ -390,6 +417,8 @@ class Scheduler:
             if self.fair_share is not None:
                 self.fair_share.charge(request, request.num_computed_tokens, num_new)
             budget -= num_new
+            if request.flex and self._flex_room is not None:
+                self._flex_room -= num_new
         self.waiting.extendleft(reversed(set_aside))  # back at the front, in their order
         return budget
 
@@ -589,32 +618,51 @@ class Scheduler:
         """Put first the waiting request fair share admits next: among those of the most urgent priority (all of
         them under fcfs), the first of the tenant with the lowest virtual token counter."""
         waiting = self.waiting
-        if self.by_priority:
-            urgent = waiting[0].priority
-            candidates = list(itertools.takewhile(lambda r: r.priority == urgent, waiting))
-        else:
-            candidates = list(waiting)
+        urgent = self._rank(waiting[0])
+        candidates = list(itertools.takewhile(lambda r: self._rank(r) == urgent, waiting))
         chosen = self.fair_share.pick(candidates)
         if chosen is not waiting[0]:
             waiting.remove(chosen)
             waiting.appendleft(chosen)
 
+    def _rank(self, request: Request) -> tuple[bool, int]:
+        """How urgent a request's class is: interactive before flex, then (under the priority policy) its
+        priority; requests of one rank are served in arrival order (or by fair share)."""
+        return request.flex, request.priority if self.by_priority else 0
+
     def _enqueue(self, request: Request, front: bool = False) -> None:
         """Into the waiting queue: at its (priority, arrival) place under the priority policy; else at the back, or
-        at the front (`front`: a request that ran before, ahead of those that never did)."""
+        at the front (`front`: a request that ran before, ahead of those that never did), of its class's part of
+        the queue (interactive requests first, then flex)."""
+        waiting = self.waiting
         if self.by_priority:
-            waiting = self.waiting
             waiting.insert(bisect.bisect_right(waiting, _urgency(request), key=_urgency), request)
-        elif front:
-            self.waiting.appendleft(request)
-        else:
-            self.waiting.append(request)
+        elif front and not request.flex:
+            waiting.appendleft(request)
+        elif not front and (request.flex or not waiting or not waiting[-1].flex):
+            waiting.append(request)
+        elif request.flex:  # a flex request that ran before: ahead of the flex requests that never did
+            waiting.insert(next((i for i, r in enumerate(waiting) if r.flex), len(waiting)), request)
+        else:  # an interactive arrival: behind the interactive requests, ahead of the flex ones
+            waiting.insert(next(i for i, r in enumerate(waiting) if r.flex), request)
 
-    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """The most urgent waiting request outranks the least urgent running one and the batch has no room for it
-        (no sequence slot, or too few free blocks for its first chunk): preempt running requests of lower priority,
-        least urgent first, until it has room. It is admitted from the next step on (a step that preempted admits
-        nobody)."""
+    def _into_running(self, request: Request) -> None:
+        """Into the running list: at its (priority, arrival) place under the priority policy, else last of its
+        class (interactive requests first, then flex): the step's budget goes in this order, and a preemption
+        takes the last."""
+        running = self.running
+        if self.by_priority:
+            bisect.insort(running, request, key=_urgency)
+        elif not request.flex and running and running[-1].flex:
+            running.insert(next(i for i, r in enumerate(running) if r.flex), request)
+        else:
+            running.append(request)
+
+    def _preempt_for_urgent(self, out: SchedulerOutput) -> None:
+        """The most urgent waiting request outranks the least urgent running one (a lower priority, or flex work
+        beside an interactive arrival) and the batch has no room for it (no sequence slot, or too few free blocks
+        for its first chunk): preempt running requests it outranks, least urgent first, until it has room. It is
+        admitted from the next step on (a step that preempted admits nobody)."""
         head = self.waiting[0]
         if head.num_inflight_tokens or head.num_pending_samples:
             return  # preempted with a step in flight: it resumes once that step answered
@@ -626,7 +674,7 @@ class Scheduler:
         running = self.running
         while running and (len(running) >= limit or self.block_table.num_free_blocks < needed):
             victim = running[-1]
-            if victim.priority <= head.priority or victim.pooling:
+            if self._rank(victim) <= self._rank(head) or victim.pooling:
                 return  # nothing less urgent to take room from (a pooling request is never preempted)
             running.pop()
             self._preempt(victim)

@@ -95,15 +95,18 @@ def stream_choices(
     usage: Usage,
     lora: LoRARequest | None = None,
     priority: int = 0,
+    service_tier: str = "default",
 ) -> AsyncIterator[ChoiceDelta]:
-    """All n choices of one prompt (run with adapter `lora`, at scheduling `priority`), interleaved as they
-    arrive. Each choice is its own engine request."""
+    """All n choices of one prompt (run with adapter `lora`, at scheduling `priority` in `service_tier`),
+    interleaved as they arrive. Each choice is its own engine request."""
     usage.prompt_tokens += len(prompt_ids)
     span = trace.get_current_span()
     tracing.annotate_adapter(span, lora)
-    tracing.annotate_tenant(span, CALLER_TENANT.get()[0], priority)
+    tracing.annotate_tenant(span, CALLER_TENANT.get()[0], priority, service_tier)
     carrier = tracing.engine_carrier(span)
-    children = fan_out(request_id, prompt_ids, params, trace_context=carrier, lora=lora, priority=priority)
+    children = fan_out(
+        request_id, prompt_ids, params, trace_context=carrier, lora=lora, priority=priority, service_tier=service_tier
+    )
     if len(children) == 1:  # the choice's own stream: no generator in between for every chunk to pass
         return stream_choice(engine, tokenizer, children[0], 0, usage)
     return _interleaved_choices(engine, tokenizer, children, usage)

@@ -20,7 +20,7 @@ from opentelemetry import trace
 
 from pagerail.cluster.core.beam_search import BeamSearchParams, beam_search
 from pagerail.cluster.core.engine_client import EngineClient, RequestDelta
-from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.cluster.core.engine_request import SERVICE_TIERS, EngineRequest
 from pagerail.cluster.frontend import tracing
 from pagerail.cluster.frontend.bad_words import with_bad_words
 from pagerail.cluster.frontend.constraints import check_constraint_of
@@ -87,6 +87,7 @@ class _Stream:
     send_text: bool
     lora: LoRARequest | None = None  # the adapter its lora_name picked
     priority: int = 0  # its scheduling priority (Generate's priority field, else its tenant's default)
+    service_tier: str = "default"  # "flex": batch work that only fills spare capacity
     tenant: Tenant = NO_TENANTS.default  # whose call it is (the caller's key), for quotas and fair share
     choices: list[_Choice] = field(default_factory=list)  # one per `n`, made when the stream starts
     # (choice, RequestDelta), or the exception that ended the call.
@@ -140,8 +141,9 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 stream.lora = self._adapter(request.lora_name)
                 tenant = stream.tenant = self.tenants.of_key(_caller_key(context))
                 stream.priority = request.priority if request.HasField("priority") else (tenant.priority or 0)
+                stream.service_tier = _service_tier(request.service_tier)
                 tracing.annotate_adapter(span, stream.lora)
-                tracing.annotate_tenant(span, tenant.name, stream.priority)
+                tracing.annotate_tenant(span, tenant.name, stream.priority, stream.service_tier)
                 best_of = self._best_of(request, stream)
                 # Compiled against the tokenizer before anything is queued: a bad constraint never reaches the engine.
                 await check_constraint_of(
@@ -374,6 +376,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             trace_context=carrier,
             lora=stream.lora,
             priority=stream.priority,
+            service_tier=stream.service_tier,
             tenant=stream.tenant.name,
             tenant_weight=stream.tenant.weight,
         )
@@ -538,3 +541,10 @@ def _caller_key(context: grpc.aio.ServicerContext) -> str | None:
         if key == "authorization":
             return bearer_token(value)
     return None
+
+
+def _service_tier(value: str) -> str:
+    """Generate's service_tier as the engine takes it: "flex", or "default" for an interactive request."""
+    if value not in ("", *SERVICE_TIERS):
+        raise ValueError(f"service_tier must be empty or one of {', '.join(SERVICE_TIERS)}, got {value!r}")
+    return "flex" if value == "flex" else "default"

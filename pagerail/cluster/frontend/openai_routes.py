@@ -161,7 +161,9 @@ async def completions(
     usage = Usage()
     streams = []
     for number, (ids, sp) in enumerate(zip(encoded, params, strict=True)):
-        stream = stream_choices(engine, tokenizer, f"{engine_id}-{number}", ids, sp, usage, lora, body.priority or 0)
+        stream = stream_choices(
+            engine, tokenizer, f"{engine_id}-{number}", ids, sp, usage, lora, body.priority or 0, body.tier
+        )
         streams.append(await _started(number * sp.n, stream))
     # With echo, each prompt's text (and its scored tokens) comes first in each of its choices.
     echoes = None
@@ -312,7 +314,7 @@ async def start_chat(
     stream = await _started(
         0,
         stream_choices(
-            engine, tokenizer, f"chatcmpl-{request_id}", prompt_ids, params, usage, lora, body.priority or 0
+            engine, tokenizer, f"chatcmpl-{request_id}", prompt_ids, params, usage, lora, body.priority or 0, body.tier
         ),
     )
     return ChatRun(stream, output, usage, prompt_ids)

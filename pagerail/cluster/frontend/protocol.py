@@ -81,6 +81,14 @@ class _SamplingRequest(ConstrainedOutputFields):
     length_penalty: float | None = None
     # vLLM's: under --scheduling-policy priority, lower is served first (ties by arrival); ignored under fcfs.
     priority: int | None = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+    # OpenAI's: "flex" is batch work that only fills spare capacity (docs/serving.md); "auto" and "default" are
+    # interactive.
+    service_tier: Literal["auto", "default", "flex"] | None = None
+
+    @property
+    def tier(self) -> str:
+        """The service tier the engine is given: "flex", or "default" for every interactive request."""
+        return "flex" if self.service_tier == "flex" else "default"
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -120,11 +120,13 @@ def annotate_adapter(span: trace.Span, lora: LoRARequest | None) -> None:
         span.set_attribute("pagerail.lora.id", lora.lora_int_id)
 
 
-def annotate_tenant(span: trace.Span, tenant: str, priority: int) -> None:
-    """The request's tenant (--tenants; `default` for every other key) and scheduling priority, on its span."""
+def annotate_tenant(span: trace.Span, tenant: str, priority: int, service_tier: str = "default") -> None:
+    """The request's tenant (--tenants; `default` for every other key), scheduling priority and service tier, on
+    its span."""
     if span.is_recording():
         span.set_attribute("pagerail.tenant", tenant)
         span.set_attribute("pagerail.priority", priority)
+        span.set_attribute("pagerail.service_tier", service_tier)
 
 
 def engine_carrier(span: trace.Span) -> dict[str, str] | None:
