@@ -1,6 +1,7 @@
 """Tenants: the --tenants file read and refused with its line and field, keys mapped to tenants (any other key, or
 none, to `default`), per-tenant quotas (429 for the tenant over its concurrency or tokens per minute, nobody else)
-and a tenant's default priority, through the HTTP API over the fake engine."""
+and a tenant's default priority, through the HTTP API over the fake engine; and the service tier a request names
+reaching the engine."""
 
 from __future__ import annotations
 
@@ -176,3 +177,19 @@ def test_tokens_per_minute_counts_prompt_and_output_and_refuses_past_it(server):
     refused = _completion(base_url, "sk-batch")
     assert refused.status_code == 429 and "tokens per minute" in refused.json()["error"]["message"]
     assert _completion(base_url, "sk-chat-1").status_code == 200
+    # The refusals are on /metrics by tenant and quota (the concurrency one by the test that ran before).
+    text = httpx.get(base_url + "/metrics", timeout=30).text
+    assert 'pagerail_tenant_refused_requests_total{quota="tokens_per_minute",tenant="batch"} 1.0' in text
+    assert 'quota="tokens_per_minute",tenant="chat"' not in text
+
+
+def test_the_service_tier_reaches_the_engine_and_an_unknown_one_is_refused_naming_the_field(server):
+    base_url, engine = server
+    for tier, sent in (("flex", "flex"), ("auto", "default"), ("default", "default"), (None, "default")):
+        assert _completion(base_url, "nobody", service_tier=tier).status_code == 200
+        assert engine.requests[-1].service_tier == sent
+    chat = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "service_tier": "flex"}
+    assert httpx.post(base_url + "/v1/chat/completions", json=chat, timeout=30).status_code == 200
+    assert engine.requests[-1].service_tier == "flex"
+    refused = _completion(base_url, "nobody", service_tier="scale")
+    assert refused.status_code == 400 and "service_tier" in refused.json()["error"]["message"]

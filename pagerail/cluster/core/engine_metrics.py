@@ -48,6 +48,21 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 # "constrain" (token masks of constrained requests, on the sampling rank) is observed only in steps that have some.
 STEP_PHASES = ("schedule", "dispatch", "forward", "sample", "constrain")
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Tenant label values an engine keeps (the frontend's tenants file names them, plus "default"); a tenant past them is
+# counted as "other", so no caller can grow the series without bound.
+MAX_TENANT_LABELS = 64
+OTHER_TENANTS = "other"
+
+
+@dataclass(frozen=True, slots=True)
+class _TenantSeries:
+    """One tenant's children of the per-tenant families, bound once."""
+
+    queue_time: FastHistogram
+    ttft: FastHistogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    preemptions: Counter
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +176,19 @@ class EngineMetrics:
         self.iteration_tokens = histogram("iteration_tokens", "Tokens computed per engine step.", TOKEN_BUCKETS)
         self.step_duration = histogram("step_duration_seconds", "Engine step time by phase.", STEP_BUCKETS, ("phase",))
         self.dispatch_rtt = histogram("dispatch_rtt_seconds", "Step round trip per rank.", STEP_BUCKETS, ("rank",))
+        self.tenant_queue_time = histogram(
+            "tenant_request_queue_time_seconds", "Arrival to first scheduled, by tenant.", LATENCY_BUCKETS, ("tenant",)
+        )
+        self.tenant_ttft = histogram(
+            "tenant_time_to_first_token_seconds", "Arrival to first token, by tenant.", LATENCY_BUCKETS, ("tenant",)
+        )
+        self.tenant_tokens = counter(
+            "tenant_tokens", "Prompt and generated tokens of finished requests, by tenant.", ("tenant", "kind")
+        )
+        self.tenant_preemptions = counter(
+            "tenant_preemptions", "Requests preempted for another's need (recomputed later), by tenant.", ("tenant",)
+        )
+        self._tenants: dict[str, _TenantSeries] = {}
         # Children bound once: the per-step path never looks labels up.
         name = model_name
         self._ttft, self._itl, self._e2e = self.ttft.labels(name), self.itl.labels(name), self.e2e.labels(name)
@@ -173,6 +201,24 @@ class EngineMetrics:
         self._seen_offload = (0, 0)
         self._seen_restarts = 0
         self._moe_bytes = self.moe_collective_bytes.labels(name)
+
+    def _tenant(self, tenant: str) -> _TenantSeries:
+        """The series of `tenant`, made on its first request (past MAX_TENANT_LABELS tenants: "other")."""
+        series = self._tenants.get(tenant)
+        if series is None:
+            if len(self._tenants) >= MAX_TENANT_LABELS:
+                tenant = OTHER_TENANTS
+                series = self._tenants.get(tenant)
+            if series is None:
+                name = self.model_name
+                series = self._tenants[tenant] = _TenantSeries(
+                    self.tenant_queue_time.labels(name, tenant),
+                    self.tenant_ttft.labels(name, tenant),
+                    self.tenant_tokens.labels(name, tenant, "prompt"),
+                    self.tenant_tokens.labels(name, tenant, "generation"),
+                    self.tenant_preemptions.labels(name, tenant),
+                )
+        return series
 
     def observe_speculation(self, policy, runs: dict) -> None:
         """A step's speculation: what its speculating decodes proposed and kept, and whether it backed off."""
@@ -216,7 +262,11 @@ class EngineMetrics:
                     request = item.request
                     request.first_scheduled_time = now
                     self._queue_time.observe(now - request.arrival_time)
+                    self._tenant(request.tenant).queue_time.observe(now - request.arrival_time)
         self._iteration_tokens.observe(out.num_batched_tokens)
+        for request in out.preempted:
+            if request.status is RequestStatus.PREEMPTED:  # not an idle session's blocks taken back
+                self._tenant(request.tenant).preemptions.inc()
         forward, compute = result.forward_seconds, result.compute_seconds
         phases = self._phases
         phases["schedule"].observe(schedule_s)
@@ -261,6 +311,7 @@ class EngineMetrics:
                     request.first_token_time = now
                     if new_tokens == num_outputs:  # a resumed request's first token reached its client elsewhere
                         self._ttft.observe(now - request.arrival_time)
+                        self._tenant(request.tenant).ttft.observe(now - request.arrival_time)
                     if request.first_scheduled_time is not None:
                         self._prefill_time.observe(now - request.first_scheduled_time)
                 elif last is not None:
@@ -290,6 +341,9 @@ class EngineMetrics:
         name = self.model_name
         self.prompt_tokens.labels(name).inc(request.num_prompt_tokens)
         self.success.labels(name, request.status.value).inc()
+        tenant = self._tenant(request.tenant)
+        tenant.prompt_tokens.inc(request.num_prompt_tokens)
+        tenant.generation_tokens.inc(len(request.output_token_ids))
         self._e2e.observe(now - request.arrival_time)
         if request.first_token_time is not None:
             self._decode_time.observe(now - request.first_token_time)

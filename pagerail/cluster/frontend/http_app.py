@@ -190,7 +190,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
-        return PlainTextResponse(await state.engine.metrics(), media_type=CONTENT_TYPE_LATEST)
+        engine = await state.engine.metrics()
+        engine = engine.decode() if isinstance(engine, bytes) else engine
+        return PlainTextResponse(engine + state.quotas.metrics_text().decode(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version():

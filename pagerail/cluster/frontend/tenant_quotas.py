@@ -8,6 +8,8 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
 from pagerail.cluster.core.engine_client import EngineClient, RequestDelta
 from pagerail.cluster.core.engine_request import EngineRequest
 from pagerail.cluster.frontend.errors import over_quota
@@ -19,10 +21,18 @@ MIN_RETRY_S = 1.0
 
 
 class TenantQuotas:
-    """What each tenant has in flight and used in the last minute."""
+    """What each tenant has in flight and used in the last minute, and the requests each had refused."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
+        # Tenant names come from the tenants file (plus "default"), so the label's values are bounded by it.
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.refused = Counter(
+            "pagerail_tenant_refused_requests",
+            "Requests refused with 429 for being over their tenant's quota, by tenant and quota.",
+            ("tenant", "quota"),
+            registry=self.registry,
+        )
         self._in_flight: dict[str, int] = {}
         self._used: dict[str, deque[tuple[float, int]]] = {}  # (when, tokens), oldest first
         self._used_total: dict[str, int] = {}
@@ -40,6 +50,7 @@ class TenantQuotas:
         last minute. Every enter that returns is matched by one leave."""
         limit = tenant.max_concurrency
         if limit is not None and self.in_flight(tenant) >= limit:
+            self.refused.labels(tenant.name, "max_concurrency").inc()
             raise over_quota(
                 f"tenant {tenant.name!r} has {limit} requests in flight (its max_concurrency); retry when one ends",
                 MIN_RETRY_S,
@@ -54,10 +65,15 @@ class TenantQuotas:
                 if excess < 0:
                     wait = when + WINDOW_S - self._clock()
                     break
+            self.refused.labels(tenant.name, "tokens_per_minute").inc()
             raise over_quota(
                 f"tenant {tenant.name!r} used its {rate} tokens per minute; retry later", max(MIN_RETRY_S, wait)
             )
         self._in_flight[tenant.name] = self._in_flight.get(tenant.name, 0) + 1
+
+    def metrics_text(self) -> bytes:
+        """The Prometheus text exposition of the refusals."""
+        return generate_latest(self.registry)
 
     def leave(self, tenant: Tenant) -> None:
         self._in_flight[tenant.name] -= 1
