@@ -53,16 +53,41 @@ async def stream_loop(client: httpx.AsyncClient, tenant: str, stop_at: float, ar
             ttfts.append((tenant, first))
 
 
-async def phase(base_url: str, streams: dict[str, int], args) -> tuple[list, dict]:
+async def phase(base_url: str, streams: dict[str, int], args) -> tuple[list, dict, dict]:
     ttfts: list = []
     tokens: dict = {}
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
         warm = time.perf_counter() + 2
         await asyncio.gather(*(stream_loop(client, t, warm, args, [], {}) for t in streams for _ in range(1)))
+        before = engine_means((await client.get("/metrics")).text)
         stop_at = time.perf_counter() + args.seconds
         loops = [stream_loop(client, t, stop_at, args, ttfts, tokens) for t, n in streams.items() for _ in range(n)]
         await asyncio.gather(*loops)
-    return ttfts, tokens
+        after = engine_means((await client.get("/metrics")).text)
+    # The engine's own view over the measured window, by tenant: mean queue time and mean time to first token.
+    server = {}
+    for tenant in streams:
+        for metric in ("tenant_request_queue_time_seconds", "tenant_time_to_first_token_seconds"):
+            (total, count), (total0, count0) = after.get((metric, tenant), (0, 0)), before.get((metric, tenant), (0, 0))
+            server[(metric, tenant)] = (total - total0) / (count - count0) if count > count0 else float("nan")
+    return ttfts, tokens, server
+
+
+def engine_means(text: str) -> dict[tuple[str, str], tuple[float, float]]:
+    """(metric, tenant) -> (sum, count) of the per-tenant histograms on /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[tuple[str, str], list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            tenant = sample.labels.get("tenant")
+            if tenant is None or not sample.name.startswith("pagerail_tenant_"):
+                continue
+            for suffix, index in (("_sum", 0), ("_count", 1)):
+                if sample.name.endswith(suffix):
+                    key = (sample.name[len("pagerail_") : -len(suffix)], tenant)
+                    found.setdefault(key, [0.0, 0.0])[index] = sample.value
+    return {key: (pair[0], pair[1]) for key, pair in found.items()}
 
 
 def p99(values: list[float]) -> float:
@@ -102,13 +127,15 @@ def main() -> int:
     }
     alone = {t: p99([s for name, s in results["alone"][0] if name == t]) for t in ("b", "c")}
     rows = []
-    for label, (ttfts, _) in results.items():
+    for label, (ttfts, _, server) in results.items():
         row = [label]
         for tenant in ("b", "c"):
             mine = [s for name, s in ttfts if name == tenant]
             row += [f"{p99(mine) * 1000:.0f}", f"{p99(mine) / alone[tenant]:.2f}x"]
-        rows.append(row)
-    header = ["run", "B TTFT p99 ms", "B / alone", "C TTFT p99 ms", "C / alone"]
+        queue = server[("tenant_request_queue_time_seconds", "b")]
+        engine_ttft = server[("tenant_time_to_first_token_seconds", "b")]
+        rows.append([*row, f"{queue * 1000:.1f}", f"{engine_ttft * 1000:.1f}"])
+    header = ["run", "B TTFT p99 ms", "B / alone", "C TTFT p99 ms", "C / alone", "B queue (engine)", "B TTFT (engine)"]
     print(format_table(header, rows))
     for tenant in ("b", "c"):
         fcfs = p99([s for name, s in results["fcfs"][0] if name == tenant])
@@ -116,7 +143,7 @@ def main() -> int:
         print(f"{tenant.upper()}: TTFT p99 under FCFS / under vtc = {fcfs / vtc:.1f}x")
     weights = {"a": 2.0, "b": 1.0, "c": 1.0}
     each = max(args.flood // 2, args.max_num_seqs)
-    _, tokens = run(model, args, "vtc", weights, {t: each for t in weights}, "weights")
+    _, tokens, _ = run(model, args, "vtc", weights, {t: each for t in weights}, "weights")
     total, weight_sum = sum(tokens.values()), sum(weights.values())
     for tenant, weight in weights.items():
         share, expected = tokens.get(tenant, 0) / total, weight / weight_sum

@@ -440,3 +440,38 @@ async def test_tenants_by_key_their_default_priority_and_concurrency_quota():
         engine.paused = False
         [r async for r in stub.Generate(token_request([4], max_tokens=2))]  # another tenant: served
         [r async for r in held]
+
+
+@async_test
+async def test_sessions_and_responses_run_as_the_callers_tenant(tokenizer):
+    """Session and CreateResponse read the caller's key as Generate does: the tenant, its weight and its default
+    priority reach the engine (CreateResponse's own priority and service_tier win), under the same quotas."""
+    from pagerail.cluster.frontend.tenants import parse_tenants
+
+    tenants = parse_tenants(
+        "tenants:\n  - {name: chat, api_keys: [sk-chat], weight: 2, max_concurrency: 1, priority: -3}\n"
+    )
+    engine = FakeEngineClient(vocab_size=len(tokenizer), step_delay_s=0.01)
+    chat = (("authorization", "Bearer sk-chat"),)
+    async with serve(engine, tokenizer, tenants=tenants) as channel:
+        stub = api_pb2_grpc.GenerationStub(channel)
+        [r async for r in stub.Session(session_messages([[10, 20], [30]], max_tokens=2), metadata=chat)]
+        await stub.CreateResponse(api_pb2.ResponseRequest(input_text="hi", max_output_tokens=2), metadata=chat)
+        explicit = api_pb2.ResponseRequest(input_text="hi", max_output_tokens=2, priority=4, service_tier="flex")
+        await stub.CreateResponse(explicit, metadata=chat)
+        await stub.CreateResponse(api_pb2.ResponseRequest(input_text="hi", max_output_tokens=2))
+        sent = [(r.tenant, r.tenant_weight, r.priority, r.service_tier) for r in engine.requests]
+        assert sent == [
+            ("chat", 2.0, -3, "default"),
+            ("chat", 2.0, -3, "default"),
+            ("chat", 2.0, 4, "flex"),
+            ("default", 1.0, 0, "default"),
+        ]
+        engine.paused = True
+        held = stub.Session(session_messages([[10, 20]], max_tokens=2), metadata=chat)
+        await wait_until(lambda: len(engine.requests) == 5)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.CreateResponse(api_pb2.ResponseRequest(input_text="hi", max_output_tokens=2), metadata=chat)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        engine.paused = False
+        [r async for r in held]

@@ -193,3 +193,55 @@ def test_the_service_tier_reaches_the_engine_and_an_unknown_one_is_refused_namin
     assert engine.requests[-1].service_tier == "flex"
     refused = _completion(base_url, "nobody", service_tier="scale")
     assert refused.status_code == 400 and "service_tier" in refused.json()["error"]["message"]
+
+
+def test_quotas_hold_across_data_parallel_replicas(smollm2_dir):
+    """The one frontend in front of the router counts a tenant's requests over every replica: with `chat` at its
+    concurrency on one replica, its next request is refused though the other replica is idle; another tenant's
+    request is routed and served meanwhile."""
+    from transformers import AutoTokenizer
+
+    from pagerail.cluster.routing.routed_client import RoutedEngineClient
+
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    fakes = {name: FakeEngineClient(vocab_size=len(tokenizer), step_delay_s=0.01) for name in ("r0", "r1")}
+    routed = RoutedEngineClient(fakes, policy="round-robin")
+    settings = FrontendSettings("fake", tenants=parse_tenants(GOOD))
+    with BackgroundServer(create_app(ServerState(routed, tokenizer, settings))) as base_url:
+        for fake in fakes.values():
+            fake.paused = True
+        first = threading.Thread(target=_completion, args=(base_url, "sk-chat-1"))
+        first.start()
+        try:
+            for _ in range(500):
+                if any(fake.requests for fake in fakes.values()):
+                    break
+                threading.Event().wait(0.01)
+            (busy,) = [name for name, fake in fakes.items() if fake.requests]
+            refused = _completion(base_url, "sk-chat-2")
+            assert refused.status_code == 429 and "max_concurrency" in refused.json()["error"]["message"]
+            for fake in fakes.values():
+                fake.paused = False
+            assert _completion(base_url, "nobody").status_code == 200
+            served_on = [name for name, fake in fakes.items() if any(r.tenant == "default" for r in fake.requests)]
+            assert served_on == [name for name in fakes if name != busy]  # the replica chat's request left idle
+        finally:
+            for fake in fakes.values():
+                fake.paused = False
+            first.join(timeout=30)
+
+
+def test_responses_and_messages_take_a_priority_and_the_tenants_default(server):
+    base_url, engine = server
+    headers = {"Authorization": "Bearer sk-chat-2"}
+    response = {"model": "fake", "input": "hi", "max_output_tokens": 2}
+    assert httpx.post(base_url + "/v1/responses", json=response, headers=headers, timeout=30).status_code == 200
+    assert (engine.requests[-1].priority, engine.requests[-1].tenant) == (-1, "chat")
+    explicit = {**response, "priority": 6, "service_tier": "flex"}
+    assert httpx.post(base_url + "/v1/responses", json=explicit, headers=headers, timeout=30).status_code == 200
+    assert (engine.requests[-1].priority, engine.requests[-1].service_tier) == (6, "flex")
+    message = {"model": "fake", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "priority": 2}
+    assert httpx.post(base_url + "/v1/messages", json=message, timeout=30).status_code == 200
+    assert (engine.requests[-1].priority, engine.requests[-1].tenant) == (2, "default")
+    bad = httpx.post(base_url + "/v1/responses", json={**response, "priority": "high"}, timeout=30)
+    assert bad.status_code == 400 and "priority" in bad.json()["error"]["message"]

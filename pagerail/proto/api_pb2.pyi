@@ -231,7 +231,7 @@ class SessionRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., skip_detokenize: _Optional[bool] = ..., final: _Optional[bool] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class ResponseRequest(_message.Message):
-    __slots__ = ("model", "input_text", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice", "parallel_tool_calls", "json_schema", "store", "previous_response_id", "metadata")
+    __slots__ = ("model", "input_text", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice", "parallel_tool_calls", "json_schema", "store", "previous_response_id", "metadata", "priority", "service_tier")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,8 @@ class ResponseRequest(_message.Message):
     STORE_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_RESPONSE_ID_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_TIER_FIELD_NUMBER: _ClassVar[int]
     model: str
     input_text: str
     input: _containers.RepeatedCompositeFieldContainer[ResponseItem]
@@ -267,7 +269,9 @@ class ResponseRequest(_message.Message):
     store: bool
     previous_response_id: str
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, model: _Optional[str] = ..., input_text: _Optional[str] = ..., input: _Optional[_Iterable[_Union[ResponseItem, _Mapping]]] = ..., instructions: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., tools: _Optional[_Iterable[_Union[FunctionTool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., json_schema: _Optional[str] = ..., store: _Optional[bool] = ..., previous_response_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    priority: int
+    service_tier: str
+    def __init__(self, model: _Optional[str] = ..., input_text: _Optional[str] = ..., input: _Optional[_Iterable[_Union[ResponseItem, _Mapping]]] = ..., instructions: _Optional[str] = ..., max_output_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., tools: _Optional[_Iterable[_Union[FunctionTool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., json_schema: _Optional[str] = ..., store: _Optional[bool] = ..., previous_response_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., priority: _Optional[int] = ..., service_tier: _Optional[str] = ...) -> None: ...
 
 class ResponseItem(_message.Message):
     __slots__ = ("message", "function_call", "function_call_output")

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError
 
 from pagerail.cluster.core.engine_client import EngineClient
+from pagerail.cluster.core.engine_request import MAX_PRIORITY, MIN_PRIORITY
 from pagerail.cluster.frontend.errors import bad_request, from_validation_error
 from pagerail.cluster.frontend.openai_routes import start_chat
 from pagerail.cluster.frontend.protocol import ChatCompletionRequest, LenientModel
@@ -69,6 +70,8 @@ class MessagesRequest(LenientModel):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     metadata: dict[str, Any] | None = None
+    # vLLM's scheduling priority, as an extra field (Anthropic's own service_tier means something else).
+    priority: int | None = Field(default=None, ge=MIN_PRIORITY, le=MAX_PRIORITY)
 
 
 def _text_of(content: str | list[Block] | list[dict] | None, field: str) -> str:
@@ -119,7 +122,7 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
                 message["tool_calls"] = calls
             messages.append(message)
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens}
-    for name in ("temperature", "top_p", "top_k"):
+    for name in ("temperature", "top_p", "top_k", "priority"):
         if getattr(body, name) is not None:
             chat[name] = getattr(body, name)
     if body.stop_sequences:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import importlib.metadata
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,9 +38,9 @@ from pagerail.cluster.frontend.grpc_convert import (
 from pagerail.cluster.frontend.grpc_guards import ApiKeyInterceptor, EngineHealth
 from pagerail.cluster.frontend.grpc_responses import response_message, responses_request
 from pagerail.cluster.frontend.lora_modules import LoRAModules
-from pagerail.cluster.frontend.output_processor import ChoiceState, fan_out
+from pagerail.cluster.frontend.output_processor import CALLER_TENANT, ChoiceState, fan_out
 from pagerail.cluster.frontend.responses_api import ResponseStore, not_found_response, respond_whole
-from pagerail.cluster.frontend.tenant_quotas import TenantQuotas
+from pagerail.cluster.frontend.tenant_quotas import MeteredEngine, TenantQuotas
 from pagerail.cluster.frontend.tenants import NO_TENANTS, Tenant, Tenants
 from pagerail.common.auth import bearer_token
 from pagerail.common.lora import LoRARequest
@@ -171,15 +172,21 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 async with status_on_error(context):
                     if self.tokenizer is None:
                         raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "this server has no tokenizer for chats")
-                    answer = await respond_whole(
-                        responses_request(request),
-                        self.engine,
-                        self.tokenizer,
-                        self.engine.model_name,
-                        uuid.uuid4().hex,
-                        self.tool_call_parser,
-                        self.responses,
-                    )
+                    body = responses_request(request)
+                    tenant = self.tenants.of_key(_caller_key(context))
+                    if body.priority is None and tenant.priority is not None:
+                        body.priority = tenant.priority  # the tenant's default, where the request names none
+                    tracing.annotate_tenant(span, tenant.name, body.priority or 0, body.service_tier or "default")
+                    with self._as_tenant(tenant) as engine:
+                        answer = await respond_whole(
+                            body,
+                            engine,
+                            self.tokenizer,
+                            self.engine.model_name,
+                            uuid.uuid4().hex,
+                            self.tool_call_parser,
+                            self.responses,
+                        )
                     return response_message(answer)
         finally:
             tracing.end_grpc_span(span, context.code())
@@ -190,6 +197,18 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             if kept is None:
                 raise not_found_response(request.response_id, "response_id")
             return response_message(kept.body)
+
+    @contextlib.contextmanager
+    def _as_tenant(self, tenant: Tenant) -> Iterator[EngineClient]:
+        """Run a call as `tenant`: within its quotas (RESOURCE_EXHAUSTED over them), its engine requests made for it
+        (CALLER_TENANT) and their tokens counted against its rate; the engine client to use."""
+        self.quotas.enter(tenant)
+        caller = CALLER_TENANT.set((tenant.name, tenant.weight))
+        try:
+            yield self.engine if tenant.tokens_per_minute is None else MeteredEngine(self.engine, tenant, self.quotas)
+        finally:
+            CALLER_TENANT.reset(caller)
+            self.quotas.leave(tenant)
 
     def _adapter(self, name: str) -> LoRARequest | None:
         if not name:
@@ -281,6 +300,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 raise ValueError("the session ended before its first message")
             stream = self._new_stream(first)
             stream.lora = self._adapter(first.lora_name)
+            tenant = stream.tenant = self.tenants.of_key(_caller_key(context))
+            stream.priority = tenant.priority or 0
             if stream.params.n > 1:
                 raise ValueError("sampling_params.n: a Session generates one sequence; use Generate for n > 1")
             if stream.params.structured_outputs is not None:
@@ -291,8 +312,12 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                     "send the whole prompt with Generate to constrain the output"
                 )
             feed = None if first.final else functools.partial(self._feed, messages)
-            async for response in self._run(stream, context, feed):
-                yield response
+            self.quotas.enter(tenant)  # RESOURCE_EXHAUSTED for this tenant's calls only, over its quotas
+            try:
+                async for response in self._run(stream, context, feed):
+                    yield response
+            finally:
+                self.quotas.leave(tenant)
 
     async def Abort(self, request: api_pb2.AbortRequest, context) -> api_pb2.AbortResponse:  # noqa: N802
         # Only a request started on this same connection: another caller's request_id finds nothing.

@@ -48,9 +48,11 @@ def responses_request(message: api_pb2.ResponseRequest) -> ResponsesRequest:
     for name in ("model", "instructions", "previous_response_id"):
         if getattr(message, name):
             body[name] = getattr(message, name)
-    for name in ("max_output_tokens", "temperature", "top_p", "parallel_tool_calls", "store"):
+    for name in ("max_output_tokens", "temperature", "top_p", "parallel_tool_calls", "store", "priority"):
         if message.HasField(name):
             body[name] = getattr(message, name)
+    if message.service_tier:
+        body["service_tier"] = message.service_tier
     if message.tools:
         body["tools"] = [
             {

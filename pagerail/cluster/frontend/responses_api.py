@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError
 
 from pagerail.cluster.core.engine_client import EngineClient
+from pagerail.cluster.core.engine_request import MAX_PRIORITY, MIN_PRIORITY
 from pagerail.cluster.frontend.errors import APIError, bad_request, from_validation_error
 from pagerail.cluster.frontend.openai_routes import ChatRun, start_chat
 from pagerail.cluster.frontend.protocol import ChatCompletionRequest, LenientModel
@@ -63,6 +64,9 @@ class ResponsesRequest(LenientModel):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    # As on chat completions: the scheduling priority (vLLM's) and OpenAI's service tier ("flex": batch work).
+    priority: int | None = Field(default=None, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+    service_tier: Literal["auto", "default", "flex"] | None = None
 
 
 @dataclass
@@ -185,7 +189,7 @@ def chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> 
     chat: dict[str, Any] = {"messages": messages, "parallel_tool_calls": body.parallel_tool_calls is not False}
     if body.max_output_tokens is not None:
         chat["max_tokens"] = body.max_output_tokens
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_p", "priority", "service_tier"):
         if getattr(body, name) is not None:
             chat[name] = getattr(body, name)
     if body.tools:
