@@ -51,10 +51,34 @@ def _served_until_light_finishes(fairness: str) -> int:
 
 
 def test_a_light_tenant_is_not_held_back_behind_a_flood():
-    # Lifted to the flood's counter on arrival, it ties with the flood's next request (queue order wins the tie)
-    # and is admitted at the slot after: the two requests running when it came and one more finish first.
-    assert _served_until_light_finishes("vtc") <= 3
+    # Lifted to the flood's counter on arrival, it is admitted at once into the slot of a flood request preempted
+    # for it (the flood runs both slots, more than its share of one): at most the other one finishes first.
+    assert _served_until_light_finishes("vtc") <= 1
     assert _served_until_light_finishes("none") >= 28  # behind the whole queue
+
+
+def test_a_tenant_under_its_share_of_the_slots_takes_one_from_the_most_served_tenant_over_its_share():
+    """Four slots, all held by `flood` (weight 1) beside `steady` (weight 1, one running): `light` arrives and is
+    admitted in the next step into the slot of flood's most recently admitted request, never steady's; the
+    preempted request loses nothing (it recomputes and finishes with all its tokens)."""
+    scheduler = make_scheduler("vtc", max_seqs=4)
+    steady = make_request("steady", "steady", max_tokens=40)
+    scheduler.add_request(steady)
+    flood = [make_request(f"flood-{n}", "flood", max_tokens=40) for n in range(6)]
+    for request in flood:
+        scheduler.add_request(request)
+    for _ in range(4):
+        run_step(scheduler)
+    assert sorted(r.request_id for r in scheduler.running) == ["flood-0", "flood-1", "flood-2", "steady"]
+    light = make_request("light", "light", max_tokens=4)
+    scheduler.add_request(light)
+    out = run_step(scheduler)
+    assert [r.request_id for r in out.preempted] == ["flood-2"]
+    assert light in scheduler.running and steady.num_preemptions == 0
+    while scheduler.requests:
+        run_step(scheduler)
+    assert all(len(r.output_token_ids) == 40 for r in [steady, *flood])
+    assert scheduler.block_table.num_free_blocks == scheduler.block_table.num_blocks
 
 
 def test_backlogged_tenants_are_given_tokens_in_proportion_to_their_weights():

@@ -189,12 +189,17 @@ class Scheduler:
         waiting, running = self.waiting, self.running
         if waiting and running and self.pause_mode is PauseMode.NONE and (self.by_priority or running[-1].flex):
             self._preempt_for_urgent(out)
+        fair_victim = None
+        if self.fair_share is not None and waiting and running and not out.preempted:
+            if self.pause_mode is PauseMode.NONE:
+                fair_victim = self._preempt_for_fair_share(out)
         # Flex work's share of this step: capped while interactive work runs or waits (both queues hold
         # interactive requests first); None: no cap.
         interactive = (running and not running[0].flex) or (waiting and not waiting[0].flex)
         self._flex_room = self.config.flex_tokens_per_step if interactive else None
         budget = self._schedule_running(out, budget)
-        preempted_running = any(r.status is RequestStatus.PREEMPTED for r in out.preempted)
+        # A step that preempted for memory admits nobody; one that only freed a slot for fair share admits into it.
+        preempted_running = any(r.status is RequestStatus.PREEMPTED and r is not fair_victim for r in out.preempted)
         if not preempted_running and self.pause_mode is PauseMode.NONE:
             budget = self._schedule_waiting(out, budget)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
@@ -679,6 +684,59 @@ class Scheduler:
             running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
+
+    def _preempt_for_fair_share(self, out: SchedulerOutput) -> Request | None:
+        """The request fair share admits next has no sequence slot, and its tenant runs at least one request fewer
+        than its weighted share of the slots while another tenant, given as much service or more, runs at least one
+        more than its own: preempt the most recently admitted request of that tenant (the most served such one),
+        one a step, and admit into its slot. Without it a tenant arriving beside a flood waits for one of the flood's
+        requests to end; with shares, two backlogged tenants settle at their shares instead of taking slots from each
+        other in turn."""
+        running, limit = self.running, self._sequence_limit()
+        if len(running) < limit:
+            return None  # a slot is free: admission alone serves the fair share
+        self._fair_share_to_front()
+        waiting, counters = self.waiting, self.fair_share.counters
+        weights = {r.tenant: r.tenant_weight for r in itertools.chain(running, waiting)}
+        slots_per_weight = limit / sum(weights.values())
+        counts: dict[str, int] = {}
+        for request in running:
+            counts[request.tenant] = counts.get(request.tenant, 0) + 1
+        # Of the tenants fair share would admit next (the lowest counter; ties go by queue order), the first one
+        # still within its share of the slots with one more; the victim's tenant keeps at least its share without
+        # one. So neither can take the slot back from the other in turn.
+        rank, lowest = self._rank(waiting[0]), counters.get(waiting[0].tenant, 0.0)
+        head = next(
+            (
+                r
+                for r in itertools.takewhile(lambda r: self._rank(r) == rank, waiting)
+                if counters.get(r.tenant, 0.0) <= lowest
+                and counts.get(r.tenant, 0) + 1 <= weights[r.tenant] * slots_per_weight
+            ),
+            None,
+        )
+        if head is None or head.num_inflight_tokens or head.num_pending_samples:
+            return None  # every such tenant holds its share already (or the request has a step in flight)
+        if head.lora_id and self.lora_ready is not None and head.lora_id not in self.lora_ready:
+            return None
+        # A tenant given as much service as the head's (a tenant lifted on arrival ties with the floor) or more.
+        floor = counters.get(head.tenant, 0.0)
+        victim, most = None, floor
+        for request in reversed(running):  # the most recently admitted first
+            tenant = request.tenant
+            served = counters.get(tenant, 0.0)
+            over = counts[tenant] - 1 >= weights[tenant] * slots_per_weight
+            if over and served >= most and (victim is None or served > most):
+                if self._rank(request) == rank and not request.pooling:
+                    victim, most = request, served
+        if victim is not None:
+            running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if head is not waiting[0]:  # admitted into the slot it freed, ahead of its ties
+                waiting.remove(head)
+                waiting.appendleft(head)
+        return victim
 
     def _take_blocks(self, request: Request) -> None:
         """Free a request's blocks; it recomputes its tokens (from the prefix cache where it can) when it runs."""
