@@ -74,30 +74,41 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival():
     assert finish_order(scheduler, requests) == ["r3", "r1", "r4", "r0", "r2"]
 
 
-def test_memory_preemption_takes_the_lowest_priority_and_outputs_are_unchanged():
-    """A cache too small for every request's growth: each preemption takes the least urgent running request (the
-    latest among equals), never a more urgent one; every output equals a roomy run's."""
+def preempting_runs(policy: str, make_requests, judge) -> tuple[dict, dict, list]:
+    """The same requests in a roomy cache and in one too small for their growth: both runs' outputs, and `judge`'s
+    verdict on each preemption of the tight run (given the victim and the requests still running)."""
 
-    def run(num_blocks: int) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
-        scheduler = make_scheduler("priority", num_blocks=num_blocks, max_seqs=8, budget=32)
-        requests = [make_request(f"r{n}", 5 + n % 3, 24, priority=p) for n, p in enumerate([3, 0, 2, 1, 3, 0, 2])]
-        victims: list[tuple[int, int]] = []  # (the victim's priority, the largest priority still running)
+    def run(num_blocks: int) -> tuple[dict[str, list[int]], list]:
+        scheduler = make_scheduler(policy, num_blocks=num_blocks, max_seqs=8, budget=32)
+        requests = make_requests()
+        verdicts: list = []
         preempt = scheduler._preempt
 
         def checked(victim: Request) -> None:
-            others = [r.priority for r in scheduler.running]
-            victims.append((victim.priority, max(others, default=victim.priority)))
+            verdicts.append(judge(victim, scheduler.running))
             preempt(victim)
 
         scheduler._preempt = checked
         for request in requests:
             scheduler.add_request(request)
         finish_order(scheduler, requests)
-        return {r.request_id: list(r.output_token_ids) for r in requests}, victims
+        return {r.request_id: list(r.output_token_ids) for r in requests}, verdicts
 
     roomy, none = run(256)
-    tight, victims = run(14)
-    assert not none and victims, "the tight cache must preempt"
+    tight, verdicts = run(14)
+    assert not none and verdicts, "the tight cache must preempt"
+    return roomy, tight, verdicts
+
+
+def test_memory_preemption_takes_the_lowest_priority_and_outputs_are_unchanged():
+    """A cache too small for every request's growth: each preemption takes the least urgent running request (the
+    latest among equals), never a more urgent one; every output equals a roomy run's."""
+    roomy, tight, victims = preempting_runs(
+        "priority",
+        lambda: [make_request(f"r{n}", 5 + n % 3, 24, priority=p) for n, p in enumerate([3, 0, 2, 1, 3, 0, 2])],
+        # (the victim's priority, the largest priority still running)
+        lambda victim, running: (victim.priority, max((r.priority for r in running), default=victim.priority)),
+    )
     for victim, least_urgent_left in victims:
         assert victim >= least_urgent_left, victims  # nothing running was less urgent than the victim
     assert tight == roomy
@@ -178,25 +189,12 @@ def test_a_priority_at_the_flex_threshold_makes_a_request_flex_under_fcfs_too():
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_memory_preemption_takes_flex_work_first_and_outputs_are_unchanged(policy):
-    def run(num_blocks: int) -> tuple[dict[str, list[int]], list[bool]]:
-        scheduler = make_scheduler(policy, num_blocks=num_blocks, max_seqs=8, budget=32)
-        tiers = ["flex", "default", "flex", "default", "default", "flex", "default"]
-        requests = [make_request(f"r{n}", 5 + n % 3, 24, tier=t) for n, t in enumerate(tiers)]
-        victims: list[bool] = []  # whether an interactive request was preempted while flex work ran
-        preempt = scheduler._preempt
-
-        def checked(victim: Request) -> None:
-            victims.append(not victim.flex and any(r.flex for r in scheduler.running))
-            preempt(victim)
-
-        scheduler._preempt = checked
-        for request in requests:
-            scheduler.add_request(request)
-        finish_order(scheduler, requests)
-        return {r.request_id: list(r.output_token_ids) for r in requests}, victims
-
-    roomy, none = run(256)
-    tight, victims = run(14)
-    assert not none and victims, "the tight cache must preempt"
-    assert not any(victims), victims
+    tiers = ["flex", "default", "flex", "default", "default", "flex", "default"]
+    roomy, tight, verdicts = preempting_runs(
+        policy,
+        lambda: [make_request(f"r{n}", 5 + n % 3, 24, tier=t) for n, t in enumerate(tiers)],
+        # whether an interactive request was preempted while flex work ran
+        lambda victim, running: not victim.flex and any(r.flex for r in running),
+    )
+    assert not any(verdicts), verdicts
     assert tight == roomy
