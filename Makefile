@@ -42,7 +42,7 @@ lint: $(STAMP)
 # the cores behind them. A slow test's Ray cluster, servers and child processes wait on I/O much of the time.
 test: $(STAMP) bytecode
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=25
 
 test-fast: $(STAMP) bytecode
 	$(VENV)/bin/ruff check .

@@ -245,3 +245,27 @@ def test_responses_and_messages_take_a_priority_and_the_tenants_default(server):
     assert (engine.requests[-1].priority, engine.requests[-1].tenant) == (2, "default")
     bad = httpx.post(base_url + "/v1/responses", json={**response, "priority": "high"}, timeout=30)
     assert bad.status_code == 400 and "priority" in bad.json()["error"]["message"]
+
+
+def test_every_engine_request_made_for_a_call_takes_the_callers_tenant():
+    """Not only a route's choices: an embedding's inputs (made by the engine-side helper) run as the tenant the
+    frontend set for the call; outside any call, requests are the `default` tenant's."""
+    import asyncio
+
+    from pagerail.cluster.core.embedding import pooled_vectors
+    from pagerail.cluster.core.engine_request import CALLER_TENANT, EngineRequest
+    from pagerail.common.sampling_params import SamplingParams
+
+    engine = FakeEngineClient()
+
+    async def as_batch() -> None:
+        caller = CALLER_TENANT.set(("batch", 0.5))
+        try:
+            await pooled_vectors(engine, [[1, 2], [3, 4, 5]], "last", "emb")
+        finally:
+            CALLER_TENANT.reset(caller)
+
+    asyncio.run(as_batch())
+    assert [(r.tenant, r.tenant_weight) for r in engine.requests] == [("batch", 0.5), ("batch", 0.5)]
+    outside = EngineRequest("outside", [1], SamplingParams())
+    assert (outside.tenant, outside.tenant_weight) == ("default", 1.0)

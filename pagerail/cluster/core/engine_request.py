@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 
 from pagerail.common.lora import LoRARequest
@@ -22,6 +23,10 @@ MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
 SERVICE_TIERS = ("auto", "default", "flex")
 # The tenant of a request whose key belongs to no tenant of the server's tenants file (or that has no key).
 DEFAULT_TENANT_NAME = "default"
+# The tenant (name, weight) of the API call being served in this context: a frontend sets it around each call, and
+# every engine request made for the call (its choices, an embedding's inputs, a beam search's steps) takes it
+# unless it is given its own.
+CALLER_TENANT: ContextVar[tuple[str, float]] = ContextVar("caller_tenant", default=(DEFAULT_TENANT_NAME, 1.0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +78,8 @@ class EngineRequest:
     service_tier: str = "default"
     # Its tenant (a label from the server's tenants file) and that tenant's weight: under fair share, tenants are
     # given tokens in proportion to their weights.
-    tenant: str = DEFAULT_TENANT_NAME
-    tenant_weight: float = 1.0
+    tenant: str = field(default_factory=lambda: CALLER_TENANT.get()[0])
+    tenant_weight: float = field(default_factory=lambda: CALLER_TENANT.get()[1])
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

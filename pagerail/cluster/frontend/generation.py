@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from pagerail.cluster.core.engine_client import EngineClient
-from pagerail.cluster.core.engine_request import EngineRequest
+from pagerail.cluster.core.engine_request import CALLER_TENANT, EngineRequest
 from pagerail.cluster.frontend import tracing
-from pagerail.cluster.frontend.output_processor import CALLER_TENANT, ChoiceDelta, ChoiceState, fan_out
+from pagerail.cluster.frontend.output_processor import ChoiceDelta, ChoiceState, fan_out
 from pagerail.common.lora import LoRARequest
 from pagerail.common.sampling_params import SamplingParams
 

@@ -21,7 +21,7 @@ from opentelemetry import trace
 
 from pagerail.cluster.core.beam_search import BeamSearchParams, beam_search
 from pagerail.cluster.core.engine_client import EngineClient, RequestDelta
-from pagerail.cluster.core.engine_request import SERVICE_TIERS, EngineRequest
+from pagerail.cluster.core.engine_request import CALLER_TENANT, SERVICE_TIERS, EngineRequest
 from pagerail.cluster.frontend import tracing
 from pagerail.cluster.frontend.bad_words import with_bad_words
 from pagerail.cluster.frontend.constraints import check_constraint_of
@@ -38,7 +38,7 @@ from pagerail.cluster.frontend.grpc_convert import (
 from pagerail.cluster.frontend.grpc_guards import ApiKeyInterceptor, EngineHealth
 from pagerail.cluster.frontend.grpc_responses import response_message, responses_request
 from pagerail.cluster.frontend.lora_modules import LoRAModules
-from pagerail.cluster.frontend.output_processor import CALLER_TENANT, ChoiceState, fan_out
+from pagerail.cluster.frontend.output_processor import ChoiceState, fan_out
 from pagerail.cluster.frontend.responses_api import ResponseStore, not_found_response, respond_whole
 from pagerail.cluster.frontend.tenant_quotas import MeteredEngine, TenantQuotas
 from pagerail.cluster.frontend.tenants import NO_TENANTS, Tenant, Tenants

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagerail.cluster.core.engine_client import EngineClient
+from pagerail.cluster.core.engine_request import CALLER_TENANT
 from pagerail.cluster.core.errors import QueueFullError
 from pagerail.cluster.frontend import anthropic_messages, embeddings, openai_routes, responses_api, scoring
 from pagerail.cluster.frontend.anthropic_messages import MessagesRequest
@@ -36,7 +37,6 @@ from pagerail.cluster.frontend.errors import (
     unavailable,
 )
 from pagerail.cluster.frontend.lora_modules import LoRAModules
-from pagerail.cluster.frontend.output_processor import CALLER_TENANT
 from pagerail.cluster.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

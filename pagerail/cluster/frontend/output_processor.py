@@ -8,12 +8,11 @@ server library, so the offline API runs where only torch and transformers are in
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagerail.cluster.core.engine_client import RequestDelta
-from pagerail.cluster.core.engine_request import DEFAULT_TENANT_NAME, EngineRequest, SiblingGroup
+from pagerail.cluster.core.engine_request import EngineRequest, SiblingGroup
 from pagerail.cluster.core.outputs import RequestOutput
 from pagerail.cluster.frontend.detokenizer import IncrementalDetokenizer
 from pagerail.common.sampling_params import SamplingParams
@@ -42,11 +41,6 @@ class ChoiceDelta:
     prompt_logprobs: list | None = None
 
 
-# The tenant (name, weight) of the API call being handled, which fan_out stamps on its engine requests: set by the
-# HTTP layer around a route's call, in that request's own context (cluster/frontend/tenants.py).
-CALLER_TENANT: ContextVar[tuple[str, float]] = ContextVar("caller_tenant", default=(DEFAULT_TENANT_NAME, 1.0))
-
-
 def fan_out(
     request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, **envelope: Any
 ) -> list[EngineRequest]:
@@ -57,8 +51,6 @@ def fan_out(
     a group the router keeps on one replica. `envelope`: EngineRequest's other fields (final, trace_context, stream);
     the tenant is the caller's (CALLER_TENANT) unless given.
     """
-    if "tenant" not in envelope:
-        envelope["tenant"], envelope["tenant_weight"] = CALLER_TENANT.get()
     n = params.n
     if n == 1:
         return [EngineRequest(request_id, prompt_token_ids, params, **envelope)]
