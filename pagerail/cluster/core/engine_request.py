@@ -21,6 +21,16 @@ MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
 # OpenAI's service tiers a request may ask for: "flex" is batch work that only fills spare capacity; "auto" is
 # "default" here.
 SERVICE_TIERS = ("auto", "default", "flex")
+
+
+def engine_service_tier(value: str | None) -> str:
+    """A requested service tier as the engine takes it: "flex", or "default" for every interactive request (None,
+    empty, "auto" or "default"); ValueError naming `service_tier` for any other."""
+    if value not in (None, "", *SERVICE_TIERS):
+        raise ValueError(f"service_tier must be empty or one of {', '.join(SERVICE_TIERS)}, got {value!r}")
+    return "flex" if value == "flex" else "default"
+
+
 # The tenant of a request whose key belongs to no tenant of the server's tenants file (or that has no key).
 DEFAULT_TENANT_NAME = "default"
 # The tenant (name, weight) of the API call being served in this context: a frontend sets it around each call, and

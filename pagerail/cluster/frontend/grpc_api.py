@@ -21,7 +21,7 @@ from opentelemetry import trace
 
 from pagerail.cluster.core.beam_search import BeamSearchParams, beam_search
 from pagerail.cluster.core.engine_client import EngineClient, RequestDelta
-from pagerail.cluster.core.engine_request import CALLER_TENANT, SERVICE_TIERS, EngineRequest
+from pagerail.cluster.core.engine_request import CALLER_TENANT, EngineRequest, engine_service_tier
 from pagerail.cluster.frontend import tracing
 from pagerail.cluster.frontend.bad_words import with_bad_words
 from pagerail.cluster.frontend.constraints import check_constraint_of
@@ -90,6 +90,7 @@ class _Stream:
     priority: int = 0  # its scheduling priority (Generate's priority field, else its tenant's default)
     service_tier: str = "default"  # "flex": batch work that only fills spare capacity
     tenant: Tenant = NO_TENANTS.default  # whose call it is (the caller's key), for quotas and fair share
+    engine: EngineClient | None = None  # the call's engine client: its tokens counted against the tenant's rate
     choices: list[_Choice] = field(default_factory=list)  # one per `n`, made when the stream starts
     # (choice, RequestDelta), or the exception that ended the call.
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -141,8 +142,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 stream = self._new_stream(request)
                 stream.lora = self._adapter(request.lora_name)
                 tenant = stream.tenant = self.tenants.of_key(_caller_key(context))
-                stream.priority = request.priority if request.HasField("priority") else (tenant.priority or 0)
-                stream.service_tier = _service_tier(request.service_tier)
+                stream.priority = tenant.priority_for(request.priority if request.HasField("priority") else None)
+                stream.service_tier = engine_service_tier(request.service_tier)
                 tracing.annotate_adapter(span, stream.lora)
                 tracing.annotate_tenant(span, tenant.name, stream.priority, stream.service_tier)
                 best_of = self._best_of(request, stream)
@@ -152,16 +153,13 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                 )
                 stream.span = span
                 tracing.annotate_request(span, stream.request_id, self.engine.model_name, stream.params)
-                self.quotas.enter(tenant)  # RESOURCE_EXHAUSTED for this tenant's calls only, over its quotas
-                try:
+                with self._as_tenant(tenant) as stream.engine:
                     if best_of is not None:
                         for response in await self._best_n(stream, context, *best_of):
                             yield response
                         return
                     async for response in self._run(stream, context):
                         yield response
-                finally:
-                    self.quotas.leave(tenant)
         finally:
             tracing.end_grpc_span(span, context.code())
 
@@ -174,9 +172,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                         raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "this server has no tokenizer for chats")
                     body = responses_request(request)
                     tenant = self.tenants.of_key(_caller_key(context))
-                    if body.priority is None and tenant.priority is not None:
-                        body.priority = tenant.priority  # the tenant's default, where the request names none
-                    tracing.annotate_tenant(span, tenant.name, body.priority or 0, body.service_tier or "default")
+                    body.priority = tenant.priority_for(body.priority)
+                    tracing.annotate_tenant(span, tenant.name, body.priority, engine_service_tier(body.service_tier))
                     with self._as_tenant(tenant) as engine:
                         answer = await respond_whole(
                             body,
@@ -301,7 +298,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             stream = self._new_stream(first)
             stream.lora = self._adapter(first.lora_name)
             tenant = stream.tenant = self.tenants.of_key(_caller_key(context))
-            stream.priority = tenant.priority or 0
+            stream.priority = tenant.priority_for(None)
             if stream.params.n > 1:
                 raise ValueError("sampling_params.n: a Session generates one sequence; use Generate for n > 1")
             if stream.params.structured_outputs is not None:
@@ -312,12 +309,9 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
                     "send the whole prompt with Generate to constrain the output"
                 )
             feed = None if first.final else functools.partial(self._feed, messages)
-            self.quotas.enter(tenant)  # RESOURCE_EXHAUSTED for this tenant's calls only, over its quotas
-            try:
+            with self._as_tenant(tenant) as stream.engine:
                 async for response in self._run(stream, context, feed):
                     yield response
-            finally:
-                self.quotas.leave(tenant)
 
     async def Abort(self, request: api_pb2.AbortRequest, context) -> api_pb2.AbortResponse:  # noqa: N802
         # Only a request started on this same connection: another caller's request_id finds nothing.
@@ -405,7 +399,6 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
             tenant=stream.tenant.name,
             tenant_weight=stream.tenant.weight,
         )
-        self.quotas.count(stream.tenant, len(stream.prompt_ids) * len(children))
         stream.choices = [_Choice(index, child) for index, child in enumerate(children)]
         self._streams[key] = stream
         tasks = [asyncio.create_task(self._pump(stream, choice)) for choice in stream.choices]
@@ -440,12 +433,11 @@ class GenerationServicer(api_pb2_grpc.GenerationServicer):
     async def _pump(self, stream: _Stream, choice: _Choice) -> None:
         """Move one choice's engine deltas into the call's queue, so that a cancelled client can abort it first."""
         try:
-            generator = self.engine.generate(choice.request)
+            generator = (stream.engine or self.engine).generate(choice.request)
             tracing.record_queued(stream.span, choice.engine_id)
             finished = False
             async for delta in generator:
                 finished = delta.finished
-                self.quotas.count(stream.tenant, len(delta.token_ids))
                 stream.events.put_nowait((choice, delta))
             if not finished:
                 stream.events.put_nowait(RpcError(grpc.StatusCode.INTERNAL, "the engine ended the stream unfinished"))
@@ -566,10 +558,3 @@ def _caller_key(context: grpc.aio.ServicerContext) -> str | None:
         if key == "authorization":
             return bearer_token(value)
     return None
-
-
-def _service_tier(value: str) -> str:
-    """Generate's service_tier as the engine takes it: "flex", or "default" for an interactive request."""
-    if value not in ("", *SERVICE_TIERS):
-        raise ValueError(f"service_tier must be empty or one of {', '.join(SERVICE_TIERS)}, got {value!r}")
-    return "flex" if value == "flex" else "default"

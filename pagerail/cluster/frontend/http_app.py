@@ -235,12 +235,8 @@ def create_app(state: ServerState) -> FastAPI:
                 raise bad_request(f"model {body.model!r} is a LoRA adapter; this route serves the base model", "model")
             served, options["lora"] = body.model, adapters.get(body.model)
         tenant = state.settings.tenants.of_key(_bearer_key(request))
-        if (
-            tenant.priority is not None
-            and "priority" in type(body).model_fields
-            and "priority" not in body.model_fields_set
-        ):
-            body.priority = tenant.priority  # the tenant's default, where the request names none
+        if "priority" in type(body).model_fields:  # the tenant's default, where the request names none
+            body.priority = tenant.priority_for(body.priority if "priority" in body.model_fields_set else None)
         state.quotas.enter(tenant)  # 429 for this tenant's requests only, over its quotas
 
         def left() -> None:

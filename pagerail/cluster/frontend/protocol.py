@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pagerail.cluster.core.beam_search import BeamSearchParams
-from pagerail.cluster.core.engine_request import MAX_PRIORITY, MIN_PRIORITY
+from pagerail.cluster.core.engine_request import MAX_PRIORITY, MIN_PRIORITY, engine_service_tier
 from pagerail.cluster.frontend.errors import from_value_error
 from pagerail.cluster.frontend.output_format import ConstrainedOutputFields
 from pagerail.cluster.frontend.tool_choice import (
@@ -88,7 +88,7 @@ class _SamplingRequest(ConstrainedOutputFields):
     @property
     def tier(self) -> str:
         """The service tier the engine is given: "flex", or "default" for every interactive request."""
-        return "flex" if self.service_tier == "flex" else "default"
+        return engine_service_tier(self.service_tier)
 
     @field_validator("stop", mode="before")
     @classmethod

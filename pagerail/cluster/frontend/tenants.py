@@ -42,6 +42,12 @@ class Tenant:
     tokens_per_minute: int | None = None
     priority: int | None = None
 
+    def priority_for(self, requested: int | None) -> int:
+        """A request's priority: the one it names, else this tenant's default, else 0."""
+        if requested is not None:
+            return requested
+        return self.priority if self.priority is not None else 0
+
 
 class TenantsFileError(ValueError):
     """A tenants file that cannot be used; the message names the file, the line and the field."""
